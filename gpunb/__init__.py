@@ -1,0 +1,41 @@
+"""gpunb: fast GPU training of PyTorch models in one Jupyter cell.
+
+    %load_ext gpunb          # then %%gputrain, %gpuprofile, %gpustatus
+    from gpunb import Trainer, TrainConfig
+
+Importing gpunb is cheap: torch and everything else load on first use, and nothing
+touches CUDA or NVML at import time.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+__all__ = ["Trainer", "TrainConfig", "TrainResult", "profile", "runs", "compare"]
+
+_LAZY = {
+    "Trainer": "gpunb.runtime.trainer",
+    "TrainResult": "gpunb.runtime.result",
+    "TrainConfig": "gpunb.config",
+    "profile": "gpunb.profiling",
+    "runs": "gpunb.runs",
+    "compare": "gpunb.runs",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'gpunb' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))
+
+
+def load_ipython_extension(ipython) -> None:
+    """`%load_ext gpunb`: registers %%gputrain, %gpuprofile and %gpustatus."""
+    from gpunb.notebook import register_magics
+
+    register_magics(ipython)

@@ -1,0 +1,5 @@
+import sys
+
+from gpunb.cli import main
+
+sys.exit(main())

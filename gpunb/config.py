@@ -1,0 +1,174 @@
+"""TrainConfig: every knob of a training run, in one dataclass.
+
+String shorthands ("bf16", "auto", "one-cycle", ...) are parsed here and nowhere
+else, so the runtime only ever sees canonical values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence, Union
+
+from gpunb.errors import GpunbError
+
+PRECISIONS = ("auto", "bf16-mixed", "16-mixed", "32")
+_PRECISION_ALIASES = {
+    "bf16": "bf16-mixed", "bfloat16": "bf16-mixed", "bf16-mixed": "bf16-mixed",
+    "16": "16-mixed", "fp16": "16-mixed", "float16": "16-mixed", "16-mixed": "16-mixed",
+    "32": "32", "fp32": "32", "float32": "32", "32-true": "32",
+    "auto": "auto",
+}
+LR_SCHEDULES = ("none", "one-cycle", "cosine")
+_SCHEDULE_ALIASES = {"none": "none", "constant": "none", "one-cycle": "one-cycle",
+                     "onecycle": "one-cycle", "cosine": "cosine"}
+ACCELERATORS = ("auto", "cuda", "mps", "cpu")
+STRATEGIES = ("ddp", "fsdp")
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of a run. Build it with keywords; strings are parsed on creation."""
+
+    # --- how long
+    epochs: int = 1  # passes over train_data (ignored once max_steps is reached)
+    max_steps: int | None = None  # stop after this many optimizer steps
+    # --- batching
+    batch_size: Union[int, str] = 64  # per-device samples per optimizer step, or "auto"
+    grad_accum: int = 1  # micro-batches accumulated per optimizer step
+    shuffle: bool = True  # reshuffle the training data every epoch
+    drop_last: bool = False  # drop a final partial batch
+    # --- hardware
+    accelerator: str = "auto"  # "auto" (cuda > mps > cpu), "cuda", "mps" or "cpu"
+    devices: Union[int, str] = 1  # processes/devices to train on, or "all"
+    strategy: str = "ddp"  # with devices > 1: "ddp" (replicate) or "fsdp" (shard)
+    precision: str = "auto"  # "auto", "bf16-mixed", "16-mixed" or "32"
+    compile: bool = False  # wrap the model in torch.compile
+    activation_checkpointing: bool = False  # recompute each child module's activations in backward
+    # --- optimisation
+    lr: float | None = None  # learning rate of the default AdamW (1e-3 when unset)
+    clip_grad_norm: float | None = None  # clip the global gradient norm to this value
+    lr_schedule: str = "none"  # "none", "one-cycle" or "cosine" (with warmup)
+    warmup_steps: int = 0  # linear warmup steps for the cosine schedule
+    # --- data
+    num_workers: Union[int, str] = "auto"  # DataLoader workers, or "auto"
+    gpu_resident: Union[bool, str] = "auto"  # keep tensor data on the GPU: "auto", True or False
+    transforms: Sequence[Callable[[Any], Any]] = ()  # applied to each batch on the device
+    # --- logging and safety
+    log_every: int = 50  # optimizer steps between metric reads (the only host syncs)
+    val_every: int = 1  # epochs between validation passes
+    detect_nan: bool = True  # stop with advice when the loss becomes NaN/inf
+    name: str | None = None  # run name shown in dashboards and the run registry
+    track: bool = True  # record the run in the run registry (sidebar, gpunb.runs())
+    # --- checkpoints
+    checkpoint_dir: str | None = None  # where checkpoints go; None disables them
+    checkpoint_every: int | None = None  # optimizer steps between checkpoints; None: each epoch
+    keep_last: int = 3  # checkpoints kept on disk
+    resume: Union[bool, str, None] = None  # True/"last": newest in checkpoint_dir; or a path
+    # --- reproducibility
+    seed: int | None = 0  # seeds python, numpy and torch; None leaves RNGs alone
+    deterministic: bool = False  # deterministic algorithms (slower; errors on ops without one)
+    extras: dict = field(default_factory=dict)  # free-form notes carried into the result
+
+    def __post_init__(self) -> None:
+        self.precision = _choice("precision", self.precision, _PRECISION_ALIASES,
+                                 "use one of " + ", ".join(f"`{p}`" for p in PRECISIONS))
+        self.lr_schedule = _choice("lr_schedule", self.lr_schedule, _SCHEDULE_ALIASES,
+                                   "use `none`, `one-cycle` or `cosine`")
+        self.accelerator = _choice("accelerator", self.accelerator,
+                                   {a: a for a in ACCELERATORS} | {"gpu": "cuda"},
+                                   "use `auto`, `cuda`, `mps` or `cpu`")
+        self.strategy = _choice("strategy", self.strategy, {s: s for s in STRATEGIES},
+                                "use `ddp` or `fsdp`")
+        self.batch_size = _positive_or_auto("batch_size", self.batch_size)
+        self.num_workers = _count_or_auto("num_workers", self.num_workers)
+        if self.devices != "all":
+            self.devices = _positive_int("devices", self.devices)
+        self.epochs = _positive_int("epochs", self.epochs)
+        self.grad_accum = _positive_int("grad_accum", self.grad_accum)
+        self.log_every = _positive_int("log_every", self.log_every)
+        self.val_every = _positive_int("val_every", self.val_every)
+        self.keep_last = _positive_int("keep_last", self.keep_last)
+        self.warmup_steps = _count("warmup_steps", self.warmup_steps)
+        if self.max_steps is not None:
+            self.max_steps = _positive_int("max_steps", self.max_steps)
+        if self.checkpoint_every is not None:
+            self.checkpoint_every = _positive_int("checkpoint_every", self.checkpoint_every)
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise GpunbError(f"clip_grad_norm must be positive, got {self.clip_grad_norm!r}.",
+                             "pass a max norm such as `clip_grad_norm=1.0`, or None to disable.")
+        if self.lr is not None and not self.lr > 0:
+            raise GpunbError(f"lr must be positive, got {self.lr!r}.", "pass e.g. `lr=3e-4`.")
+        if self.gpu_resident not in ("auto", True, False):
+            raise GpunbError(f"gpu_resident must be 'auto', True or False, got {self.gpu_resident!r}.")
+        if self.resume and not self.checkpoint_dir and self.resume in (True, "last"):
+            raise GpunbError("resume='last' needs a checkpoint_dir to look in.",
+                             "pass `checkpoint_dir=...` too, or `resume=<path to a checkpoint>`.")
+
+    def replace(self, **overrides: Any) -> "TrainConfig":
+        """A copy with some fields changed (validated like a new config)."""
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise unknown_option_error(sorted(unknown)[0])
+        return dataclasses.replace(self, **overrides)
+
+    def to_dict(self) -> dict:
+        """JSON-friendly view: callables and sequences of them become their names."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "transforms":
+                value = [getattr(t, "__name__", type(t).__name__) for t in value]
+            out[f.name] = value
+        return out
+
+
+def make_config(config: TrainConfig | None = None, **overrides: Any) -> TrainConfig:
+    """`config` with `overrides` applied; a misspelt keyword names the closest field."""
+    return (config or TrainConfig()).replace(**overrides) if overrides else (config or TrainConfig())
+
+
+def unknown_option_error(name: str) -> GpunbError:
+    import difflib
+
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f"did you mean `{close[0]}`?" if close else "valid options: " + ", ".join(names)
+    return GpunbError(f"TrainConfig has no option `{name}`.", hint)
+
+
+def _choice(name: str, value: Any, aliases: dict, hint: str) -> str:
+    key = str(value).strip().lower()
+    if key not in aliases:
+        raise GpunbError(f"Unknown {name} {value!r}.", hint + ".")
+    return aliases[key]
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise GpunbError(f"{name} must be a positive integer, got {value!r}.",
+                         f"pass e.g. `{name}=1`.")
+    return value
+
+
+def _count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise GpunbError(f"{name} must be an integer >= 0, got {value!r}.")
+    return value
+
+
+def _positive_or_auto(name: str, value: Any) -> int | str:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise GpunbError(f"{name} must be a positive integer or 'auto', got {value!r}.",
+                         f"pass e.g. `{name}=64` or `{name}='auto'`.")
+    return value
+
+
+def _count_or_auto(name: str, value: Any) -> int | str:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    return _count(name, value)

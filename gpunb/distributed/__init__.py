@@ -1,0 +1,1 @@
+"""Process launch and torch.distributed set-up for multi-device runs."""

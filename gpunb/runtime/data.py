@@ -1,0 +1,173 @@
+"""Feeds: where each epoch's batches come from, already on the training device.
+
+- TensorFeed: tensors (moved to the GPU once when they fit) shuffled and batched by
+  indexing on the device: no DataLoader, no host work per step.
+- LoaderFeed: a DataLoader (pinned memory, workers, persistent workers, prefetching)
+  wrapped in a CudaPrefetcher on CUDA.
+
+Both draw their order from EpochOrder, so an epoch's order depends only on the seed
+and the epoch number: a resumed run sees exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
+
+from gpunb.runtime.inputs import move_batch
+from gpunb.runtime.prefetch import CudaPrefetcher
+
+RESIDENT_FRACTION = 0.25  # share of free GPU memory a dataset may take to live on the GPU
+
+
+class EpochOrder:
+    """Sample order of an epoch: seeded per epoch, sharded per rank like DistributedSampler."""
+
+    def __init__(self, n: int, shuffle: bool, seed: int | None, rank: int = 0, world_size: int = 1):
+        self.n, self.shuffle, self.seed = n, shuffle, seed or 0
+        self.rank, self.world_size = rank, world_size
+
+    def __len__(self) -> int:
+        return -(-self.n // self.world_size)
+
+    def indices(self, epoch: int) -> torch.Tensor:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            order = torch.randperm(self.n, generator=generator)
+        else:
+            order = torch.arange(self.n)
+        if self.world_size > 1:
+            padding = len(self) * self.world_size - self.n
+            order = torch.cat([order, order[:padding]])[self.rank::self.world_size]
+        return order
+
+
+class _EpochSampler(Sampler):
+    """Yields EpochOrder's indices from a start position (set before each epoch)."""
+
+    def __init__(self, order: EpochOrder):
+        self.order, self.epoch, self.start = order, 0, 0
+
+    def __iter__(self):
+        return iter(self.order.indices(self.epoch)[self.start:].tolist())
+
+    def __len__(self) -> int:
+        return len(self.order) - self.start
+
+
+class TensorFeed:
+    def __init__(self, tensors, batch_size, order: EpochOrder, device, drop_last, transforms=()):
+        self.tensors, self.batch_size, self.order = tensors, batch_size, order
+        self.device, self.drop_last, self.transforms = device, drop_last, transforms
+        self.prefetch = (CudaPrefetcher(device) if device.type == "cuda"
+                         and tensors[0].device.type == "cpu" else None)
+
+    @property
+    def num_batches(self) -> int:
+        full, rest = divmod(len(self.order), self.batch_size)
+        return full if self.drop_last or not rest else full + 1
+
+    def epoch(self, epoch: int, skip: int = 0) -> Iterator:
+        index = self.order.indices(epoch).to(self.tensors[0].device)
+        batches = (tuple(t[index[b * self.batch_size:(b + 1) * self.batch_size]] for t in self.tensors)
+                   for b in range(skip, self.num_batches))
+        if self.prefetch:
+            batches = self.prefetch(batches)
+        elif self.tensors[0].device != self.device:
+            batches = (move_batch(b, self.device) for b in batches)
+        return _transformed(batches, self.transforms)
+
+
+class LoaderFeed:
+    def __init__(self, loader: DataLoader, device, transforms=(), sampler: _EpochSampler | None = None):
+        self.loader, self.device, self.transforms, self.sampler = loader, device, transforms, sampler
+        self.prefetch = CudaPrefetcher(device) if device.type == "cuda" else None
+        self.batch_size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+        try:
+            self.num_batches = len(loader)  # measured before any resume offset is set
+        except TypeError:  # an IterableDataset without __len__
+            self.num_batches = None
+
+    def epoch(self, epoch: int, skip: int = 0) -> Iterator:
+        if self.sampler is not None:
+            self.sampler.epoch, self.sampler.start = epoch, skip * self.batch_size
+            batches = iter(self.loader)
+        else:  # the user's own DataLoader: its order is its own, so skip by reading
+            batches = iter(self.loader)
+            for _ in range(skip):
+                next(batches, None)
+        if self.prefetch:
+            batches = self.prefetch(batches)
+        elif self.device.type != "cpu":
+            batches = (move_batch(b, self.device, non_blocking=True) for b in batches)
+        return _transformed(batches, self.transforms)
+
+
+def build_feed(data, *, batch_size, device, config, rank=0, world_size=1, train=True):
+    """The feed for `data` (already adapted by inputs.adapt_data)."""
+    transforms = [t for t in config.transforms if train or not getattr(t, "train_only", False)]
+    if isinstance(data, tuple):
+        order = EpochOrder(len(data[0]), config.shuffle and train, config.seed, rank, world_size)
+        tensors = _maybe_resident(data, device, config.gpu_resident)
+        return TensorFeed(tensors, batch_size, order, device, config.drop_last and train, transforms)
+    if isinstance(data, DataLoader):
+        # TODO(distributed): with world_size > 1 the user's loader is re-built around our sampler.
+        return LoaderFeed(data, device, transforms)
+    if isinstance(data, IterableDataset):
+        loader = DataLoader(data, batch_size=batch_size, **_loader_options(config, device))
+        return LoaderFeed(loader, device, transforms)
+    sampler = _EpochSampler(EpochOrder(len(data), config.shuffle and train, config.seed, rank, world_size))
+    batch_sampler = BatchSampler(sampler, batch_size, drop_last=config.drop_last and train)
+    loader = DataLoader(data, batch_sampler=batch_sampler, **_loader_options(config, device))
+    return LoaderFeed(loader, device, transforms, sampler)
+
+
+def resolve_num_workers(requested, device: torch.device) -> int:
+    """ "auto": 0 on CPU (the cores are busy computing), else up to 8 per device."""
+    if requested != "auto":
+        return requested
+    if device.type == "cpu":
+        return 0
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    per_device = cpus // max(1, torch.cuda.device_count() if device.type == "cuda" else 1)
+    return max(1, min(8, per_device - 1))
+
+
+def _loader_options(config, device) -> dict:
+    workers = resolve_num_workers(config.num_workers, device)
+    options = {"num_workers": workers, "pin_memory": device.type == "cuda"}
+    if workers:
+        options.update(persistent_workers=True, prefetch_factor=4)
+    return options
+
+
+def _maybe_resident(tensors, device, gpu_resident) -> tuple:
+    """Move the tensors to the accelerator once when they fit in a fraction of free memory."""
+    if device.type == "cpu" or gpu_resident is False:
+        return tensors
+    if gpu_resident == "auto" and device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        if sum(t.nbytes for t in tensors) > RESIDENT_FRACTION * free:
+            return tensors
+    return tuple(t.to(device) for t in tensors)
+
+
+def _transformed(batches, transforms) -> Iterator:
+    if not transforms:
+        return batches
+    return (_apply(batch, transforms) for batch in batches)
+
+
+def _apply(batch, transforms):
+    """Transforms act on the inputs: a tensor batch, or the first element of a tuple batch."""
+    if isinstance(batch, torch.Tensor):
+        for transform in transforms:
+            batch = transform(batch)
+        return batch
+    inputs = batch[0]
+    for transform in transforms:
+        inputs = transform(inputs)
+    return (inputs, *batch[1:])

@@ -1,0 +1,89 @@
+"""The events a training run emits, and the state every callback receives.
+
+Callbacks are plain objects: the runtime looks up a method named after each event
+with `getattr` and calls it with the `FitState` (no base class to inherit).
+
+    on_fit_start(state)            after set-up, before the first step
+    on_train_batch_end(state)      after every optimizer step (keep it cheap: no syncs)
+    on_log(state, metrics)         every `log_every` steps, with host-side floats
+    on_validation_end(state, metrics)
+    on_epoch_end(state, metrics)
+    on_checkpoint(state, path)     after a checkpoint is written
+    on_fit_end(state)              always last on success or interrupt; state.result is set
+    on_exception(state, error)     when fit raises; on_fit_end is not called then
+
+Any hook may call `state.request_stop(reason)`: the loop stops cleanly at the next
+step boundary (writing a checkpoint when a directory is set).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+EVENTS = (
+    "on_fit_start",
+    "on_train_batch_end",
+    "on_log",
+    "on_validation_end",
+    "on_epoch_end",
+    "on_checkpoint",
+    "on_fit_end",
+    "on_exception",
+)
+
+
+@dataclass
+class FitState:
+    """What a callback may read (and the few things it may set) during `fit`."""
+
+    config: Any  # the resolved TrainConfig (batch size and precision chosen)
+    model: Any  # the module being trained (possibly compiled or DDP-wrapped)
+    optimizer: Any
+    device: Any  # torch.device
+    run_name: str = "run"
+    epoch: int = 0  # 0-based epoch in progress
+    step: int = 0  # optimizer steps completed
+    batch_in_epoch: int = 0  # micro-batches consumed in the current epoch
+    steps_per_epoch: int | None = None
+    total_steps: int | None = None  # optimizer steps the run will take, when known
+    samples_seen: int = 0
+    rank: int = 0
+    world_size: int = 1
+    started_at: float = field(default_factory=time.time)
+    latest: dict = field(default_factory=dict)  # newest host-side metrics of any kind
+    history: list = field(default_factory=list)  # rows appended at each log / epoch end
+    stop_reason: str | None = None
+    result: Any = None  # the TrainResult, set before on_fit_end
+    extras: dict = field(default_factory=dict)  # callbacks' own notes (e.g. energy_j)
+
+    @property
+    def should_stop(self) -> bool:
+        return self.stop_reason is not None
+
+    def request_stop(self, reason: str = "stopped") -> None:
+        """Ask the loop to stop at the next step boundary."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+
+    @property
+    def progress(self) -> float | None:
+        """Fraction of the run done, in [0, 1], when the length is known."""
+        if not self.total_steps:
+            return None
+        return min(1.0, self.step / self.total_steps)
+
+
+class Callbacks:
+    """Calls an event on each callback that defines it, in order."""
+
+    def __init__(self, callbacks=()):
+        self.callbacks = list(callbacks)
+
+    def call(self, event: str, *args: Any) -> None:
+        assert event in EVENTS, event
+        for callback in self.callbacks:
+            hook = getattr(callback, event, None)
+            if hook is not None:
+                hook(*args)

@@ -1,0 +1,120 @@
+"""Turn what the user passed as data into tensors or a Dataset/DataLoader.
+
+Arrays that speak DLPack or the NumPy protocol (NumPy, CuPy, JAX, ...) are taken
+zero-copy with `torch.from_dlpack` / `torch.from_numpy`, never through Python lists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+
+from gpunb.errors import GpunbError
+
+_SUPPORTED = ("a torch Dataset, a DataLoader, a tensor, a tuple of tensors, or arrays that "
+              "support DLPack or the NumPy protocol (NumPy, CuPy, JAX)")
+
+
+def as_tensor(array: Any, what: str) -> torch.Tensor:
+    if isinstance(array, torch.Tensor):
+        return array
+    if isinstance(array, np.ndarray):
+        return torch.from_numpy(array)
+    if hasattr(array, "__dlpack__"):
+        return torch.from_dlpack(array)
+    if hasattr(array, "__array_interface__") or hasattr(array, "__array__"):
+        return torch.from_numpy(np.asarray(array))
+    raise GpunbError(f"{what} holds a {type(array).__name__}, which gpunb cannot batch.",
+                     f"pass {_SUPPORTED}.")
+
+
+def adapt_data(data: Any, what: str = "train_data") -> tuple[torch.Tensor, ...] | Dataset | DataLoader:
+    """Tensors (a tuple, all with the same first dimension), or the Dataset/DataLoader as is."""
+    if isinstance(data, (DataLoader, Dataset)):
+        if isinstance(data, TensorDataset):
+            return tuple(data.tensors)
+        return data
+    if isinstance(data, (list, tuple)):
+        if not data:
+            raise GpunbError(f"{what} is an empty {type(data).__name__}.", f"pass {_SUPPORTED}.")
+        tensors = tuple(as_tensor(item, f"{what}[{i}]") for i, item in enumerate(data))
+    elif isinstance(data, dict):
+        raise GpunbError(f"{what} is a dict; gpunb batches positional tensors.",
+                         "pass a tuple such as `(x, y)`, or a Dataset whose items are dicts.")
+    else:
+        tensors = (as_tensor(data, what),)
+    lengths = {tuple(t.shape[:1]) for t in tensors}
+    if any(t.ndim == 0 for t in tensors):
+        raise GpunbError(f"{what} holds a 0-d tensor; each tensor needs a first (sample) dimension.")
+    if len(lengths) != 1:
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+        raise GpunbError(f"The tensors in {what} disagree on the number of samples: {shapes}.",
+                         "every tensor needs the same first dimension, e.g. x of shape (N, ...) "
+                         "and y of shape (N,).")
+    return tensors
+
+
+def data_length(data) -> int | None:
+    """Samples in the data, when it has a length."""
+    if isinstance(data, tuple):
+        return len(data[0])
+    if isinstance(data, DataLoader):
+        data = data.dataset
+    if isinstance(data, IterableDataset):
+        return None
+    try:
+        return len(data)
+    except TypeError:
+        return None
+
+
+def batch_size_of(batch: Any) -> int:
+    """Samples in a batch: the first dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.ndim else 1
+    if isinstance(batch, dict):
+        return batch_size_of(next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)) and batch:
+        return batch_size_of(batch[0])
+    return 1
+
+
+def split_batch(batch: Any, parts: int) -> list:
+    """`batch` cut into `parts` micro-batches along the sample dimension (views, no copy)."""
+    if parts == 1:
+        return [batch]
+    size = batch_size_of(batch)
+    step = -(-size // parts)
+    return [slice_batch(batch, start, start + step) for start in range(0, size, step)]
+
+
+def slice_batch(batch: Any, start: int, stop: int) -> Any:
+    return map_tensors(batch, lambda t: t[start:stop])
+
+
+def map_tensors(batch: Any, fn) -> Any:
+    """`batch` with `fn` applied to every tensor in it (tensors, tuples, lists, dicts)."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(map_tensors(v, fn) for v in batch)
+    return batch
+
+
+def move_batch(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=non_blocking))
+
+
+def batch_tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        return [t for v in batch.values() for t in batch_tensors(v)]
+    if isinstance(batch, (list, tuple)):
+        return [t for v in batch for t in batch_tensors(v)]
+    return []

@@ -1,0 +1,126 @@
+"""How a batch becomes a loss, and how validation metrics are computed.
+
+Three ways, checked in this order:
+- `step(model, batch) -> loss`: any custom logic;
+- `loss_fn(output, target)`: batch is (inputs..., target) and output = model(*inputs);
+  a single-tensor batch x gives loss_fn(model(x), x) (reconstruction);
+- neither: the model computes its own loss from model(*batch) / model(**batch) and
+  returns a scalar, or an object with a `.loss` (Hugging Face style).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from gpunb.errors import GpunbError
+from gpunb.runtime.inputs import batch_size_of
+
+
+class Objective:
+    def __init__(self, loss_fn: Callable | None = None, step: Callable | None = None, metrics=None):
+        if loss_fn is not None and step is not None:
+            raise GpunbError("Both `loss_fn` and `step` were given; gpunb uses one of them.",
+                             "compute the loss inside `step(model, batch)`, or drop `step`.")
+        for name, value in (("loss_fn", loss_fn), ("step", step)):
+            if value is not None and not callable(value):
+                raise GpunbError(f"`{name}` must be callable, got a {type(value).__name__}.",
+                                 "pass e.g. `loss_fn=torch.nn.CrossEntropyLoss()`.")
+        self.loss_fn, self.step_fn = loss_fn, step
+        self.metrics = _metric_functions(metrics)
+
+    def loss(self, model, batch) -> torch.Tensor:
+        """The scalar training loss of `batch`."""
+        if self.step_fn is not None:
+            return _scalar(self.step_fn(model, batch), "step(model, batch)")
+        if self.loss_fn is not None:
+            output, target = self._forward(model, batch)
+            return _scalar(self.loss_fn(output, target), "loss_fn(output, target)")
+        return _scalar(_call(model, batch), "the model's forward")
+
+    def evaluate(self, model, batch) -> dict[str, torch.Tensor]:
+        """Device-side sums for validation: loss and each metric, weighted by batch size."""
+        n = batch_size_of(batch)
+        if self.loss_fn is None:
+            return {"val_loss": self.loss(model, batch).float() * n}
+        output, target = self._forward(model, batch)
+        sums = {"val_loss": _scalar(self.loss_fn(output, target), "loss_fn").float() * n}
+        metrics = self.metrics or _default_metrics(output, target)
+        for name, fn in metrics.items():
+            sums[f"val_{name}"] = torch.as_tensor(fn(output, target), device=output.device).float() * n
+        return sums
+
+    def _forward(self, model, batch):
+        if isinstance(batch, torch.Tensor):
+            return model(batch), batch
+        if isinstance(batch, (list, tuple)) and len(batch) >= 2:
+            return model(*batch[:-1]), batch[-1]
+        raise GpunbError(f"With `loss_fn`, a batch must be (inputs, target); got a {_describe(batch)}.",
+                         "yield (x, y) pairs from the data, or use `step(model, batch)` for "
+                         "other layouts.")
+
+
+def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Top-1 accuracy of class scores (N, C) against integer labels (N,)."""
+    return (output.argmax(dim=-1) == target).float().mean()
+
+
+def _default_metrics(output, target) -> dict:
+    """Classification (scores (N, C) and integer labels (N,)) gets accuracy for free."""
+    if (isinstance(output, torch.Tensor) and output.ndim == 2 and isinstance(target, torch.Tensor)
+            and target.ndim == 1 and not target.is_floating_point()):
+        return {"acc": accuracy}
+    return {}
+
+
+def _metric_functions(metrics) -> dict:
+    if metrics is None:
+        return {}
+    if callable(metrics) and not isinstance(metrics, (list, tuple, dict)):
+        metrics = {getattr(metrics, "__name__", "metric"): metrics}
+    if isinstance(metrics, (list, tuple)):
+        metrics = {(m if isinstance(m, str) else m.__name__): m for m in metrics}
+    if not isinstance(metrics, dict):
+        raise GpunbError(f"`metrics` must be a dict of name -> fn(output, target), a list, or "
+                         f"'accuracy'; got a {type(metrics).__name__}.",
+                         "pass e.g. `metrics={'acc': gpunb.accuracy}` or `metrics=['accuracy']`.")
+    resolved = {}
+    for name, fn in metrics.items():
+        if fn in ("accuracy", "acc"):
+            name, fn = "acc", accuracy
+        if not callable(fn):
+            raise GpunbError(f"Metric {name!r} is not callable and not a built-in name.",
+                             "built-in: 'accuracy'; or pass fn(output, target) -> scalar tensor.")
+        resolved[name] = fn
+    return resolved
+
+
+def _call(model, batch):
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (list, tuple)):
+        return model(*batch)
+    return model(batch)
+
+
+def _scalar(loss: Any, source: str) -> torch.Tensor:
+    if hasattr(loss, "loss") and not isinstance(loss, torch.Tensor):
+        loss = loss.loss
+    elif isinstance(loss, dict) and "loss" in loss:
+        loss = loss["loss"]
+    if not isinstance(loss, torch.Tensor):
+        raise GpunbError(f"{source} returned a {type(loss).__name__}, not a loss tensor.",
+                         "return a scalar tensor, or pass `loss_fn=` (e.g. "
+                         "`torch.nn.CrossEntropyLoss()`) so gpunb computes it from the output.")
+    if loss.ndim != 0:
+        raise GpunbError(f"{source} returned a tensor of shape {tuple(loss.shape)}, not a scalar loss.",
+                         "reduce it (`.mean()`, or a loss with reduction='mean'), or if these are "
+                         "model outputs pass `loss_fn=` (e.g. `torch.nn.CrossEntropyLoss()`).")
+    return loss
+
+
+def _describe(batch) -> str:
+    if isinstance(batch, (list, tuple)):
+        return f"{type(batch).__name__} of {len(batch)}"
+    return type(batch).__name__

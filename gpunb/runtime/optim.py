@@ -1,0 +1,62 @@
+"""The default optimizer and the learning-rate schedules."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gpunb.errors import GpunbError
+
+DEFAULT_LR = 1e-3
+
+
+def default_optimizer(model: torch.nn.Module, lr: float | None, device: torch.device):
+    """AdamW, fused on CUDA (one kernel for all parameters), foreach elsewhere."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise GpunbError("The model has no trainable parameters.",
+                         "check `requires_grad` on its parameters, or pass a model that has some.")
+    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(params, lr=lr or DEFAULT_LR, **fast)
+
+
+def check_optimizer(optimizer, model: torch.nn.Module) -> None:
+    """The optimizer must update this model's parameters (a stale one from an older model would not)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise GpunbError(f"`optimizer` must be a torch.optim.Optimizer, got a {type(optimizer).__name__}.",
+                         "pass e.g. `torch.optim.AdamW(model.parameters(), lr=1e-3)`, or leave it "
+                         "out for the default AdamW.")
+    owned = {id(p) for p in model.parameters()}
+    optimized = [p for group in optimizer.param_groups for p in group["params"]]
+    if optimized and not any(id(p) in owned for p in optimized):
+        raise GpunbError("The optimizer holds none of the model's parameters (it was probably made "
+                         "for an earlier instance of the model).",
+                         "create the optimizer after the model: "
+                         "`optimizer = torch.optim.AdamW(model.parameters())`.")
+
+
+def make_scheduler(optimizer, kind: str, total_steps: int | None, warmup_steps: int):
+    """A per-optimizer-step schedule, or None for a constant learning rate."""
+    if kind == "none":
+        return None
+    if not total_steps:
+        raise GpunbError(f"lr_schedule={kind!r} needs to know the run's length, and this data has "
+                         "no length.", "set `max_steps`, or use data with a `__len__`.")
+    if kind == "one-cycle":
+        max_lrs = [group["lr"] for group in optimizer.param_groups]
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=max_lrs, total_steps=total_steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup_steps, total_steps))
+
+
+class WarmupCosine:
+    """Linear warmup to the base rate, then cosine decay to zero at `total_steps`."""
+
+    def __init__(self, warmup_steps: int, total_steps: int):
+        self.warmup_steps, self.total_steps = warmup_steps, total_steps
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))

@@ -1,0 +1,76 @@
+"""Precision as a small object: autocast, backward, optimizer step, state.
+
+"auto" picks bf16 autocast on GPUs with native bf16, fp16 autocast with a GradScaler
+on older GPUs, and fp32 elsewhere. bf16 needs no scaler (same exponent range as fp32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from gpunb.runtime import device as devices
+
+
+def resolve_precision(requested: str, device: torch.device) -> tuple[str, str]:
+    """The precision to use on `device`, and one line saying why."""
+    if requested != "auto":
+        return requested, "asked for"
+    if device.type == "cuda":
+        if devices.cuda_bf16_supported(device):
+            return "bf16-mixed", "the GPU has native bf16: no loss scaling needed"
+        major, minor = devices.cuda_capability(device)
+        return "16-mixed", f"the GPU (compute {major}.{minor}) lacks native bf16: fp16 with loss scaling"
+    if device.type == "mps":
+        return "32", "fp32 is the stable choice on Apple MPS"
+    return "32", "CPUs gain little from autocast: fp32"
+
+
+class Precision:
+    """Autocast, scaled backward and the optimizer step for one precision."""
+
+    def __init__(self, name: str, device: torch.device):
+        self.name = name
+        self.device = device
+        self.dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(name)
+        self.scaler = torch.amp.GradScaler(device.type) if name == "16-mixed" else None
+        # Counted on the device (no sync per step); read at the end of the run.
+        self._skipped = torch.zeros((), dtype=torch.int64, device=device) if self.scaler else None
+
+    def autocast(self):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def unscale(self, optimizer) -> None:
+        """Bring gradients back to their true scale (needed before clipping)."""
+        if self.scaler:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer) -> None:
+        if self.scaler is None:
+            optimizer.step()
+            return
+        before = self.scaler._scale.clone() if self.scaler._scale is not None else None
+        self.scaler.step(optimizer)  # skips the step when gradients hold inf/NaN
+        self.scaler.update()  # ... and then lowers the scale, which is how we count skips
+        if before is not None:
+            self._skipped += (self.scaler._scale < before).to(torch.int64)
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self._skipped.item()) if self._skipped is not None else 0
+
+    def state_dict(self) -> dict:
+        if self.scaler is None:
+            return {}
+        return {"scaler": self.scaler.state_dict(), "skipped": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+            self._skipped.fill_(int(state.get("skipped", 0)))

@@ -1,0 +1,92 @@
+"""One optimizer step: forward and backward over micro-batches, then the update.
+
+A CUDA out-of-memory error halves the micro-batch: gradients of the step so far are
+dropped, each loaded batch is cut into twice as many pieces, and the step is replayed
+from its first batch. Each piece's loss is weighted by its share of the step, so the
+gradient, and hence the whole run, is the same as with the smaller batch from the start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from gpunb.errors import GpunbError
+from gpunb.runtime.inputs import batch_size_of, split_batch
+
+
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+class Stepper:
+    def __init__(self, model, optimizer, objective, precision, scheduler, config, phase, no_sync=None):
+        self.model, self.optimizer, self.objective = model, optimizer, objective
+        self.precision, self.scheduler, self.config, self.phase = precision, scheduler, config, phase
+        self.no_sync = no_sync or (lambda: contextlib.nullcontext())  # DDP: skip all-reduce mid-step
+        self.splits = 1  # pieces each loaded batch is cut into (grows on OOM)
+        self.oom_recoveries = 0
+        self.pending: list = []  # loaded batches of the step in progress, kept for a replay
+        self.step_loss = None  # device tensor: this step's mean loss so far
+
+    def accumulate(self, batch, last_in_step: bool) -> None:
+        """Forward and backward of one loaded batch (in `splits` pieces)."""
+        self.pending.append(batch)
+        todo = [batch]
+        while True:
+            try:
+                for i, loaded in enumerate(todo):
+                    self._backward(loaded, sync=last_in_step and i == len(todo) - 1)
+                return
+            except torch.OutOfMemoryError:
+                self._recover_from_oom(batch)
+                todo = self.pending  # replay the whole step so far with smaller pieces
+
+    def update(self) -> torch.Tensor:
+        """Clip, step the optimizer and the schedule; returns the step's mean loss (on device)."""
+        with self.phase("optimizer"):
+            if self.config.clip_grad_norm:
+                self.precision.unscale(self.optimizer)
+                params = [p for g in self.optimizer.param_groups for p in g["params"]]
+                torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad_norm)
+            self.precision.step(self.optimizer)
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.scheduler is not None:
+                self.scheduler.step()
+        loss, self.step_loss = self.step_loss, None
+        self.pending.clear()
+        return loss
+
+    def micro_batch_size(self, batch_size: int) -> int:
+        return -(-batch_size // self.splits)
+
+    def _backward(self, batch, sync: bool) -> None:
+        size = batch_size_of(batch)
+        pieces = split_batch(batch, self.splits)
+        for i, piece in enumerate(pieces):
+            # Weight = the piece's share of the optimizer step, so sums of pieces equal the mean.
+            weight = batch_size_of(piece) / size / self.config.grad_accum
+            last = sync and i == len(pieces) - 1
+            with _NO_CONTEXT if last else self.no_sync():
+                with self.phase("forward"), self.precision.autocast():
+                    loss = self.objective.loss(self.model, piece)
+                if weight != 1.0:  # skipping the multiply keeps the common case one op shorter
+                    loss = loss * weight
+                with self.phase("backward"):
+                    self.precision.backward(loss)
+            contribution = loss.detach()
+            self.step_loss = contribution if self.step_loss is None else self.step_loss + contribution
+
+    def _recover_from_oom(self, batch) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_loss = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        size = batch_size_of(batch)
+        if self.micro_batch_size(size) <= 1:
+            raise GpunbError("Out of memory even with a micro-batch of 1 sample.",
+                             "the model itself does not fit: try `precision='bf16-mixed'`, "
+                             "`activation_checkpointing=True`, a smaller model, or "
+                             "`devices=N, strategy='fsdp'` to shard it.")
+        self.splits *= 2
+        self.oom_recoveries += 1

@@ -1,0 +1,348 @@
+"""Trainer.fit: set up a run, then the training loop, top to bottom.
+
+Logging, checkpointing, telemetry and the run registry hang off events (see
+events.py); the loop itself only steps, counts and emits. The loss stays on the
+device and is read once per `log_every` steps: the loop has no other host syncs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from gpunb.config import TrainConfig, make_config
+from gpunb.errors import GpunbError
+from gpunb.runtime import checkpoint as ckpt
+from gpunb.runtime import device as devices
+from gpunb.runtime.batch_size import find_batch_size
+from gpunb.runtime.data import build_feed
+from gpunb.runtime.events import Callbacks, FitState
+from gpunb.runtime.inputs import adapt_data, batch_size_of
+from gpunb.runtime.interrupt import InterruptFlag
+from gpunb.runtime.objective import Objective
+from gpunb.runtime.optim import check_optimizer, default_optimizer, make_scheduler
+from gpunb.runtime.precision import Precision, resolve_precision
+from gpunb.runtime.result import TrainResult
+from gpunb.runtime.saving import Checkpointer, resume
+from gpunb.runtime.step import Stepper
+from gpunb.runtime.wrap import wrap_model
+
+
+class Trainer:
+    """Trains a plain PyTorch model with the managed runtime.
+
+    >>> result = Trainer(epochs=3, precision="auto").fit(model, (x, y), loss_fn=nn.CrossEntropyLoss())
+
+    `config` is a TrainConfig; keyword overrides are applied on top of it.
+    """
+
+    def __init__(self, config: TrainConfig | None = None, **overrides):
+        self.config = make_config(config, **overrides)
+
+    def fit(self, model, train_data, val_data=None, *, optimizer=None, loss_fn=None, step=None,
+            metrics=None, callbacks=()) -> TrainResult:
+        """Train `model` on `train_data`; returns a TrainResult. The model is trained in place."""
+        if not isinstance(model, torch.nn.Module):
+            raise GpunbError(f"`model` must be a torch.nn.Module, got a {type(model).__name__}.",
+                             "pass the module itself, e.g. `model = nn.Sequential(...)`.")
+        from gpunb.distributed.context import current_context
+
+        dist = current_context(self.config)
+        saved_globals = devices.seed_everything(self.config.seed, self.config.deterministic)
+        previous_matmul_precision = torch.get_float32_matmul_precision()
+        run = None
+        try:
+            run = _prepare(self.config, dist, model, train_data, val_data, optimizer,
+                           Objective(loss_fn, step, metrics), callbacks)
+            return _train(run)
+        finally:
+            if run is not None:
+                run.unwrap()
+            devices.restore_globals(saved_globals)
+            torch.set_float32_matmul_precision(previous_matmul_precision)
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()  # hand cached blocks back so the notebook sees free memory
+
+
+@dataclass
+class _Run:
+    """Everything one fit needs, built by _prepare."""
+
+    config: TrainConfig
+    dist: object
+    state: FitState
+    callbacks: Callbacks
+    model: torch.nn.Module  # the user's module
+    train_model: torch.nn.Module  # what the loop calls (compiled / DDP-wrapped)
+    objective: Objective
+    precision: Precision
+    precision_reason: str
+    feed: object
+    val_feed: object
+    stepper: Stepper
+    batch_size: int
+    unwrap: object  # undoes wrap_model's changes to the user's module
+    start_epoch: int = 0
+    skip_batches: int = 0
+
+
+def _prepare(config, dist, model, train_data, val_data, optimizer, objective, user_callbacks) -> _Run:
+    device = devices.select_device(config.accelerator, dist.local_rank)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
+        torch.cuda.reset_peak_memory_stats(device)
+    precision_name, reason = resolve_precision(config.precision, device)
+    precision = Precision(precision_name, device)
+    train = adapt_data(train_data, "train_data")
+    val = adapt_data(val_data, "val_data") if val_data is not None else None
+    model.to(device)
+    if optimizer is None:
+        optimizer = default_optimizer(model, config.lr, device)
+    check_optimizer(optimizer, model)
+
+    batch_size = config.batch_size
+    if batch_size == "auto":
+        batch_size = find_batch_size(model, optimizer, objective, precision, train, device, config)
+    config = config.replace(batch_size=batch_size, precision=precision_name)
+    feed = build_feed(train, batch_size=batch_size, device=device, config=config,
+                      rank=dist.rank, world_size=dist.world_size)
+    val_feed = (build_feed(val, batch_size=batch_size, device=device, config=config,
+                           rank=dist.rank, world_size=dist.world_size, train=False)
+                if val is not None else None)
+    steps_per_epoch = math.ceil(feed.num_batches / config.grad_accum) if feed.num_batches is not None else None
+    total_steps = steps_per_epoch * config.epochs if steps_per_epoch is not None else None
+    if config.max_steps is not None:
+        total_steps = min(total_steps or config.max_steps, config.max_steps)
+    scheduler = make_scheduler(optimizer, config.lr_schedule, total_steps, config.warmup_steps)
+
+    train_model, unwrap = wrap_model(model, config, dist, device)
+    state = FitState(config=config, model=train_model, optimizer=optimizer, device=device,
+                     run_name=config.name or type(model).__name__, steps_per_epoch=steps_per_epoch,
+                     total_steps=total_steps, rank=dist.rank, world_size=dist.world_size)
+    phase = _phase_annotator(state)
+    no_sync = getattr(train_model, "no_sync", None)
+    stepper = Stepper(train_model, optimizer, objective, precision, scheduler, config, phase, no_sync)
+    callbacks = Callbacks([*_default_callbacks(config, dist), *user_callbacks])
+    run = _Run(config, dist, state, callbacks, model, train_model, objective, precision, reason,
+               feed, val_feed, stepper, batch_size, unwrap)
+    if config.checkpoint_dir:
+        callbacks.callbacks.insert(0, Checkpointer(run))  # saved before others hear of the step
+    if config.resume:
+        resume(run, ckpt.find_checkpoint(config.resume, config.checkpoint_dir))
+    return run
+
+
+def _train(run: _Run) -> TrainResult:
+    """The loop: epochs of optimizer steps, logging at intervals, validation per epoch."""
+    config, state, callbacks, stepper = run.config, run.state, run.callbacks, run.stepper
+    timer = _Timer()
+    interrupt = InterruptFlag()
+    interval_loss, interval_steps = None, 0  # device-side sum of step losses since the last log
+    try:
+        with interrupt:
+            callbacks.call("on_fit_start", state)
+            for epoch in range(run.start_epoch, config.epochs):
+                state.epoch = epoch
+                skip = run.skip_batches if epoch == run.start_epoch else 0
+                state.batch_in_epoch = skip
+                logged_before = len(state.history)
+                run.train_model.train()
+                batches = run.feed.epoch(epoch, skip)
+                for batch, last_in_step in _grouped(batches, config.grad_accum, timer, stepper.phase):
+                    stepper.accumulate(batch, last_in_step)
+                    state.batch_in_epoch += 1
+                    state.samples_seen += batch_size_of(batch) * state.world_size
+                    if not last_in_step:
+                        continue
+                    step_loss = stepper.update()  # stays on the device: no sync here
+                    state.step += 1
+                    interval_loss = step_loss if interval_loss is None else interval_loss + step_loss
+                    interval_steps += 1
+                    callbacks.call("on_train_batch_end", state)
+                    if state.step % config.log_every == 0:
+                        _log(run, interval_loss / interval_steps, interval_steps, timer)  # syncs
+                        interval_loss, interval_steps = None, 0
+                    if interrupt.raised:
+                        state.request_stop("interrupted")
+                    if state.should_stop or _finished(state):
+                        break
+                if interval_steps:  # the epoch's last, partial interval
+                    _log(run, interval_loss / interval_steps, interval_steps, timer)
+                    interval_loss, interval_steps = None, 0
+                if state.stop_reason == "interrupted":
+                    break
+                _end_epoch(run, state.history[logged_before:], timer)
+                if state.should_stop or _finished(state):
+                    break
+    except KeyboardInterrupt:
+        # A second Ctrl-C (or one outside the main thread) lands here mid-step; the
+        # weights the model holds are kept and the run is reported as interrupted.
+        state.request_stop("interrupted")
+        run.stepper.optimizer.zero_grad(set_to_none=True)
+    except BaseException as error:
+        callbacks.call("on_exception", state, error)
+        raise
+    state.result = _result(run, timer)
+    callbacks.call("on_fit_end", state)
+    return state.result
+
+
+def _finished(state: FitState) -> bool:
+    return state.total_steps is not None and state.step >= state.total_steps
+
+
+def _grouped(batches, grad_accum, timer, phase):
+    """Yields (batch, ends_an_optimizer_step); looks one batch ahead to see the epoch's end."""
+    pending, in_group = None, 0
+    clock = time.perf_counter
+    while True:
+        begin = clock()
+        with phase("data_wait"):
+            batch = next(batches, None)
+        timer.data_wait += clock() - begin
+        if pending is not None:
+            in_group += 1
+            last = batch is None or in_group == grad_accum
+            yield pending, last
+            if last:
+                in_group = 0
+        if batch is None:
+            return
+        pending = batch
+
+
+def _log(run: _Run, mean_loss: torch.Tensor, steps: int, timer) -> None:
+    state = run.state
+    loss = mean_loss.item()  # the one host-device sync of the interval
+    if run.config.detect_nan and not math.isfinite(loss):
+        raise GpunbError(
+            f"The training loss became {loss} at step {state.step} (epoch {state.epoch}).",
+            "lower the learning rate (`lr=`), clip gradients (`clip_grad_norm=1.0`), check the "
+            "data for NaN/inf values, or use bf16 instead of fp16 (`precision='bf16-mixed'`). "
+            "Set `detect_nan=False` to train on regardless.")
+    seconds = timer.lap()
+    samples = steps * run.batch_size * run.config.grad_accum * state.world_size
+    row = {"step": state.step, "epoch": state.epoch, "loss": loss, "steps": steps,
+           "lr": run.stepper.optimizer.param_groups[0]["lr"],
+           "samples_per_s": samples / seconds if seconds else 0.0,
+           "step_time_ms": 1000 * seconds / steps, "elapsed_s": timer.elapsed()}
+    state.history.append(row)
+    state.latest.update(row)
+    run.callbacks.call("on_log", state, row)
+
+
+def _end_epoch(run: _Run, logged: list, timer) -> None:
+    """Validation, the epoch's row (mean train loss from this epoch's log rows), on_epoch_end."""
+    state, config = run.state, run.config
+    row = {"epoch": state.epoch, "step": state.step}
+    steps = sum(r["steps"] for r in logged)
+    if steps:
+        row["train_loss"] = sum(r["loss"] * r["steps"] for r in logged) / steps
+    if run.val_feed is not None and (state.epoch + 1) % config.val_every == 0:
+        with timer.validating():
+            metrics = _validate(run)
+        row.update(metrics)
+        state.latest.update(metrics)
+        run.callbacks.call("on_validation_end", state, metrics)
+    state.extras.setdefault("epochs", []).append(row)
+    run.callbacks.call("on_epoch_end", state, row)
+
+
+@torch.no_grad()
+def _validate(run: _Run) -> dict:
+    run.train_model.eval()
+    sums, count = {}, 0
+    for batch in run.val_feed.epoch(0):
+        with run.precision.autocast():
+            batch_sums = run.objective.evaluate(run.train_model, batch)
+        for name, value in batch_sums.items():
+            sums[name] = value if name not in sums else sums[name] + value
+        count += batch_size_of(batch)
+    run.train_model.train()
+    totals = run.dist.reduce_sums(sums, count)  # one sync; sums across ranks when distributed
+    return {name: value for name, value in totals.items()}
+
+
+def _result(run: _Run, timer) -> TrainResult:
+    state, config = run.state, run.config
+    epochs = state.extras.get("epochs", [])
+    final = {}
+    if state.history:
+        final["train_loss"] = state.history[-1]["loss"]
+    for row in reversed(epochs):
+        if any(k.startswith("val_") for k in row):
+            final.update({k: v for k, v in row.items() if k.startswith("val_")})
+            break
+    device = state.device
+    peak = (torch.cuda.max_memory_allocated(device) / 2**20) if device.type == "cuda" else None
+    return TrainResult(
+        run_name=state.run_name, history=list(state.history), epochs=list(epochs), final_metrics=final,
+        config=config.to_dict(), device=str(device), precision=run.precision.name,
+        precision_reason=run.precision_reason, batch_size=run.batch_size,
+        micro_batch_size=run.stepper.micro_batch_size(run.batch_size), grad_accum=config.grad_accum,
+        world_size=state.world_size, steps=state.step, samples=state.samples_seen,
+        wall_time_s=timer.elapsed(), data_wait_s=timer.data_wait, validation_s=timer.validation,
+        compute_s=max(0.0, timer.elapsed() - timer.data_wait - timer.validation),
+        peak_memory_mb=peak, oom_recoveries=run.stepper.oom_recoveries,
+        skipped_steps=run.precision.skipped_steps, checkpoint_path=state.extras.get("checkpoint_path"),
+        interrupted=state.stop_reason == "interrupted", stop_reason=state.stop_reason)
+
+
+def _default_callbacks(config, dist) -> list:
+    """Telemetry and the run registry, when their packages are there and it makes sense."""
+    found = []
+    try:
+        from gpunb.telemetry import TelemetryCallback
+
+        found.append(TelemetryCallback())
+    except ImportError:
+        pass
+    if config.track and dist.rank == 0:
+        try:
+            from gpunb.runs import RunRecorder
+
+            found.append(RunRecorder())
+        except ImportError:
+            pass
+    return found
+
+
+def _phase_annotator(state: FitState):
+    """Named profiler ranges around each phase of a step, only while a profiler asks for them."""
+    nothing = contextlib.nullcontext()
+
+    def phase(name: str):
+        if state.extras.get("profile"):
+            return torch.profiler.record_function(f"gpunb/{name}")
+        return nothing
+
+    return phase
+
+
+class _Timer:
+    """Wall time of the run, split into waiting for data, validation, and the rest."""
+
+    def __init__(self):
+        self.start = self.last_lap = time.perf_counter()
+        self.data_wait = self.validation = 0.0
+
+    @contextlib.contextmanager
+    def validating(self):
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.validation += time.perf_counter() - begin
+            self.last_lap += time.perf_counter() - begin  # keep validation out of step times
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        seconds, self.last_lap = now - self.last_lap, now
+        return seconds
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start

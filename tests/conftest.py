@@ -1,0 +1,38 @@
+import os
+
+import pytest
+import torch
+from torch import nn
+
+
+@pytest.fixture(autouse=True)
+def gpunb_home(tmp_path, monkeypatch):
+    """Every test gets its own run registry and Jupyter data dir."""
+    home = tmp_path / "gpunb-home"
+    monkeypatch.setenv("GPUNB_HOME", str(home))
+    return home
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+def classification_data(n=256, features=10, classes=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=g)
+    w = torch.randn(features, classes, generator=g)
+    y = (x @ w).argmax(1)
+    return x, y
+
+
+def mlp(features=10, classes=3, hidden=32, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+
+
+os.environ.setdefault("PYTHONHASHSEED", "0")

@@ -1,0 +1,115 @@
+"""OOM recovery and batch_size='auto'."""
+
+import pytest
+import torch
+from conftest import classification_data, mlp
+from torch import nn
+
+from gpunb import Trainer
+from gpunb.runtime import batch_size as auto
+
+
+class OOMAbove(nn.Module):
+    """Raises the CUDA OOM error for batches larger than `limit` (as a GPU would)."""
+
+    def __init__(self, limit, seed=0):
+        super().__init__()
+        self.net = mlp(seed=seed)
+        self.limit = limit
+        self.ooms = 0
+
+    def forward(self, x):
+        if x.shape[0] > self.limit:
+            self.ooms += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.net(x)
+
+
+def run(model, **overrides):
+    x, y = classification_data(n=256)
+    options = dict(epochs=2, batch_size=32, track=False, log_every=4)
+    options.update(overrides)
+    return Trainer(**options).fit(model, (x, y), loss_fn=nn.CrossEntropyLoss())
+
+
+def test_oom_halves_the_micro_batch_and_matches_a_run_started_small():
+    recovered = OOMAbove(limit=8)
+    result = run(recovered)
+    assert result.oom_recoveries == 2 and result.micro_batch_size == 8
+    assert result.batch_size == 32 and result.effective_batch_size == 32
+    assert result.steps == 16 and result.samples == 512
+
+    small = OOMAbove(limit=8)
+    reference = run(small, batch_size=8, grad_accum=4)
+    assert reference.oom_recoveries == 0
+    for a, b in zip(recovered.parameters(), small.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert [h["loss"] for h in result.history] == pytest.approx(
+        [h["loss"] for h in reference.history], rel=1e-5)
+
+
+def test_oom_with_accumulation_replays_the_whole_step():
+    recovered = OOMAbove(limit=8)
+    run(recovered, batch_size=16, grad_accum=2)
+    small = OOMAbove(limit=8)
+    run(small, batch_size=8, grad_accum=4)
+    for a, b in zip(recovered.parameters(), small.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_oom_at_one_sample_names_the_fix():
+    from gpunb.errors import GpunbError
+
+    with pytest.raises(GpunbError, match="micro-batch of 1") as error:
+        run(OOMAbove(limit=0))
+    assert "activation_checkpointing" in str(error.value)
+
+
+def test_auto_batch_size_leaves_model_optimizer_and_rng_exactly_as_before():
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = classification_data(n=4096)
+    # Give the optimizer some state first: probing must not change it either.
+    nn.functional.cross_entropy(model(x[:8]), y[:8]).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_state = {k: {f: t.clone() for f, t in v.items()} for k, v in optimizer.state_dict()["state"].items()}
+    rng = torch.get_rng_state()
+
+    from gpunb.runtime.objective import Objective
+    from gpunb.runtime.precision import Precision
+
+    config = __import__("gpunb").TrainConfig(batch_size="auto")
+    chosen = auto.find_batch_size(model, optimizer, Objective(nn.CrossEntropyLoss()),
+                                  Precision("32", torch.device("cpu")), (x, y), torch.device("cpu"), config)
+    assert chosen in {p["batch_size"] for p in config.extras["batch_probe"]}
+    assert len(config.extras["batch_probe"]) >= 2
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, params[k]), k
+    after = optimizer.state_dict()["state"]
+    for k, fields in opt_state.items():
+        for f, t in fields.items():
+            assert torch.equal(torch.as_tensor(after[k][f]), t), (k, f)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_auto_batch_size_respects_fake_gpu_memory_limits(monkeypatch):
+    """With OOM above 64 samples, the probe stops there and picks a size that fit."""
+    model = OOMAbove(limit=64)
+    result = run(model, batch_size="auto", epochs=1)
+    probes = result.config["extras"]["batch_probe"]
+    assert max(p["batch_size"] for p in probes) <= 64
+    assert result.batch_size in {p["batch_size"] for p in probes}
+    assert result.oom_recoveries == 0
+
+
+def test_auto_batch_size_rejects_a_dataloader():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gpunb.errors import GpunbError
+
+    x, y = classification_data(n=64)
+    with pytest.raises(GpunbError, match="pass the Dataset"):
+        Trainer(batch_size="auto", track=False).fit(mlp(), DataLoader(TensorDataset(x, y), batch_size=8),
+                                                    loss_fn=nn.CrossEntropyLoss())

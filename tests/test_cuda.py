@@ -1,0 +1,91 @@
+"""GPU-only behaviour: prefetcher streams and memory, GPU-resident data, GradScaler, bf16."""
+
+import pytest
+import torch
+from conftest import classification_data, mlp
+from torch import nn
+
+from gpunb import Trainer
+
+pytestmark = pytest.mark.cuda
+
+
+def test_prefetcher_creates_one_stream_and_frees_memory_between_epochs():
+    from gpunb.runtime.prefetch import CudaPrefetcher
+
+    device = torch.device("cuda")
+    prefetch = CudaPrefetcher(device)
+    stream = prefetch.stream
+    batches = [(torch.randn(256, 1024), torch.randn(256)) for _ in range(8)]
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    peaks = []
+    for _epoch in range(3):
+        for x, y in prefetch(iter(batches)):
+            assert x.is_cuda and x.device == device
+            (x.sum() + y.sum()).item()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.memory_allocated())
+    assert prefetch.stream is stream
+    assert peaks[-1] == peaks[0] == baseline  # nothing kept alive across epochs
+    assert list(prefetch(iter([]))) == []
+
+
+def test_prefetched_values_are_exactly_the_host_values():
+    from gpunb.runtime.prefetch import CudaPrefetcher
+
+    batches = [(torch.full((1024, 256), float(i)),) for i in range(16)]
+    got = [b[0][0, 0].item() for b in CudaPrefetcher(torch.device("cuda"))(iter(batches))]
+    assert got == [float(i) for i in range(16)]
+
+
+def test_small_tensor_data_lives_on_the_gpu():
+    from gpunb.runtime.data import build_feed
+
+    x, y = classification_data(n=256)
+    feed = build_feed((x, y), batch_size=32, device=torch.device("cuda"),
+                      config=__import__("gpunb").TrainConfig())
+    assert feed.tensors[0].is_cuda and feed.prefetch is None
+    batch = next(feed.epoch(0))
+    assert batch[0].is_cuda and batch[0].shape == (32, 10)
+
+
+def test_auto_precision_on_this_gpu_trains():
+    x, y = classification_data(n=1024)
+    result = Trainer(epochs=3, batch_size=64, track=False).fit(mlp(), (x, y), (x, y),
+                                                               loss_fn=nn.CrossEntropyLoss())
+    expected = "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+    assert result.precision == expected and result.peak_memory_mb > 0
+    assert result.final_metrics["val_acc"] > 0.8
+
+
+def test_grad_scaler_on_gpu_skips_inf_steps():
+    model = mlp()
+    calls = {"n": 0}
+
+    def poison(grad):
+        calls["n"] += 1
+        return grad * float("inf") if calls["n"] == 2 else grad
+
+    model[0].weight.register_hook(poison)
+    result = Trainer(epochs=1, batch_size=16, precision="16-mixed", track=False).fit(
+        model, classification_data(n=128), loss_fn=nn.CrossEntropyLoss())
+    assert result.skipped_steps == 1
+
+
+def test_dataloader_path_uses_pinned_memory_and_prefetcher():
+    from torch.utils.data import Dataset
+
+    class Pairs(Dataset):
+        def __init__(self):
+            self.x, self.y = classification_data(n=512)
+
+        def __len__(self):
+            return 512
+
+        def __getitem__(self, i):
+            return self.x[i], self.y[i]
+
+    result = Trainer(epochs=2, batch_size=64, num_workers=2, track=False).fit(
+        mlp(), Pairs(), loss_fn=nn.CrossEntropyLoss())
+    assert result.samples == 1024 and result.device.startswith("cuda")
