@@ -39,3 +39,7 @@ def load_ipython_extension(ipython) -> None:
     from gpunb.notebook import register_magics
 
     register_magics(ipython)
+
+
+# Jupyter finds the server extension and the prebuilt sidebar through these names.
+from gpunb.server import _jupyter_labextension_paths, _jupyter_server_extension_points  # noqa: E402,F401

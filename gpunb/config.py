@@ -31,7 +31,7 @@ class TrainConfig:
     """Every setting of a run. Build it with keywords; strings are parsed on creation."""
 
     # --- how long
-    epochs: int = 1  # passes over train_data (ignored once max_steps is reached)
+    epochs: int | None = None  # passes over train_data; None: 1, or as many as max_steps needs
     max_steps: int | None = None  # stop after this many optimizer steps
     # --- batching
     batch_size: Union[int, str] = 64  # per-device samples per optimizer step, or "auto"
@@ -84,7 +84,8 @@ class TrainConfig:
         self.num_workers = _count_or_auto("num_workers", self.num_workers)
         if self.devices != "all":
             self.devices = _positive_int("devices", self.devices)
-        self.epochs = _positive_int("epochs", self.epochs)
+        if self.epochs is not None:
+            self.epochs = _positive_int("epochs", self.epochs)
         self.grad_accum = _positive_int("grad_accum", self.grad_accum)
         self.log_every = _positive_int("log_every", self.log_every)
         self.val_every = _positive_int("val_every", self.val_every)
@@ -104,6 +105,13 @@ class TrainConfig:
         if self.resume and not self.checkpoint_dir and self.resume in (True, "last"):
             raise GpunbError("resume='last' needs a checkpoint_dir to look in.",
                              "pass `checkpoint_dir=...` too, or `resume=<path to a checkpoint>`.")
+
+    @property
+    def epoch_limit(self) -> int:
+        """Epochs the loop may run: `epochs`, else unbounded under max_steps, else 1."""
+        if self.epochs is not None:
+            return self.epochs
+        return 2**62 if self.max_steps is not None else 1
 
     def replace(self, **overrides: Any) -> "TrainConfig":
         """A copy with some fields changed (validated like a new config)."""

@@ -75,7 +75,7 @@ def progress_line(state) -> str:
     total = f"/{state.total_steps}" if state.total_steps else ""
     percent = f" ({100 * state.progress:.0f}%)" if state.progress is not None else ""
     parts = [f"step {state.step}{total}{percent}",
-             f"epoch {state.epoch + 1}/{state.config.epochs}"]
+             f"epoch {state.epoch + 1}{epochs_suffix(state)}"]
     if "loss" in latest:
         parts.append(f"loss {latest['loss']:.4g}")
     if latest.get("samples_per_s"):
@@ -84,6 +84,11 @@ def progress_line(state) -> str:
     if eta is not None:
         parts.append(f"ETA {format_duration(eta)}")
     return "  ".join(parts)
+
+
+def epochs_suffix(state) -> str:
+    """"/3" when the run has a set number of epochs; nothing when max_steps decides."""
+    return f"/{state.config.epochs}" if state.config.epochs else ""
 
 
 def eta_seconds(state) -> float | None:

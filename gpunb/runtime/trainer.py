@@ -54,6 +54,7 @@ class Trainer:
         dist = current_context(self.config)
         saved_globals = devices.seed_everything(self.config.seed, self.config.deterministic)
         previous_matmul_precision = torch.get_float32_matmul_precision()
+        was_training = model.training
         run = None
         try:
             run = _prepare(self.config, dist, model, train_data, val_data, optimizer,
@@ -62,6 +63,7 @@ class Trainer:
         finally:
             if run is not None:
                 run.unwrap()
+            model.train(was_training)  # hand the model back in the mode it came in
             devices.restore_globals(saved_globals)
             torch.set_float32_matmul_precision(previous_matmul_precision)
             if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -114,7 +116,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
                            rank=dist.rank, world_size=dist.world_size, train=False)
                 if val is not None else None)
     steps_per_epoch = math.ceil(feed.num_batches / config.grad_accum) if feed.num_batches is not None else None
-    total_steps = steps_per_epoch * config.epochs if steps_per_epoch is not None else None
+    total_steps = steps_per_epoch * config.epoch_limit if steps_per_epoch is not None else None
     if config.max_steps is not None:
         total_steps = min(total_steps or config.max_steps, config.max_steps)
     scheduler = make_scheduler(optimizer, config.lr_schedule, total_steps, config.warmup_steps)
@@ -145,7 +147,7 @@ def _train(run: _Run) -> TrainResult:
     try:
         with interrupt:
             callbacks.call("on_fit_start", state)
-            for epoch in range(run.start_epoch, config.epochs):
+            for epoch in range(run.start_epoch, config.epoch_limit):
                 state.epoch = epoch
                 skip = run.skip_batches if epoch == run.start_epoch else 0
                 state.batch_in_epoch = skip
@@ -230,6 +232,10 @@ def _log(run: _Run, mean_loss: torch.Tensor, steps: int, timer) -> None:
            "lr": run.stepper.optimizer.param_groups[0]["lr"],
            "samples_per_s": samples / seconds if seconds else 0.0,
            "step_time_ms": 1000 * seconds / steps, "elapsed_s": timer.elapsed()}
+    if run.stepper.oom_recoveries:
+        row["oom_recoveries"] = run.stepper.oom_recoveries
+    if run.precision.scaler is not None:
+        row["skipped_steps"] = run.precision.skipped_steps  # one more read, at the same sync point
     state.history.append(row)
     state.latest.update(row)
     run.callbacks.call("on_log", state, row)

@@ -1,0 +1,172 @@
+"""The live dashboard of a %%gputrain run, and the static summary that replaces it.
+
+Training code only calls the hooks below; widget values are set at most every
+`min_interval_s` (never printed into an Output widget, never from a thread). When the
+run ends, fails or is interrupted, the display is updated in place with plain HTML
+and text that need no widget manager (nbconvert, GitHub, nbval).
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from collections import deque
+
+from gpunb.runtime.callbacks import epochs_suffix, eta_seconds, format_duration
+from gpunb.runtime.render import loss_curve_svg
+
+MAX_CURVE_POINTS = 300  # the live curve is thinned to this many points
+
+
+class Dashboard:
+    """ipywidgets view: progress, metrics, loss curve, GPU sparklines. A plain callback."""
+
+    def __init__(self, min_interval_s: float = 0.25):
+        self.min_interval_s = min_interval_s
+        self.handle = None
+        self._last_draw = 0.0
+        self.train_points: list = []
+        self.val_points: list = []
+        self.gpu_samples: deque = deque(maxlen=120)
+        self.draws = 0
+
+    # --- events -------------------------------------------------------------
+    def on_fit_start(self, state) -> None:
+        import ipywidgets as w
+        from IPython.display import display
+
+        self.progress = w.IntProgress(min=0, max=max(1, state.total_steps or 1), value=state.step,
+                                      layout=w.Layout(width="60%"))
+        self.status = w.HTML()
+        self.metrics = w.HTML()
+        self.curve = w.HTML()
+        self.gpu = w.HTML()
+        header = w.HTML(_header_html(state))
+        self.box = _Dashboard([header, w.HBox([self.progress, self.status]), self.metrics,
+                               w.HBox([self.curve, self.gpu])], run_name=state.run_name)
+        self.handle = display(self.box, display_id=True)
+        self._draw(state)
+
+    def on_train_batch_end(self, state) -> None:
+        now = time.monotonic()
+        if now - self._last_draw >= self.min_interval_s:
+            self._draw(state, now)
+
+    def on_log(self, state, row) -> None:
+        self.train_points.append((row["step"], row["loss"]))
+        if "gpu" in state.extras:
+            self.gpu_samples.append(state.extras["gpu"])
+
+    def on_validation_end(self, state, metrics) -> None:
+        if "val_loss" in metrics:
+            self.val_points.append((state.step, metrics["val_loss"]))
+        self._draw(state)
+
+    def on_fit_end(self, state) -> None:
+        self._finish(state.result)
+
+    def on_exception(self, state, error) -> None:
+        self._finish(FailedRun(state, error))
+
+    # --- drawing ------------------------------------------------------------
+    def _draw(self, state, now: float | None = None) -> None:
+        self._last_draw = now or time.monotonic()
+        self.draws += 1
+        if state.total_steps:
+            self.progress.max = state.total_steps
+        self.progress.value = min(state.step, self.progress.max)
+        self.status.value = html.escape(_status_line(state))
+        self.metrics.value = _metrics_html(state)
+        series = {"train": _thin(self.train_points)}
+        if self.val_points:
+            series["val"] = self.val_points
+        self.curve.value = loss_curve_svg(series, width=380, height=150)
+        if self.gpu_samples:
+            self.gpu.value = gpu_sparklines_html(list(self.gpu_samples))
+
+    def _finish(self, summary) -> None:
+        if self.handle is not None:
+            self.handle.update(summary)  # the widget's place now holds a static summary
+            self.box.close()
+
+
+class _Dashboard:
+    """Placeholder replaced by a VBox subclass on first use (ipywidgets imports lazily)."""
+
+    def __new__(cls, children, run_name):
+        import ipywidgets as w
+
+        class Box(w.VBox):
+            def __repr__(self):
+                # What nbval and plain front ends see of the live widget: stable text.
+                return f"gpunb: training {run_name!r} (live dashboard)"
+
+        return Box(children)
+
+
+class FailedRun:
+    """What the display shows when fit raised: the history so far and the error."""
+
+    def __init__(self, state, error):
+        self.state, self.error = state, error
+
+    def __repr__(self) -> str:
+        return (f"gpunb: {self.state.run_name!r} failed at step {self.state.step}: "
+                f"{type(self.error).__name__}: {str(self.error).splitlines()[0] if str(self.error) else ''}")
+
+    def _repr_html_(self) -> str:
+        points = [(row["step"], row["loss"]) for row in self.state.history]
+        return (f"<div class='gpunb-failed'><b>{html.escape(repr(self))}</b>"
+                f"{loss_curve_svg({'train': points}) if points else ''}</div>")
+
+
+def _header_html(state) -> str:
+    config = state.config
+    batch = f"{config.batch_size} x {config.grad_accum} accumulation x {state.world_size} device(s)"
+    return (f"<b>{html.escape(state.run_name)}</b> &middot; {html.escape(str(state.device))} &middot; "
+            f"precision {html.escape(config.precision)} &middot; batch {batch}")
+
+
+def _status_line(state) -> str:
+    total = f"/{state.total_steps}" if state.total_steps else ""
+    parts = [f"step {state.step}{total}", f"epoch {state.epoch + 1}{epochs_suffix(state)}"]
+    if state.latest.get("samples_per_s"):
+        parts.append(f"{state.latest['samples_per_s']:,.0f} samples/s")
+    eta = eta_seconds(state)
+    if eta is not None:
+        parts.append(f"ETA {format_duration(eta)}")
+    return " · ".join(parts)
+
+
+def _metrics_html(state) -> str:
+    latest = state.latest
+    names = ["loss", "val_loss", *sorted(k for k in latest if k.startswith("val_") and k != "val_loss"), "lr"]
+    cells = [f"{name} <b>{latest[name]:.4g}</b>" for name in names if name in latest]
+    if latest.get("skipped_steps"):
+        cells.append(f"skipped fp16 steps <b>{latest['skipped_steps']}</b>")
+    if latest.get("oom_recoveries"):
+        cells.append(f"OOM recoveries <b>{latest['oom_recoveries']}</b>")
+    return " &middot; ".join(cells) or "waiting for the first log interval"
+
+
+def gpu_sparklines_html(samples: list) -> str:
+    """Small SVG lines of GPU utilisation, memory and power from telemetry samples."""
+    rows = []
+    for key, label, unit in (("utilization_gpu", "GPU util", "%"), ("memory_used_mb", "memory", " MiB"),
+                             ("power_w", "power", " W")):
+        values = [s[key] for s in samples if key in s]
+        if not values:
+            continue
+        points = [(i, v) for i, v in enumerate(values)]
+        svg = loss_curve_svg({"gpu": points}, width=160, height=50, y_label="")
+        rows.append((label, f"{values[-1]:,.0f}{unit}", svg))
+    return "".join(f"<div>{html.escape(label)} <b>{value}</b>{svg}</div>" for label, value, svg in rows)
+
+
+def _thin(points: list) -> list:
+    if len(points) <= MAX_CURVE_POINTS:
+        return points
+    stride = len(points) / MAX_CURVE_POINTS
+    return [points[int(i * stride)] for i in range(MAX_CURVE_POINTS)] + [points[-1]]
+
+

@@ -1,0 +1,246 @@
+"""%%gputrain and %gpustatus: thin magics over gpunb.Trainer and gpunb.telemetry."""
+
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from gpunb.errors import GpunbError
+
+# The names a %%gputrain cell may define, and the option that renames each.
+ROLES = ("model", "train_data", "val_data", "optimizer", "loss_fn", "step", "metrics", "callbacks")
+
+
+@magics_class
+class GpuMagics(Magics):
+    @magic_arguments()
+    @argument("--epochs", type=int, help="passes over train_data (default 1)")
+    @argument("--max-steps", type=int, help="stop after this many optimizer steps")
+    @argument("--batch-size", help="samples per device per step: an integer or 'auto'")
+    @argument("--precision", help="auto (default), bf16-mixed, 16-mixed or 32")
+    @argument("--devices", help="devices/processes to train on: an integer or 'all'")
+    @argument("--accelerator", help="auto (default), cuda, mps or cpu")
+    @argument("--strategy", help="with several devices: ddp (default) or fsdp")
+    @argument("--grad-accum", type=int, help="micro-batches accumulated per optimizer step")
+    @argument("--clip", type=float, help="clip the gradient norm to this value")
+    @argument("--lr", type=float, help="learning rate of the default AdamW (or of your optimizer)")
+    @argument("--lr-schedule", help="none (default), one-cycle or cosine")
+    @argument("--warmup-steps", type=int, help="linear warmup steps for the cosine schedule")
+    @argument("--compile", action="store_true", help="wrap the model in torch.compile")
+    @argument("--checkpointing", action="store_true", help="activation checkpointing (saves memory)")
+    @argument("--checkpoint-dir", help="write checkpoints here")
+    @argument("--checkpoint-every", type=int, help="optimizer steps between checkpoints (default: each epoch)")
+    @argument("--resume", nargs="?", const="last", help="resume from a checkpoint path, or the last one")
+    @argument("--seed", type=int, help="seed for python, numpy and torch (default 0)")
+    @argument("--log-every", type=int, help="steps between metric reads (default 50)")
+    @argument("--num-workers", help="DataLoader workers: an integer or 'auto'")
+    @argument("--name", help="run name for the dashboard and the run registry")
+    @argument("--out", default="gputrain_result", help="variable that receives the TrainResult")
+    @argument("--quiet", action="store_true", help="no live dashboard; only the final summary")
+    @argument("--no-track", action="store_true", help="do not record the run in the run registry")
+    @argument("--find-lr", action="store_true", help="run a learning-rate range test instead of training")
+    @argument("--export", metavar="PATH", help="write a standalone torchrun script instead of training")
+    @argument("--model", dest="model_name", default="model", help="variable holding the model")
+    @argument("--train-data", dest="train_data_name", default="train_data", help="variable holding the data")
+    @argument("--val-data", dest="val_data_name", default="val_data")
+    @argument("--optimizer", dest="optimizer_name", default="optimizer")
+    @argument("--loss-fn", dest="loss_fn_name", default="loss_fn")
+    @argument("--step", dest="step_name", default="step")
+    @argument("--metrics", dest="metrics_name", default="metrics")
+    @argument("--callbacks", dest="callbacks_name", default="callbacks")
+    @cell_magic
+    def gputrain(self, line, cell):
+        """Train the model a cell defines, under gpunb's managed runtime.
+
+        The cell is ordinary PyTorch. It runs first, in the notebook's namespace, and
+        must define `model` (an nn.Module) and `train_data` (a Dataset, DataLoader,
+        tensor, tuple of tensors, or NumPy/DLPack arrays). It may define `val_data`,
+        `optimizer` (default AdamW), `loss_fn` (or a model that returns its loss, or
+        `step(model, batch) -> loss`), `metrics` and `callbacks`; `--model net` etc.
+        use other names. Afterwards `model` is trained in place and the TrainResult
+        is in `gputrain_result` (or `--out`).
+
+        Example::
+
+            %%gputrain --epochs 3 --batch-size auto
+            model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+            train_data = (x, y)
+            loss_fn = nn.CrossEntropyLoss()
+        """
+        args = parse_argstring(self.gputrain, line)
+        config = _config(args)
+        if args.export:
+            return self._export(args, line, cell)
+        before = {name: id(value) for name, value in self.shell.user_ns.items()}
+        outcome = self.shell.run_cell(cell, store_history=False)
+        if not outcome.success:
+            return None  # the user's own traceback has been shown; nothing to train
+        found = _collect(self.shell.user_ns, args, before)
+        if args.find_lr:
+            return _find_lr(found, config)
+        from gpunb.notebook import session
+
+        session.LAST_TRAIN = {"config": config, "model": found["model"], "train_data": found["train_data"],
+                              "fit_kwargs": {k: found[k] for k in ROLES[2:] if k != "callbacks"}}
+        return self._train(config, found, args)
+
+    def _train(self, config, found, args):
+        from IPython.display import display
+
+        from gpunb.runtime.trainer import Trainer
+
+        callbacks = [*found["callbacks"], *_progress_callbacks(self.shell, args.quiet)]
+        try:
+            result = Trainer(config).fit(
+                found["model"], found["train_data"], found["val_data"], optimizer=found["optimizer"],
+                loss_fn=found["loss_fn"], step=found["step"], metrics=found["metrics"],
+                callbacks=callbacks)
+        except GpunbError as error:
+            raise UsageError(str(error)) from None
+        self.shell.user_ns[args.out] = result
+        if not any(getattr(cb, "handle", None) for cb in callbacks):
+            display(result)  # no dashboard showed the summary in its place
+        return None
+
+    def _export(self, args, line, cell):
+        from gpunb.distributed.export import export_script
+
+        try:
+            path = export_script(args.export, cell, line, self.shell)
+        except GpunbError as error:
+            raise UsageError(str(error)) from None
+        print(f"Wrote {path}; run it with: torchrun --standalone --nproc-per-node <gpus> {path}")
+
+    @magic_arguments()
+    @argument("--json", action="store_true", help="print the raw snapshot as JSON")
+    @line_magic
+    def gpustatus(self, line):
+        """The GPUs right now: name, utilisation, memory, power, temperature, processes.
+
+        Without an NVIDIA GPU (or driver) it says so and shows the host's CPU and RAM.
+        Reads NVML only: it never initialises CUDA in this kernel.
+        """
+        args = parse_argstring(self.gpustatus, line)
+        from gpunb.notebook.status import Status
+
+        status = Status.now()
+        if args.json:
+            print(status.json())
+            return None
+        return status
+
+
+def _config(args):
+    """A TrainConfig from the options given (unset options keep TrainConfig's defaults)."""
+    from gpunb.config import TrainConfig
+
+    fields = {
+        "epochs": args.epochs, "max_steps": args.max_steps, "batch_size": args.batch_size,
+        "precision": args.precision, "devices": _int_or(args.devices, "devices"),
+        "accelerator": args.accelerator, "strategy": args.strategy, "grad_accum": args.grad_accum,
+        "clip_grad_norm": args.clip, "lr": args.lr, "lr_schedule": args.lr_schedule,
+        "warmup_steps": args.warmup_steps, "checkpoint_dir": args.checkpoint_dir,
+        "checkpoint_every": args.checkpoint_every, "resume": args.resume, "seed": args.seed,
+        "log_every": args.log_every, "num_workers": _int_or(args.num_workers, "num_workers"),
+        "name": args.name,
+    }
+    chosen = {k: v for k, v in fields.items() if v is not None}
+    chosen.update({k: True for k, flag in (("compile", args.compile),
+                                            ("activation_checkpointing", args.checkpointing)) if flag})
+    if args.no_track:
+        chosen["track"] = False
+    try:
+        return TrainConfig(**chosen)
+    except GpunbError as error:
+        raise UsageError(_as_option_hint(str(error))) from None
+
+
+def _int_or(value, name):
+    if value is None or not value.strip().lstrip("-").isdigit():
+        return value
+    return int(value)
+
+
+def _as_option_hint(message: str) -> str:
+    """Config errors speak of `field=value`; in a magic the fix is `--field value`."""
+    import re
+
+    return re.sub(r"`(\w+)=([^`]*)`", lambda m: f"`--{m.group(1).replace('_', '-')} "
+                  f"{m.group(2).strip(chr(39))}`", message)
+
+
+def _collect(namespace, args, before) -> dict:
+    """The objects the cell defined for each role, type-checked; UsageError names the fix."""
+    import torch
+
+    found = {}
+    for role in ROLES:
+        name = getattr(args, f"{role}_name")
+        found[role] = namespace.get(name)
+    for role in ("model", "train_data"):
+        if found[role] is None:
+            name = getattr(args, f"{role}_name")
+            raise UsageError(f"%%gputrain needs a variable `{name}` ({'an nn.Module' if role == 'model' else 'the training data'}), "
+                             f"and the namespace has none.\n{_defined_by_cell(namespace, before)}\n"
+                             f"HINT: name it `{name}` in the cell, or pass "
+                             f"`--{role.replace('_', '-')} <variable>`.")
+    if not isinstance(found["model"], torch.nn.Module):
+        raise UsageError(f"`{args.model_name}` is a {type(found['model']).__name__}, not a torch.nn.Module.\n"
+                         "HINT: assign the module itself, e.g. `model = Net()`, or pass `--model <variable>`.")
+    if found["optimizer"] is not None and not isinstance(found["optimizer"], torch.optim.Optimizer):
+        raise UsageError(f"`{args.optimizer_name}` is a {type(found['optimizer']).__name__}, not a "
+                         "torch.optim.Optimizer.\nHINT: e.g. `optimizer = torch.optim.AdamW(model.parameters())`, "
+                         "or remove it to use the default AdamW.")
+    for role in ("loss_fn", "step"):
+        if found[role] is not None and not callable(found[role]):
+            raise UsageError(f"`{getattr(args, role + '_name')}` is a {type(found[role]).__name__}, which is not "
+                             f"callable.\nHINT: e.g. `loss_fn = nn.CrossEntropyLoss()`.")
+    callbacks = found["callbacks"]
+    if callbacks is None:
+        callbacks = []
+    elif not isinstance(callbacks, (list, tuple)):
+        callbacks = [callbacks]
+    found["callbacks"] = list(callbacks)
+    return found
+
+
+def _defined_by_cell(namespace, before) -> str:
+    """Names the cell bound (new or rebound), so the error shows what it did define."""
+    import types
+
+    new = [name for name, value in namespace.items()
+           if not name.startswith("_") and before.get(name) != id(value)
+           and not isinstance(value, types.ModuleType)]
+    if not new:
+        return "The cell defined no new variables."
+    listed = ", ".join(f"{name} ({type(namespace[name]).__name__})" for name in new[:12])
+    return f"The cell defined: {listed}."
+
+
+def _progress_callbacks(shell, quiet: bool) -> list:
+    """The live dashboard in a kernel with ipywidgets, a text line in a terminal."""
+    if quiet:
+        return []
+    if getattr(shell, "kernel", None) is not None:
+        try:
+            import ipywidgets  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            from gpunb.notebook.dashboard import Dashboard
+
+            return [Dashboard()]
+    from gpunb.runtime.callbacks import ProgressPrinter
+
+    return [ProgressPrinter()]
+
+
+def _find_lr(found, config):
+    from gpunb.runtime.lr_find import find_lr
+
+    try:
+        return find_lr(found["model"], found["train_data"], config=config, optimizer=found["optimizer"],
+                       loss_fn=found["loss_fn"], step=found["step"])
+    except GpunbError as error:
+        raise UsageError(str(error)) from None

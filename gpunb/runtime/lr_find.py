@@ -1,0 +1,134 @@
+"""Learning-rate range test (Smith 2015; fastai's and Lightning's lr_find).
+
+Train for up to `steps` steps while the learning rate grows exponentially from
+`min_lr` to `max_lr`; stop once the smoothed loss diverges (4x its minimum). The
+suggestion is the rate where the smoothed loss falls fastest, before its minimum.
+Model, optimizer and RNG states are restored afterwards: the sweep leaves no trace.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from gpunb.errors import GpunbError
+from gpunb.runtime import device as devices
+from gpunb.runtime.batch_size import _restore, _snapshot
+from gpunb.runtime.data import build_feed
+from gpunb.runtime.inputs import adapt_data
+from gpunb.runtime.objective import Objective
+from gpunb.runtime.optim import check_optimizer, default_optimizer
+from gpunb.runtime.precision import Precision, resolve_precision
+from gpunb.runtime.render import loss_curve_svg
+
+SMOOTHING = 0.98  # exponential moving average of the loss, as fastai uses
+DIVERGENCE = 4.0  # stop when the smoothed loss exceeds this multiple of its minimum
+
+
+@dataclass
+class LRFinderResult:
+    lrs: list = field(default_factory=list)
+    losses: list = field(default_factory=list)  # smoothed
+    suggestion: float | None = None
+    stopped_early: bool = False
+
+    def __repr__(self) -> str:
+        rate = f"{self.suggestion:.2e}" if self.suggestion else "none (the loss never fell)"
+        return (f"LRFinderResult: suggested lr {rate} after {len(self.lrs)} steps "
+                f"({self.lrs[0]:.0e} to {self.lrs[-1]:.0e}"
+                f"{', stopped when the loss diverged' if self.stopped_early else ''})"
+                + (f"\nApply it with: %%gputrain --lr {self.suggestion:.2e}" if self.suggestion else ""))
+
+    def _repr_html_(self) -> str:
+        # Plot against log10(lr) so the sweep reads evenly from left to right.
+        points = [(math.log10(lr), loss) for lr, loss in zip(self.lrs, self.losses)]
+        series = {"train": points}
+        if self.suggestion:
+            near = min(points, key=lambda p: abs(p[0] - math.log10(self.suggestion)))
+            series["suggested"] = [near]
+        svg = loss_curve_svg(series, y_label="loss (smoothed)").replace(" steps</text>", " log10(lr)</text>")
+        text = repr(self).replace("\n", "<br>")
+        return f"<div class='gpunb-lr-find'>{svg}<div>{text}</div></div>"
+
+    def plot(self, ax=None):
+        import matplotlib.pyplot as plt
+
+        if ax is None:
+            _fig, ax = plt.subplots(figsize=(6, 3.2))
+        ax.plot(self.lrs, self.losses)
+        ax.set_xscale("log")
+        if self.suggestion:
+            ax.axvline(self.suggestion, color="tab:orange", linestyle="--", label=f"{self.suggestion:.1e}")
+            ax.legend()
+        ax.set_xlabel("learning rate")
+        ax.set_ylabel("smoothed loss")
+        return ax
+
+
+def find_lr(model, train_data, *, config, optimizer=None, loss_fn=None, step=None,
+            min_lr: float = 1e-7, max_lr: float = 10.0, steps: int = 200) -> LRFinderResult:
+    if not 0 < min_lr < max_lr:
+        raise GpunbError(f"The learning-rate sweep needs 0 < min_lr < max_lr, got {min_lr} and {max_lr}.")
+    device = devices.select_device(config.accelerator)
+    precision = Precision(resolve_precision(config.precision, device)[0], device)
+    objective = Objective(loss_fn, step)
+    model.to(device)
+    optimizer = optimizer or default_optimizer(model, config.lr, device)
+    check_optimizer(optimizer, model)
+    batch_size = 64 if config.batch_size == "auto" else config.batch_size
+    feed = build_feed(adapt_data(train_data), batch_size=batch_size, device=device, config=config)
+    saved = _snapshot(model, optimizer, device)
+    result = LRFinderResult()
+    try:
+        _sweep(model, optimizer, objective, precision, feed, result, min_lr, max_lr, steps)
+    finally:
+        _restore(model, optimizer, device, saved)
+    result.suggestion = _steepest(result.lrs, result.losses)
+    return result
+
+
+def _sweep(model, optimizer, objective, precision, feed, result, min_lr, max_lr, steps):
+    model.train()
+    growth = (max_lr / min_lr) ** (1 / max(1, steps - 1))
+    average, best, epoch = 0.0, math.inf, 0
+    batches = feed.epoch(epoch)
+    for i in range(steps):
+        batch = next(batches, None)
+        if batch is None:  # a short dataset: start another pass
+            epoch += 1
+            batches = feed.epoch(epoch)
+            batch = next(batches)
+        lr = min_lr * growth**i
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        with precision.autocast():
+            loss = objective.loss(model, batch)
+        precision.backward(loss)
+        precision.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        value = loss.item()  # a sync per step is fine here: the sweep is short
+        average = SMOOTHING * average + (1 - SMOOTHING) * value
+        smoothed = average / (1 - SMOOTHING ** (i + 1))  # bias-corrected, as in Adam
+        result.lrs.append(lr)
+        result.losses.append(smoothed)
+        best = min(best, smoothed)
+        if not math.isfinite(smoothed) or (i > 10 and smoothed > DIVERGENCE * best):
+            result.stopped_early = True
+            break
+
+
+def _steepest(lrs: list, losses: list) -> float | None:
+    """The rate with the most negative slope of loss vs log(lr), before the loss minimum."""
+    finite = [(lr, loss) for lr, loss in zip(lrs, losses) if math.isfinite(loss)]
+    if len(finite) < 5:
+        return None
+    lowest = min(range(len(finite)), key=lambda i: finite[i][1])
+    window = finite[: lowest + 1]
+    if len(window) < 3:
+        return None
+    slopes = [(window[i + 1][1] - window[i - 1][1]) /
+              (math.log(window[i + 1][0]) - math.log(window[i - 1][0])) for i in range(1, len(window) - 1)]
+    steepest = min(range(len(slopes)), key=lambda i: slopes[i])
+    return window[steepest + 1][0] if slopes[steepest] < 0 else None

@@ -1,0 +1,101 @@
+import { URLExt } from '@jupyterlab/coreutils';
+import { ServerConnection } from '@jupyterlab/services';
+
+/** One process on a GPU; kernel_id and notebook are set when it is one of this server's kernels. */
+export interface IGpuProcess {
+  pid: number;
+  used_memory_mb?: number | null; // null where the driver cannot attribute memory
+  kernel_id?: string;
+  notebook?: string | null;
+}
+
+/** One GPU as NVML sees it; a field the GPU does not support is absent. */
+export interface IGpu {
+  index: number;
+  name?: string; // name and uuid too are absent when NVML cannot read them
+  uuid?: string;
+  utilization_gpu?: number;
+  memory_used_mb?: number;
+  memory_total_mb?: number;
+  power_w?: number;
+  power_limit_w?: number;
+  temperature_c?: number;
+  processes?: IGpuProcess[];
+}
+
+/** A stable key for a GPU across polls. */
+export function gpuKey(gpu: IGpu): string {
+  return gpu.uuid ?? `index-${gpu.index}`;
+}
+
+export interface IHost {
+  cpu_percent?: number;
+  cpu_count?: number;
+  ram_used_mb?: number;
+  ram_total_mb?: number;
+  ram_percent?: number;
+}
+
+/** GET gpunb/api/devices */
+export interface IDevices {
+  time: number;
+  nvidia: boolean;
+  reason?: string;
+  driver?: string;
+  host: IHost;
+  gpus: IGpu[];
+}
+
+export type RunStatus =
+  | 'running'
+  | 'completed'
+  | 'stopped'
+  | 'interrupted'
+  | 'failed';
+
+/** One row of GET gpunb/api/runs */
+export interface IRun {
+  id: string;
+  name: string;
+  notebook?: string | null;
+  status: RunStatus;
+  progress?: number | null;
+  step?: number | null;
+  total_steps?: number | null;
+  eta_s?: number | null;
+  latest?: { [metric: string]: number | null }; // null for a non-finite value
+  device?: string | null;
+  error?: string | null;
+  stop_requested?: boolean;
+  started_at?: number;
+}
+
+/** GET gpunb/api/runs/<id>: the run and its logged metrics. */
+export interface IRunDetail extends IRun {
+  history: { step: number; loss?: number | null }[];
+}
+
+/**
+ * Call the gpunb server extension at `<base_url>/gpunb/api/<endPoint>`.
+ *
+ * Throws a `ServerConnection.ResponseError` carrying the server's message on a non-2xx reply.
+ */
+export async function requestAPI<T>(
+  endPoint: string,
+  init: RequestInit = {}
+): Promise<T> {
+  const settings = ServerConnection.makeSettings();
+  const url = URLExt.join(settings.baseUrl, 'gpunb', 'api', endPoint);
+  let response: Response;
+  try {
+    response = await ServerConnection.makeRequest(url, init, settings);
+  } catch (error) {
+    throw new ServerConnection.NetworkError(error as TypeError);
+  }
+  const text = await response.text();
+  const data = text ? JSON.parse(text) : null;
+  if (!response.ok) {
+    throw new ServerConnection.ResponseError(response, data?.message ?? text);
+  }
+  return data as T;
+}

@@ -1,0 +1,146 @@
+"""%%gputrain and %gpustatus in-process: what the user sees and what lands in the namespace."""
+
+import IPython
+import pytest
+import torch
+from IPython.core.error import UsageError
+from IPython.testing.globalipapp import get_ipython
+
+SETUP = """
+import torch
+from torch import nn
+g = torch.Generator().manual_seed(0)
+x = torch.randn(256, 10, generator=g)
+y = (x[:, 0] > 0).long()
+"""
+
+CELL = """
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 2))
+train_data = (x[:200], y[:200])
+val_data = (x[200:], y[200:])
+loss_fn = nn.CrossEntropyLoss()
+"""
+
+
+@pytest.fixture
+def ip():
+    shell = get_ipython() or IPython.get_ipython()  # the first call starts it, later ones return None
+    shell.run_line_magic("load_ext", "gpunb")
+    shell.user_ns.clear()
+    shell.run_cell(SETUP)
+    yield shell
+    shell.user_ns.clear()
+
+
+def test_trains_the_notebook_model_in_place_and_stores_the_result(ip, capsys):
+    ip.run_cell_magic("gputrain", "--epochs 3 --batch-size 20 --lr 0.01 --no-track", CELL)
+    result = ip.user_ns["gputrain_result"]
+    model = ip.user_ns["model"]
+    assert result.steps == 30 and result.batch_size == 20 and len(result.epochs) == 3
+    with torch.no_grad():
+        accuracy = (model(ip.user_ns["x"][200:]).argmax(1) == ip.user_ns["y"][200:]).float().mean()
+    assert accuracy.item() == pytest.approx(result.final_metrics["val_acc"])
+    assert "TrainResult(" in capsys.readouterr().out  # no kernel: the summary is printed
+
+
+def test_options_reach_the_config(ip):
+    ip.run_cell_magic("gputrain", "--max-steps 4 --batch-size 8 --grad-accum 2 --clip 1.0 --seed 3 "
+                      "--lr-schedule cosine --warmup-steps 1 --log-every 2 --name mine --out res --quiet "
+                      "--no-track --precision bf16", CELL)
+    config = ip.user_ns["res"].config
+    assert (config["max_steps"], config["batch_size"], config["grad_accum"]) == (4, 8, 2)
+    assert (config["clip_grad_norm"], config["seed"], config["lr_schedule"]) == (1.0, 3, "cosine")
+    assert config["precision"] == "bf16-mixed" and config["name"] == "mine"
+    assert ip.user_ns["res"].run_name == "mine"
+
+
+def test_other_variable_names(ip):
+    cell = CELL.replace("model =", "net =").replace("model.", "net.").replace("train_data =", "data =")
+    ip.run_cell_magic("gputrain", "--model net --train-data data --max-steps 2 --quiet --no-track", cell)
+    assert ip.user_ns["gputrain_result"].steps == 2
+
+
+def test_custom_step_optimizer_metrics_and_callbacks_are_collected(ip):
+    cell = CELL + """
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+def step(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+del loss_fn
+seen = []
+class Spy:
+    def on_fit_end(self, state):
+        seen.append(state.step)
+callbacks = [Spy()]
+"""
+    ip.run_cell_magic("gputrain", "--max-steps 3 --quiet --no-track", cell)
+    assert ip.user_ns["seen"] == [3]
+    assert ip.user_ns["optimizer"].state_dict()["param_groups"][0]["lr"] == 0.1
+
+
+@pytest.mark.parametrize("line,cell,message", [
+    ("--precision fp8", CELL, "Unknown precision 'fp8'"),
+    ("--batch-size 0", CELL, "--batch-size 64"),
+    ("--epochs two", CELL, "invalid int value"),
+    ("--no-such-option", CELL, "unrecognized arguments"),
+    ("", "train_data = (x, y)\nnet = nn.Linear(10, 2)", "needs a variable `model`"),
+    ("", "model = nn.Linear(10, 2)", "needs a variable `train_data`"),
+    ("", "model = 'a string'\ntrain_data = (x, y)", "not a torch.nn.Module"),
+    ("", CELL + "optimizer = 3", "not a torch.optim.Optimizer"),
+    ("", CELL + "loss_fn = 3", "not callable"),
+    ("", CELL + "train_data = 'text'", "cannot batch"),
+])
+def test_misuse_is_a_usage_error_that_names_the_fix(ip, line, cell, message):
+    with pytest.raises(UsageError) as error:
+        ip.run_cell_magic("gputrain", line + " --no-track --quiet", cell)
+    assert message in str(error.value)
+
+
+def test_missing_model_lists_what_the_cell_defined(ip):
+    with pytest.raises(UsageError) as error:
+        ip.run_cell_magic("gputrain", "--no-track", "train_data = (x, y)\nnet = nn.Linear(10, 2)")
+    text = str(error.value)
+    assert "net (Linear)" in text and "--model <variable>" in text
+
+
+def test_an_error_in_the_cell_shows_the_users_traceback_and_trains_nothing(ip, capsys):
+    ip.run_cell_magic("gputrain", "--no-track", "model = nn.Linear(10, 2)\n1 / 0")
+    out = capsys.readouterr()
+    assert "ZeroDivisionError" in out.out + out.err
+    assert "gpunb/runtime" not in out.out + out.err
+    assert "gputrain_result" not in ip.user_ns
+
+
+def test_find_lr_suggests_a_rate_and_restores_the_model(ip):
+    ip.run_cell(CELL)
+    before = [p.clone() for p in ip.user_ns["model"].parameters()]
+    # The model comes from the earlier cell; the sweep must hand it back untouched.
+    finder = ip.run_cell_magic("gputrain", "--find-lr --batch-size 32 --no-track", "loss_fn = nn.CrossEntropyLoss()")
+    assert finder.suggestion is not None and 1e-5 < finder.suggestion < 10
+    assert "--lr" in repr(finder) and "<svg" in finder._repr_html_()
+    for a, b in zip(before, ip.user_ns["model"].parameters()):
+        assert torch.equal(a, b)
+
+
+def test_gpustatus_without_a_gpu_says_so_and_shows_the_host(ip):
+    status = ip.run_line_magic("gpustatus", "")
+    text, page = repr(status), status._repr_html_()
+    if not status.snapshot["nvidia"]:
+        assert "No NVIDIA GPU" in page and "NVIDIA" in text
+    assert "RAM" in text and "RAM" in page
+    assert not torch.cuda.is_initialized()
+
+
+def test_help_is_useful(ip):
+    doc = ip.find_cell_magic("gputrain").__doc__
+    assert "train_data" in doc and "--batch-size" in doc and "--find-lr" in doc
+    assert "NVML" in ip.find_line_magic("gpustatus").__doc__
+
+
+def test_last_setup_is_kept_for_gpuprofile(ip):
+    from gpunb.notebook import session
+
+    ip.run_cell_magic("gputrain", "--max-steps 1 --quiet --no-track", CELL)
+    assert session.LAST_TRAIN["model"] is ip.user_ns["model"]
+    assert session.LAST_TRAIN["fit_kwargs"]["loss_fn"] is ip.user_ns["loss_fn"]

@@ -1,0 +1,254 @@
+"""The server extension's REST API (gpunb/server/), through a real Jupyter server.
+
+NVML is faked at the pynvml function boundary, so these run on any machine.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import psutil
+import pynvml
+import pytest
+from tornado.httpclient import HTTPClientError
+
+from gpunb.runs import Registry
+from gpunb.telemetry import nvml
+
+pytest_plugins = ("pytest_jupyter.jupyter_server",)
+
+GIB = 1024**3
+TOKEN = "gpunb-test-token"
+RUN_ROUTES = [("GET", "runs/{}"), ("POST", "runs/{}/stop")]
+ALL_ROUTES = [("GET", "devices"), ("GET", "runs"), *RUN_ROUTES]
+
+
+@pytest.fixture(autouse=True)
+def gpunb_home(tmp_path, monkeypatch):
+    # Set before the server starts: the extension opens $GPUNB_HOME/runs.sqlite.
+    monkeypatch.setenv("GPUNB_HOME", str(tmp_path / "gpunb"))
+    return tmp_path / "gpunb"
+
+
+@pytest.fixture
+def jp_server_config(jp_server_config):
+    return {
+        "ServerApp": {"jpserver_extensions": {"gpunb": True}, "allow_unauthenticated_access": False},
+        "IdentityProvider": {"token": TOKEN},
+    }
+
+
+@pytest.fixture
+def registry(gpunb_home):
+    return Registry(gpunb_home / "runs.sqlite")
+
+
+@pytest.fixture
+def running_run(registry):
+    run_id = registry.start_run("mnist", total_steps=100, notebook="work/mnist.ipynb")
+    for step, loss in [(10, 2.0), (20, 1.2), (30, 0.7)]:
+        registry.add_metrics(run_id, step, {"loss": loss})
+    registry.update(run_id, step=30, progress=0.3, eta_s=12.5, latest={"loss": 0.7})
+    return run_id
+
+
+def fetch(jp_fetch, method, *parts, **kwargs):
+    if method == "POST":
+        kwargs.setdefault("body", b"{}")
+    return jp_fetch("gpunb", "api", *parts, method=method, **kwargs)
+
+
+async def fetch_json(jp_fetch, method, *parts, **kwargs):
+    response = await fetch(jp_fetch, method, *parts, **kwargs)
+    return response.code, json.loads(response.body)
+
+
+async def expect_error(jp_fetch, code, method, *parts, **kwargs):
+    with pytest.raises(HTTPClientError) as error:
+        await fetch(jp_fetch, method, *parts, **kwargs)
+    assert error.value.code == code
+    return error.value
+
+
+# --------------------------------------------------------------------- NVML fakes
+def fake_nvml(monkeypatch, processes=()):
+    """One H100 whose PCIe counters are not supported, running `processes` (pid, MiB)."""
+    def not_supported(*args):
+        raise pynvml.NVMLError_NotSupported()
+
+    fakes = {
+        "nvmlInit": lambda: None,
+        "nvmlDeviceGetCount": lambda: 1,
+        "nvmlSystemGetDriverVersion": lambda: "560.35.03",
+        "nvmlDeviceGetHandleByIndex": lambda index: f"handle-{index}",
+        "nvmlDeviceGetName": lambda handle: "NVIDIA H100 80GB HBM3",
+        "nvmlDeviceGetUUID": lambda handle: "GPU-1234",
+        "nvmlDeviceGetUtilizationRates": lambda handle: SimpleNamespace(gpu=87, memory=41),
+        "nvmlDeviceGetMemoryInfo": lambda handle: SimpleNamespace(used=20 * GIB, total=80 * GIB),
+        "nvmlDeviceGetPowerUsage": lambda handle: 312_000,  # mW
+        "nvmlDeviceGetEnforcedPowerLimit": lambda handle: 700_000,
+        "nvmlDeviceGetTemperature": lambda handle, sensor: 61,
+        "nvmlDeviceGetClockInfo": lambda handle, clock: 1980,
+        "nvmlDeviceGetPcieThroughput": not_supported,
+        "nvmlDeviceGetTotalEnergyConsumption": lambda handle: 5_000_000,  # mJ
+        "nvmlDeviceGetComputeRunningProcesses": lambda handle: [
+            SimpleNamespace(pid=pid, usedGpuMemory=mib * 1024**2) for pid, mib in processes],
+    }
+    for name, fake in fakes.items():
+        monkeypatch.setattr(pynvml, name, fake)
+    # NVML initialises once per process; start this test from scratch.
+    monkeypatch.setattr(nvml, "_initialised", False)
+    monkeypatch.setattr(nvml, "_init_error", None)
+
+
+def no_nvml(monkeypatch):
+    def missing_library():
+        raise pynvml.NVMLError_LibraryNotFound()
+
+    monkeypatch.setattr(pynvml, "nvmlInit", missing_library)
+    monkeypatch.setattr(nvml, "_initialised", False)
+    monkeypatch.setattr(nvml, "_init_error", None)
+
+
+# --------------------------------------------------------------------- devices
+async def test_devices_without_gpu_reports_host(jp_fetch, monkeypatch):
+    no_nvml(monkeypatch)
+    code, body = await fetch_json(jp_fetch, "GET", "devices")
+    assert code == 200
+    assert body["nvidia"] is False and body["gpus"] == []
+    assert "driver" in body["reason"]
+    assert body["host"]["ram_total_mb"] > 0 and body["host"]["cpu_count"] >= 1
+
+
+async def test_devices_with_fake_gpu(jp_fetch, monkeypatch):
+    fake_nvml(monkeypatch, processes=[(999_999_999, 512)])
+    code, body = await fetch_json(jp_fetch, "GET", "devices")
+    assert code == 200 and body["nvidia"] is True and body["driver"] == "560.35.03"
+    (gpu,) = body["gpus"]
+    assert gpu["name"] == "NVIDIA H100 80GB HBM3" and gpu["uuid"] == "GPU-1234"
+    assert gpu["utilization_gpu"] == 87 and gpu["memory_total_mb"] == 80 * 1024
+    assert gpu["power_w"] == 312 and gpu["power_limit_w"] == 700 and gpu["temperature_c"] == 61
+    assert "pcie_tx_kbps" not in gpu and "pcie_rx_kbps" not in gpu  # NVMLError_NotSupported
+    # A process that is none of this server's kernels gets no kernel or notebook.
+    assert gpu["processes"] == [{"pid": 999_999_999, "used_memory_mb": 512}]
+
+
+async def test_devices_maps_gpu_processes_to_kernels_and_notebooks(jp_fetch, jp_serverapp, monkeypatch):
+    response = await jp_fetch("api", "sessions", method="POST", body=json.dumps(
+        {"path": "work/train.ipynb", "type": "notebook", "name": "train.ipynb", "kernel": {"name": "python3"}}))
+    session = json.loads(response.body)
+    kernel_id = session["kernel"]["id"]
+    kernel = jp_serverapp.kernel_manager.get_kernel(kernel_id)
+    kernel_pid = kernel.provisioner.pid
+    # A child of the kernel (as a DataLoader worker or a DDP rank would be) counts as the kernel.
+    client = kernel.client()
+    client.start_channels()
+    try:
+        await client.wait_for_ready(timeout=60)
+        await client.execute_interactive(
+            "import subprocess, sys\n"
+            "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])",
+            timeout=30)
+    finally:
+        client.stop_channels()
+    (worker,) = psutil.Process(kernel_pid).children()
+    try:
+        fake_nvml(monkeypatch, processes=[(kernel_pid, 1000), (worker.pid, 200), (999_999_999, 30)])
+        _, body = await fetch_json(jp_fetch, "GET", "devices")
+    finally:
+        worker.kill()
+        await jp_serverapp.kernel_manager.shutdown_kernel(kernel_id, now=True)
+    processes = {p["pid"]: p for p in body["gpus"][0]["processes"]}
+    for pid in (kernel_pid, worker.pid):
+        assert processes[pid]["kernel_id"] == kernel_id
+        assert processes[pid]["notebook"] == "work/train.ipynb"
+    assert "kernel_id" not in processes[999_999_999]
+
+
+# --------------------------------------------------------------------- runs
+async def test_runs_lists_recorded_runs(jp_fetch, registry, running_run):
+    done = registry.start_run("tiny", total_steps=10)
+    registry.finish(done, "completed")
+    code, body = await fetch_json(jp_fetch, "GET", "runs")
+    assert code == 200
+    assert [run["name"] for run in body["runs"]] == ["tiny", "mnist"]  # newest first
+    mnist = body["runs"][1]
+    assert mnist["id"] == running_run and mnist["status"] == "running"
+    assert mnist["progress"] == 0.3 and mnist["latest"] == {"loss": 0.7}
+    assert mnist["notebook"] == "work/mnist.ipynb" and mnist["stop_requested"] is False
+
+
+async def test_runs_is_empty_without_a_registry_file(jp_fetch, gpunb_home):
+    code, body = await fetch_json(jp_fetch, "GET", "runs")
+    assert (code, body) == (200, {"runs": []})
+
+
+async def test_run_detail_has_history(jp_fetch, running_run):
+    code, body = await fetch_json(jp_fetch, "GET", "runs", running_run)
+    assert code == 200 and body["id"] == running_run and body["eta_s"] == 12.5
+    assert [(row["step"], row["loss"]) for row in body["history"]] == [(10, 2.0), (20, 1.2), (30, 0.7)]
+
+
+async def test_run_detail_unknown_is_404(jp_fetch):
+    error = await expect_error(jp_fetch, 404, "GET", "runs", "0" * 32)
+    assert "No run with id" in json.loads(error.response.body)["message"]
+
+
+async def test_stop_requests_a_clean_stop(jp_fetch, registry, running_run):
+    code, body = await fetch_json(jp_fetch, "POST", "runs", running_run, "stop")
+    assert code == 202 and body == {"id": running_run, "stop_requested": True}
+    assert registry.stop_requested(running_run)
+    _, run = await fetch_json(jp_fetch, "GET", "runs", running_run)
+    assert run["stop_requested"] is True and run["status"] == "running"  # until the loop notices
+
+
+async def test_stop_unknown_run_is_404(jp_fetch):
+    await expect_error(jp_fetch, 404, "POST", "runs", "f" * 32, "stop")
+
+
+async def test_stop_finished_run_is_409(jp_fetch, registry):
+    run_id = registry.start_run("done")
+    registry.finish(run_id, "completed")
+    error = await expect_error(jp_fetch, 409, "POST", "runs", run_id, "stop")
+    assert "completed" in json.loads(error.response.body)["message"]
+    assert not registry.stop_requested(run_id)
+
+
+# --------------------------------------------------------------------- bad input and auth
+BAD_IDS = ["not-a-run", "A" * 32, "0" * 31, "0" * 33, "..", "..%2F..%2Fetc%2Fpasswd", "0" * 31 + "g"]
+
+
+@pytest.mark.parametrize("bad_id", BAD_IDS)
+@pytest.mark.parametrize("method,route", RUN_ROUTES)
+async def test_malformed_run_ids_are_rejected(jp_fetch, method, route, bad_id):
+    error = await expect_error(jp_fetch, 400, method, *route.format(bad_id).split("/"))
+    assert "32 lowercase hex" in json.loads(error.response.body)["message"]
+
+
+@pytest.mark.parametrize("method,route", ALL_ROUTES)
+async def test_every_route_needs_credentials(jp_fetch, registry, running_run, method, route):
+    parts = route.format(running_run).split("/")
+    await expect_error(jp_fetch, 403, method, *parts, headers={"Authorization": ""})
+    assert not registry.stop_requested(running_run)
+
+
+async def test_blocking_work_runs_off_the_event_loop(jp_fetch, monkeypatch):
+    threads = []
+
+    def snapshot():
+        threads.append(threading.current_thread())
+        return {"time": time.time(), "nvidia": False, "reason": "fake", "host": {}, "gpus": []}
+
+    monkeypatch.setattr("gpunb.telemetry.snapshot", snapshot)
+    await fetch(jp_fetch, "GET", "devices")
+    assert threads and threads[0] is not threading.main_thread()
+
+
+def test_extension_points_name_the_server_module():
+    from gpunb.server import _jupyter_labextension_paths, _jupyter_server_extension_points
+
+    assert _jupyter_server_extension_points() == [{"module": "gpunb.server"}]
+    assert _jupyter_labextension_paths() == [{"src": "labextension", "dest": "gpunb"}]
