@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 import pytest
 import torch
@@ -35,4 +36,5 @@ def mlp(features=10, classes=3, hidden=32, seed=0):
     return nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, classes))
 
 
-os.environ.setdefault("PYTHONHASHSEED", "0")
+# Kernels started by the tests and by nbval inherit this: never the user's real registry.
+os.environ.setdefault("GPUNB_HOME", tempfile.mkdtemp(prefix="gpunb-test-home-"))

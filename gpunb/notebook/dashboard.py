@@ -21,7 +21,7 @@ MAX_CURVE_POINTS = 300  # the live curve is thinned to this many points
 class Dashboard:
     """ipywidgets view: progress, metrics, loss curve, GPU sparklines. A plain callback."""
 
-    def __init__(self, min_interval_s: float = 0.25):
+    def __init__(self, min_interval_s: float = 0.5):
         self.min_interval_s = min_interval_s
         self.handle = None
         self._last_draw = 0.0

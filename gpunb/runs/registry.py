@@ -1,0 +1,339 @@
+"""The run registry: one SQLite file (WAL) shared by every kernel and the Jupyter server.
+
+Each operation opens its own short-lived connection. That costs well under a
+millisecond, is safe across threads and forks (a sqlite connection must never
+cross a fork), and writes happen at most once a second per run anyway. WAL lets
+the server read while kernels write; busy_timeout makes concurrent writers queue
+instead of failing with "database is locked"; write transactions start with
+BEGIN IMMEDIATE so a read-then-write never deadlocks on a lock upgrade.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import socket
+import sqlite3
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from gpunb.errors import GpunbError
+
+STATUSES = ("running", "completed", "stopped", "interrupted", "failed")
+MAX_POINTS = 500  # metric points kept per run; older ones are thinned evenly
+STALE_AFTER_S = 300.0  # a run on another host that has not written for this long is dead
+PROCESS_DIED = "process died"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    id TEXT PRIMARY KEY, name TEXT, notebook TEXT, kernel_id TEXT,
+    pid INTEGER, pid_started REAL, host TEXT, status TEXT NOT NULL, config TEXT,
+    started_at REAL, ended_at REAL, updated_at REAL,
+    progress REAL, step INTEGER, total_steps INTEGER, epoch INTEGER, eta_s REAL,
+    latest TEXT, device TEXT, energy_j REAL, error TEXT,
+    metric_seq INTEGER NOT NULL DEFAULT 0,     -- add_metrics calls so far
+    metric_stride INTEGER NOT NULL DEFAULT 1   -- keep every stride-th point (doubles when full)
+);
+CREATE INDEX IF NOT EXISTS runs_by_start ON runs(started_at);
+CREATE TABLE IF NOT EXISTS metrics (
+    run_id TEXT NOT NULL, seq INTEGER NOT NULL, t REAL, step INTEGER, data TEXT,
+    PRIMARY KEY (run_id, seq)
+);
+CREATE TABLE IF NOT EXISTS stop_requests (run_id TEXT PRIMARY KEY, requested_at REAL);
+"""
+_RUN_COLUMNS = ("id", "name", "notebook", "kernel_id", "pid", "host", "status", "config",
+                "started_at", "ended_at", "updated_at", "progress", "step", "total_steps",
+                "epoch", "eta_s", "latest", "device", "energy_j", "error")
+_UPDATABLE = ("progress", "step", "total_steps", "epoch", "eta_s", "latest", "device", "energy_j")
+
+
+def default_path() -> Path:
+    """$GPUNB_HOME/runs.sqlite, else <Jupyter data dir>/gpunb/runs.sqlite."""
+    home = os.environ.get("GPUNB_HOME")
+    if home:
+        return Path(home).expanduser() / "runs.sqlite"
+    from jupyter_core.paths import jupyter_data_dir
+
+    return Path(jupyter_data_dir()) / "gpunb" / "runs.sqlite"
+
+
+def json_safe(value: Any, _depth: int = 0) -> Any:
+    """`value` as plain JSON: NaN/inf become None, tensors and numpy scalars their
+    Python value, unknown objects their str(); browsers reject NaN in JSON."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)  # also turns IntEnum and friends into plain ints
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else None
+    if _depth > 8:
+        return str(value)  # deep or cyclic structure: stop here
+    if isinstance(value, dict):
+        return {str(key): json_safe(item, _depth + 1) for key, item in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [json_safe(item, _depth + 1) for item in value]
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # numpy or torch scalar
+        return json_safe(value.item(), _depth + 1)
+    return str(value)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(json_safe(value), allow_nan=False)
+
+
+class Registry:
+    """Runs and their metrics in `path` (default: `default_path()`), created on first use."""
+
+    def __init__(self, path: str | os.PathLike | None = None, timeout: float = 5.0):
+        self.path = Path(path) if path is not None else default_path()
+        self.timeout = timeout  # seconds a writer waits for another writer's lock
+        self._ready = False
+        self._owner: tuple[int, threading.Lock, sqlite3.Connection] | None = None  # (pid, lock, connection)
+
+    # ------------------------------------------------------------------ writes
+    def start_run(self, name: str, *, config: dict | None = None, device: str | None = None,
+                  total_steps: int | None = None, pid: int | None = None, host: str | None = None,
+                  notebook: str | None = None, kernel_id: str | None = None) -> str:
+        """Record a new running run; returns its id. pid/host/notebook/kernel_id default to this process's."""
+        run_id = uuid.uuid4().hex
+        now = time.time()
+        pid = os.getpid() if pid is None else pid
+        row = {"id": run_id, "name": name, "notebook": notebook or os.environ.get("JPY_SESSION_NAME"),
+               "kernel_id": kernel_id or _kernel_id(), "pid": pid, "pid_started": _process_start(pid),
+               "host": host or socket.gethostname(), "status": "running", "config": _dumps(config or {}),
+               "started_at": now, "updated_at": now, "total_steps": total_steps, "device": device,
+               "latest": "{}", "step": 0}
+        with self._write() as db:
+            db.execute(f"INSERT INTO runs ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
+                       tuple(row.values()))
+        return run_id
+
+    def update(self, run_id: str, **fields: Any) -> None:
+        """Set any of progress, step, total_steps, epoch, eta_s, latest (dict), device, energy_j."""
+        unknown = set(fields) - set(_UPDATABLE)
+        if unknown:
+            raise TypeError(f"Registry.update() got unknown fields {sorted(unknown)}; "
+                            f"expected some of {list(_UPDATABLE)}")
+        values = {key: (_dumps(value) if key == "latest" else json_safe(value))
+                  for key, value in fields.items()}
+        values["updated_at"] = time.time()
+        assignments = ", ".join(f"{key} = ?" for key in values)
+        with self._write() as db:
+            db.execute(f"UPDATE runs SET {assignments} WHERE id = ?", (*values.values(), run_id))
+            # A run wrongly declared dead (a long silence on another host) comes back to life.
+            db.execute("UPDATE runs SET status = 'running', error = NULL, ended_at = NULL "
+                       "WHERE id = ? AND status = 'failed' AND error = ?", (run_id, PROCESS_DIED))
+
+    def add_metrics(self, run_id: str, step: int, metrics: dict) -> None:
+        """Append a metric point; at most ~MAX_POINTS are kept, evenly spread, plus the newest."""
+        with self._write() as db:
+            row = db.execute("SELECT metric_seq, metric_stride FROM runs WHERE id = ?", (run_id,)).fetchone()
+            if row is None:
+                raise KeyError(f"no run {run_id!r} in {self.path}")
+            seq, stride = row
+            # The previous point was kept only as "the newest"; drop it unless on the stride.
+            if seq > 0 and (seq - 1) % stride:
+                db.execute("DELETE FROM metrics WHERE run_id = ? AND seq = ?", (run_id, seq - 1))
+            db.execute("INSERT INTO metrics (run_id, seq, t, step, data) VALUES (?, ?, ?, ?, ?)",
+                       (run_id, seq, time.time(), json_safe(step), _dumps(metrics)))
+            (count,) = db.execute("SELECT COUNT(*) FROM metrics WHERE run_id = ?", (run_id,)).fetchone()
+            if count > MAX_POINTS:
+                stride *= 2
+                db.execute("DELETE FROM metrics WHERE run_id = ? AND seq % ? != 0 AND seq != ?",
+                           (run_id, stride, seq))
+            db.execute("UPDATE runs SET metric_seq = ?, metric_stride = ? WHERE id = ?",
+                       (seq + 1, stride, run_id))
+
+    def finish(self, run_id: str, status: str, *, error: str | None = None, **fields: Any) -> None:
+        """End a run with `status` (not "running"); `fields` as in `update` (e.g. energy_j)."""
+        if status not in STATUSES or status == "running":
+            raise GpunbError(f"Cannot finish a run with status {status!r}.",
+                             "use one of " + ", ".join(f"`{s}`" for s in STATUSES[1:]) + ".")
+        self.update(run_id, eta_s=None, **fields)
+        with self._write() as db:
+            db.execute("UPDATE runs SET status = ?, error = ?, ended_at = ? WHERE id = ?",
+                       (status, error, time.time(), run_id))
+            db.execute("DELETE FROM stop_requests WHERE run_id = ?", (run_id,))
+
+    def request_stop(self, run_id: str) -> bool:
+        """Ask a running run to stop at its next log; False when it is not running."""
+        self.get_run(run_id, with_history=False)  # first marks it failed if its process died
+        with self._write() as db:
+            # Conditional in one statement, so a run that ends meanwhile gets no request.
+            inserted = db.execute("INSERT OR REPLACE INTO stop_requests (run_id, requested_at) "
+                                  "SELECT id, ? FROM runs WHERE id = ? AND status = 'running'",
+                                  (time.time(), run_id)).rowcount
+        return inserted == 1
+
+    # ------------------------------------------------------------------ reads
+    def stop_requested(self, run_id: str) -> bool:
+        with self._read() as db:
+            return db.execute("SELECT 1 FROM stop_requests WHERE run_id = ?", (run_id,)).fetchone() is not None
+
+    def list_runs(self, limit: int = 100) -> list[dict]:
+        """The newest `limit` runs, newest first (runs whose process died are marked failed)."""
+        with self._read() as db:
+            rows = db.execute(f"SELECT {self._select()} FROM runs ORDER BY started_at DESC, rowid DESC "
+                              "LIMIT ?", (int(limit),)).fetchall()
+        return self._mark_dead([self._run_dict(row) for row in rows])
+
+    def get_run(self, run_id: str, with_history: bool = True) -> dict | None:
+        with self._read() as db:
+            row = db.execute(f"SELECT {self._select()} FROM runs WHERE id = ?", (run_id,)).fetchone()
+            points = db.execute("SELECT t, step, data FROM metrics WHERE run_id = ? ORDER BY seq",
+                                (run_id,)).fetchall() if row and with_history else []
+        if row is None:
+            return None
+        run = self._mark_dead([self._run_dict(row)])[0]
+        if with_history:
+            run["history"] = [_point(t, step, data) for t, step, data in points]
+        return run
+
+    # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _select() -> str:
+        return ", ".join(f"runs.{column}" for column in _RUN_COLUMNS) + \
+            ", pid_started, EXISTS (SELECT 1 FROM stop_requests s WHERE s.run_id = runs.id)"
+
+    @staticmethod
+    def _run_dict(row: tuple) -> dict:
+        run = dict(zip(_RUN_COLUMNS, row))
+        run["config"] = json.loads(run["config"] or "{}")
+        run["latest"] = json.loads(run["latest"] or "{}")
+        run["stop_requested"] = bool(row[-1])
+        run["_pid_started"] = row[-2]
+        return run
+
+    def _mark_dead(self, runs: list[dict]) -> list[dict]:
+        host, now = socket.gethostname(), time.time()
+        dead = [run for run in runs if run["status"] == "running" and not _alive(run, host, now)]
+        if dead:
+            with self._write() as db:
+                for run in dead:
+                    db.execute("UPDATE runs SET status = 'failed', error = ?, ended_at = ? "
+                               "WHERE id = ? AND status = 'running'",
+                               (PROCESS_DIED, run["updated_at"], run["id"]))
+            for run in dead:
+                run.update(status="failed", error=PROCESS_DIED, ended_at=run["updated_at"], eta_s=None)
+        for run in runs:
+            del run["_pid_started"]
+        return runs
+
+    def _write(self):
+        return self._transaction(write=True)
+
+    def _read(self):
+        return self._transaction(write=False)
+
+    @contextlib.contextmanager
+    def _transaction(self, write: bool) -> Iterator[sqlite3.Connection]:
+        lock, db = self._connection()
+        with lock:
+            db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            try:
+                yield db
+                db.execute("COMMIT")
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+
+    def _connection(self) -> tuple[threading.Lock, sqlite3.Connection]:
+        # One connection per process, shared by its threads under a lock. Closing the
+        # last connection checkpoints the WAL with an fsync (~2 ms locally, far more on
+        # network disks), too slow to pay on every write from the training thread.
+        # A connection must never cross a fork, so a forked child opens its own.
+        if self._owner is None or self._owner[0] != os.getpid():
+            if not self._ready:
+                self._create()
+            # isolation_level=None: we issue BEGIN ourselves; timeout is SQLite's busy_timeout.
+            db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None,
+                                 check_same_thread=False)
+            db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: no fsync per commit, still crash-safe
+            self._owner = (os.getpid(), threading.Lock(), db)
+        return self._owner[1], self._owner[2]
+
+    def close(self) -> None:
+        """Close this process's connection (reopened on next use)."""
+        owner, self._owner = self._owner, None
+        if owner is not None and owner[0] == os.getpid():
+            owner[2].close()
+
+    def _create(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None)
+        try:
+            _enable_wal(db, self.timeout)
+            db.executescript(_SCHEMA)
+        finally:
+            db.close()
+        self._ready = True
+
+
+def _enable_wal(db: sqlite3.Connection, timeout: float) -> None:
+    """Switch the file to WAL (a property of the file: every later connection gets it).
+
+    The switch needs a moment alone with the file and, unlike other statements, answers
+    "database is locked" at once instead of waiting on busy_timeout when another
+    process is creating the file too, so it is retried here.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
+def _point(t: float, step: int, data: str) -> dict:
+    point = {"t": t, "step": step, **json.loads(data)}
+    point["t"], point["step"] = t, step  # a metric named "t" or "step" must not hide the real ones
+    return point
+
+
+def _kernel_id() -> str | None:
+    """This kernel's id (from its connection file kernel-<id>.json), or None outside a kernel."""
+    if "ipykernel" not in sys.modules:
+        return None  # not a kernel; importing ipykernel just to find out costs ~0.3 s
+    try:
+        from ipykernel.connect import get_connection_file
+
+        name = Path(get_connection_file()).name
+    except Exception:  # any failure just means "not a kernel we can identify"
+        return None
+    if name.startswith("kernel-") and name.endswith(".json"):
+        return name[len("kernel-"):-len(".json")]
+    return None
+
+
+def _process_start(pid: int) -> float | None:
+    """When process `pid` started; with the pid it names a process even after pid reuse."""
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.Error, OSError):
+        return None
+
+
+def _alive(run: dict, this_host: str, now: float) -> bool:
+    if run["host"] != this_host:
+        return now - (run["updated_at"] or 0.0) < STALE_AFTER_S
+    pid = run["pid"]
+    if pid is None or not psutil.pid_exists(pid):
+        return False
+    started = run["_pid_started"]
+    if started is None:
+        return True
+    current = _process_start(pid)
+    return current is None or abs(current - started) < 1.0  # a different start time: the pid was reused

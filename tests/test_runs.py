@@ -1,0 +1,482 @@
+"""gpunb.runs: the SQLite run registry, the RunRecorder callback and the notebook views."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import multiprocessing
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from fractions import Fraction
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
+
+from gpunb.config import TrainConfig
+from gpunb.errors import GpunbError
+from gpunb.runs import Registry, RunRecorder, compare, default_path, recorder, runs
+from gpunb.runs import registry as registry_module
+
+RUN_KEYS = {"id", "name", "notebook", "kernel_id", "pid", "host", "status", "config", "started_at",
+            "ended_at", "updated_at", "progress", "step", "total_steps", "epoch", "eta_s", "latest",
+            "device", "energy_j", "error", "stop_requested"}
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("GPUNB_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def registry(home) -> Registry:
+    return Registry()
+
+
+# ---------------------------------------------------------------------- location and schema
+def test_registry_lives_in_gpunb_home_and_is_created_on_first_use(home):
+    reg = Registry()
+    assert reg.path == home / "runs.sqlite" == default_path()
+    assert not reg.path.exists()
+    reg.list_runs()
+    assert reg.path.exists()
+    with sqlite3.connect(reg.path) as db:
+        assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+
+
+def test_switching_to_wal_retries_while_another_process_creates_the_file():
+    class Busy:  # "database is locked" comes at once here, not after busy_timeout
+        def __init__(self, failures):
+            self.failures, self.calls = failures, 0
+
+        def execute(self, sql):
+            self.calls += 1
+            if self.calls <= self.failures:
+                raise sqlite3.OperationalError("database is locked")
+
+    twice = Busy(failures=2)
+    registry_module._enable_wal(twice, timeout=5.0)
+    assert twice.calls == 3
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        registry_module._enable_wal(Busy(failures=10**6), timeout=0.05)
+
+
+def test_registry_defaults_to_the_jupyter_data_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv("GPUNB_HOME", raising=False)
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "jupyter"))
+    assert default_path() == tmp_path / "jupyter" / "gpunb" / "runs.sqlite"
+
+
+def test_a_run_round_trips_as_json(registry, monkeypatch):
+    monkeypatch.setenv("JPY_SESSION_NAME", "/home/me/train.ipynb")
+    run_id = registry.start_run("mnist", config={"lr": 1e-3}, device="cuda:0", total_steps=100)
+    registry.update(run_id, step=10, epoch=0, progress=0.1, eta_s=42.0, latest={"loss": 0.5})
+    run = registry.get_run(run_id)
+    assert set(run) == RUN_KEYS | {"history"}
+    assert len(run_id) == 32 and int(run_id, 16) >= 0
+    assert run["notebook"] == "/home/me/train.ipynb" and run["pid"] == os.getpid()
+    assert run["kernel_id"] is None  # not in a kernel
+    assert (run["status"], run["step"], run["latest"], run["config"]) == ("running", 10, {"loss": 0.5}, {"lr": 1e-3})
+    registry.finish(run_id, "completed", energy_j=1234.5)
+    run = registry.list_runs()[0]
+    assert set(run) == RUN_KEYS
+    assert (run["status"], run["energy_j"], run["eta_s"]) == ("completed", 1234.5, None)
+    assert run["ended_at"] >= run["started_at"]
+    json.dumps(run, allow_nan=False)
+
+
+def test_kernel_id_comes_from_the_connection_file(registry, monkeypatch):
+    connect = ModuleType("ipykernel.connect")
+    connect.get_connection_file = lambda: "/run/user/1/jupyter/runtime/kernel-1f2e-33.json"
+    monkeypatch.setitem(sys.modules, "ipykernel", ModuleType("ipykernel"))
+    monkeypatch.setitem(sys.modules, "ipykernel.connect", connect)
+    assert registry.get_run(registry.start_run("in-kernel"))["kernel_id"] == "1f2e-33"
+
+    def not_a_kernel():
+        raise RuntimeError("app not specified, and not in a running Kernel")
+
+    connect.get_connection_file = not_a_kernel
+    assert registry.get_run(registry.start_run("plain"))["kernel_id"] is None
+
+
+def test_json_safety_of_config_and_metrics(registry):
+    np = pytest.importorskip("numpy")  # imported here: the spawned writers import this module
+    config = {"nan": math.nan, "inf": -math.inf, "tuple": (1, 2), "set": {3}, "path": Path("/x"),
+              "fraction": Fraction(1, 3), "np": np.float32(0.5), "nested": {1: [np.int64(7)]}}
+    run_id = registry.start_run("odd", config=config)
+    registry.add_metrics(run_id, np.int64(3), {"loss": math.nan, "acc": np.float64(0.25), "step": -1})
+    registry.update(run_id, latest={"loss": math.inf})
+    run = registry.get_run(run_id)
+    text = json.dumps(run, allow_nan=False)  # raises on NaN/inf or unknown objects
+    assert run["config"] == {"nan": None, "inf": None, "tuple": [1, 2], "set": [3], "path": "/x",
+                             "fraction": "1/3", "np": 0.5, "nested": {"1": [7]}}
+    assert run["history"][0]["step"] == 3 and run["history"][0]["loss"] is None
+    assert run["history"][0]["acc"] == 0.25 and run["latest"] == {"loss": None}
+    assert "NaN" not in text
+
+
+def test_bad_calls_say_what_to_do(registry):
+    run_id = registry.start_run("x")
+    with pytest.raises(GpunbError, match="HINT: use one of `completed`"):
+        registry.finish(run_id, "done")
+    with pytest.raises(TypeError, match="unknown fields \\['loss'\\]"):
+        registry.update(run_id, loss=1.0)
+    with pytest.raises(KeyError):
+        registry.add_metrics("0" * 32, 1, {"loss": 1.0})
+
+
+# ---------------------------------------------------------------------- downsampling
+def test_metrics_are_thinned_evenly_and_keep_the_newest(registry, monkeypatch):
+    monkeypatch.setattr(registry_module, "MAX_POINTS", 20)
+    run_id = registry.start_run("long")
+    for step in range(1000):
+        registry.add_metrics(run_id, step, {"loss": 1.0 / (step + 1)})
+    steps = [point["step"] for point in registry.get_run(run_id)["history"]]
+    assert 10 <= len(steps) <= 21
+    assert steps[0] == 0 and steps[-1] == 999
+    assert len({b - a for a, b in zip(steps, steps[1:-1])}) == 1  # even spacing before the newest point
+
+
+# ---------------------------------------------------------------------- stop requests
+def test_stop_requests_only_reach_running_runs(registry):
+    run_id = registry.start_run("x")
+    assert registry.stop_requested(run_id) is False
+    assert registry.request_stop(run_id) is True
+    assert registry.stop_requested(run_id) is True and registry.get_run(run_id)["stop_requested"] is True
+    registry.finish(run_id, "stopped")
+    assert registry.stop_requested(run_id) is False  # cleared with the run
+    assert registry.request_stop(run_id) is False
+    assert registry.request_stop("f" * 32) is False
+
+
+# ---------------------------------------------------------------------- stale runs
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_run_whose_process_died_is_reported_failed(registry):
+    dead = registry.start_run("dead", pid=_dead_pid())
+    alive = registry.start_run("alive")
+    by_name = {run["name"]: run for run in registry.list_runs()}
+    assert (by_name["dead"]["status"], by_name["dead"]["error"]) == ("failed", "process died")
+    assert by_name["alive"]["status"] == "running"
+    with sqlite3.connect(registry.path) as db:  # written back, not only reported
+        assert db.execute("SELECT status FROM runs WHERE id = ?", (dead,)).fetchone() == ("failed",)
+    assert registry.get_run(alive)["status"] == "running"
+
+
+def test_a_reused_pid_is_not_mistaken_for_the_run(registry):
+    run_id = registry.start_run("reused")
+    with sqlite3.connect(registry.path) as db:
+        db.execute("UPDATE runs SET pid_started = pid_started - 3600 WHERE id = ?", (run_id,))
+    assert registry.get_run(run_id)["status"] == "failed"
+
+
+def test_runs_on_other_hosts_die_of_silence_and_come_back_when_they_write(registry):
+    quiet = registry.start_run("quiet", host="elsewhere")
+    recent = registry.start_run("recent", host="elsewhere")
+    with sqlite3.connect(registry.path) as db:
+        db.execute("UPDATE runs SET updated_at = updated_at - ? WHERE id = ?",
+                   (registry_module.STALE_AFTER_S + 1, quiet))
+    assert registry.get_run(quiet)["status"] == "failed"
+    assert registry.get_run(recent)["status"] == "running"
+    registry.update(quiet, step=5)  # it was only slow
+    run = registry.get_run(quiet)
+    assert (run["status"], run["error"], run["ended_at"]) == ("running", None, None)
+
+
+# ---------------------------------------------------------------------- concurrency
+def _writer(path: str, name: str, start, errors) -> None:
+    try:
+        reg = Registry(path)
+        start.wait(30)  # all three processes go at once
+        run_id = reg.start_run(name, total_steps=300)
+        for step in range(300):
+            reg.update(run_id, step=step, progress=step / 300, latest={"loss": 1.0 / (step + 1)})
+            reg.add_metrics(run_id, step, {"loss": 1.0 / (step + 1)})
+        reg.finish(run_id, "completed")
+    except Exception as error:  # reported to the parent, which fails the test
+        errors.put(f"{name}: {error!r}")
+
+
+def test_two_writer_processes_and_a_reader_never_see_a_locked_database(tmp_path):
+    path = str(tmp_path / "runs.sqlite")  # a fresh file: both writers also race to create it
+    spawn = multiprocessing.get_context("spawn")
+    start, errors = spawn.Barrier(3), spawn.Queue()
+    writers = [spawn.Process(target=_writer, args=(path, name, start, errors)) for name in ("a", "b")]
+    for process in writers:
+        process.start()
+    start.wait(30)
+    reader, reads = Registry(path), 0
+    while any(process.is_alive() for process in writers):
+        try:
+            for run in reader.list_runs():
+                reader.get_run(run["id"])
+            reads += 1
+        except sqlite3.Error as error:
+            errors.put(f"reader: {error!r}")
+    for process in writers:
+        process.join(30)
+    problems = []
+    while not errors.empty():
+        problems.append(errors.get())
+    assert problems == [] and [p.exitcode for p in writers] == [0, 0]
+    done = {run["name"]: run for run in reader.list_runs()}
+    assert sorted(done) == ["a", "b"] and reads > 0
+    for run in done.values():
+        assert (run["status"], run["step"]) == ("completed", 299)
+        assert [p["step"] for p in reader.get_run(run["id"])["history"]] == list(range(300))
+
+
+# ---------------------------------------------------------------------- RunRecorder
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    fake = Clock()
+    monkeypatch.setattr(recorder, "_now", fake)
+    return fake
+
+
+def _state(**overrides):
+    # Imported here: gpunb.runtime loads torch, which the spawned writers need not pay for.
+    from gpunb.runtime.events import FitState
+
+    values = {"config": TrainConfig(name="demo", transforms=(abs,)), "model": None, "optimizer": None,
+              "device": "cuda:0", "run_name": "demo", "total_steps": 100}
+    return FitState(**(values | overrides))
+
+
+def _recorded(registry: Registry, state) -> dict:
+    return registry.get_run(state.extras["run_id"])
+
+
+def test_recorder_creates_the_row_at_fit_start(registry, clock):
+    state = _state()
+    RunRecorder(registry).on_fit_start(state)
+    run = _recorded(registry, state)
+    assert (run["name"], run["status"], run["device"], run["total_steps"]) == ("demo", "running", "cuda:0", 100)
+    assert run["config"]["transforms"] == ["abs"] and run["config"]["batch_size"] == 64
+
+
+def test_recorder_writes_at_most_once_a_second(registry, clock, monkeypatch):
+    writes = []
+    real_update = registry.update
+    monkeypatch.setattr(registry, "update", lambda *a, **k: (writes.append(k), real_update(*a, **k)))
+    state, rec = _state(), RunRecorder(registry)
+    rec.on_fit_start(state)
+    for step in range(1, 51):  # fifty logs within the same second
+        state.step = step
+        rec.on_log(state, {"loss": 1.0 / step})
+        clock.now += 0.01
+    assert len(writes) == 1 and writes[0]["step"] == 1  # the first log is always written
+    assert [p["step"] for p in _recorded(registry, state)["history"]] == [1]
+    clock.now += 1.0
+    state.step = 51
+    rec.on_log(state, {"loss": 0.01})
+    run = _recorded(registry, state)
+    assert len(writes) == 2 and [p["step"] for p in run["history"]] == [1, 51]
+    assert run["latest"] == {"loss": 0.01} and run["progress"] == 0.51
+
+
+def test_recorder_eta_is_measured_from_the_first_log(registry, clock):
+    state, rec = _state(step=10), RunRecorder(registry)
+    rec.on_fit_start(state)
+    rec.on_log(state, {"loss": 1.0})
+    clock.now += 2.0
+    state.step = 20
+    rec.on_log(state, {"loss": 0.5})
+    assert _recorded(registry, state)["eta_s"] == pytest.approx((100 - 20) * 2.0 / 10)
+
+
+def test_stop_request_round_trip(registry, clock):
+    state, rec = _state(), RunRecorder(registry)
+    rec.on_fit_start(state)
+    state.step = 1
+    rec.on_log(state, {"loss": 1.0})
+    assert state.stop_reason is None
+    assert registry.request_stop(state.extras["run_id"]) is True
+    clock.now += 1.5
+    state.step = 2
+    rec.on_log(state, {"loss": 0.9})
+    assert state.stop_reason == "stopped from the sidebar"
+    state.result = SimpleNamespace(interrupted=False, energy_j=99.0)
+    rec.on_fit_end(state)
+    run = _recorded(registry, state)
+    assert (run["status"], run["energy_j"], run["stop_requested"]) == ("stopped", 99.0, False)
+
+
+def test_a_long_log_interval_still_gets_heartbeats_and_stop_checks(registry, clock):
+    state, rec = _state(), RunRecorder(registry)
+    rec.on_fit_start(state)
+    registry.request_stop(state.extras["run_id"])
+    rec.on_train_batch_end(state)
+    assert state.stop_reason is None  # no registry call per step
+    clock.now += recorder.HEARTBEAT_S
+    state.step = 7
+    rec.on_train_batch_end(state)
+    assert state.stop_reason == "stopped from the sidebar" and _recorded(registry, state)["step"] == 7
+
+
+@pytest.mark.parametrize("interrupted, reason, status", [
+    (False, None, "completed"), (True, "interrupted", "interrupted"), (True, "loss is NaN", "stopped")])
+def test_final_status(registry, clock, interrupted, reason, status):
+    state, rec = _state(), RunRecorder(registry)
+    rec.on_fit_start(state)
+    state.step = 100
+    rec.on_log(state, {"loss": 1.0})
+    clock.now += 0.1
+    rec.on_log(state, {"loss": 0.25})  # throttled, but flushed at the end
+    state.stop_reason = reason
+    state.result = SimpleNamespace(interrupted=interrupted, energy_j=None)
+    rec.on_fit_end(state)
+    run = _recorded(registry, state)
+    assert (run["status"], run["latest"], run["progress"]) == (status, {"loss": 0.25}, 1.0)
+    assert run["history"][-1]["loss"] == 0.25 and run["ended_at"] is not None
+
+
+def test_an_exception_is_recorded_as_failed_with_its_first_line(registry, clock):
+    state, rec = _state(), RunRecorder(registry)
+    rec.on_fit_start(state)
+    rec.on_exception(state, ValueError("shapes do not match\n  long traceback detail"))
+    run = _recorded(registry, state)
+    assert (run["status"], run["error"]) == ("failed", "ValueError: shapes do not match")
+
+
+def test_only_rank_zero_records_and_only_when_tracking(registry, clock):
+    for state in (_state(rank=1), _state(config=TrainConfig(track=False))):
+        rec = RunRecorder(registry)
+        rec.on_fit_start(state)
+        rec.on_log(state, {"loss": 1.0})
+        state.result = SimpleNamespace(interrupted=False, energy_j=None)
+        rec.on_fit_end(state)
+        assert "run_id" not in state.extras
+    assert registry.list_runs() == []
+
+
+def test_registry_failures_never_break_training(tmp_path, clock, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    state, rec = _state(), RunRecorder(Registry(blocker / "runs.sqlite"))
+    with caplog.at_level(logging.WARNING, logger="gpunb.runs.recorder"):
+        rec.on_fit_start(state)
+        rec.on_log(state, {"loss": 1.0})
+        state.result = SimpleNamespace(interrupted=False, energy_j=None)
+        rec.on_fit_end(state)
+    assert state.stop_reason is None and "run_id" not in state.extras
+    assert len(caplog.records) == 1 and "could not write to the run registry" in caplog.text
+
+
+def test_a_locked_database_is_skipped_then_retried(home, clock, caplog, monkeypatch):
+    registry = Registry(timeout=0.05)
+    state, rec = _state(), RunRecorder(registry)
+    rec.on_fit_start(state)
+    run_id = state.extras["run_id"]
+    attempts = []
+    real_update = registry.update
+    monkeypatch.setattr(registry, "update", lambda *a, **k: (attempts.append(k["step"]), real_update(*a, **k)))
+    holder = sqlite3.connect(registry.path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")  # e.g. someone browsing the file with a write lock
+    with caplog.at_level(logging.WARNING, logger="gpunb.runs.recorder"):
+        for step, wait in ((1, 0), (2, 2), (3, recorder.RETRY_AFTER_S)):
+            clock.now += wait
+            state.step = step
+            rec.on_log(state, {"loss": 1.0 / step})  # fails after 0.05 s, never raises
+    holder.execute("ROLLBACK")
+    holder.close()
+    assert attempts == [1, 3]  # step 2 fell in the back-off and was not even tried
+    assert len(caplog.records) == 1 and "database is locked" in caplog.text  # warned once
+    assert registry.get_run(run_id)["step"] == 0
+    clock.now += recorder.RETRY_AFTER_S
+    state.step = 4
+    rec.on_log(state, {"loss": 0.25})
+    assert registry.get_run(run_id)["step"] == 4
+
+
+# ---------------------------------------------------------------------- views
+@pytest.fixture
+def two_runs(registry, monkeypatch):
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield _make_runs(registry)
+    monkeypatch.delenv("TZ")
+    time.tzset()
+
+
+def _make_runs(registry: Registry) -> tuple[str, str]:
+    base = registry.start_run("base<line>", device="cuda:0", total_steps=100)
+    for step in range(0, 101, 10):
+        registry.add_metrics(base, step, {"loss": 2.0 / (step + 1)})
+    registry.update(base, step=100, latest={"loss": 0.0198})
+    registry.finish(base, "completed")
+    fast = registry.start_run("fast", device="cuda:1", total_steps=1000)
+    for step in range(0, 50, 10):
+        registry.add_metrics(fast, step, {"loss": 1.0 - step / 100})
+    registry.update(fast, step=40, latest={"loss": 0.6})
+    with sqlite3.connect(registry.path) as db:  # fixed times, so the text is exact
+        db.execute("UPDATE runs SET started_at = 1700000000, updated_at = 1700000065.4, "
+                   "ended_at = 1700000065.4 WHERE id = ?", (base,))
+        db.execute("UPDATE runs SET started_at = 1700003600, updated_at = 1700007512 WHERE id = ?", (fast,))
+    return base, fast
+
+
+def test_runs_table_text_is_exact_and_stable(two_runs, registry):
+    table = runs(registry=registry)
+    assert repr(table) == (
+        "name        status     started           duration  steps     final loss  device\n"
+        "----------  ---------  ----------------  --------  --------  ----------  ------\n"
+        "fast        running    2023-11-14 23:13  1h 05m    40/1,000  0.6         cuda:1\n"
+        "base<line>  completed  2023-11-14 22:13  1m 05s    100       0.0198      cuda:0")
+    assert repr(runs(registry=registry)) == repr(table)
+    assert len(table) == 2 and table[0]["name"] == "fast"
+
+
+def test_runs_table_html_escapes_names(two_runs, registry):
+    page = runs(registry=registry)._repr_html_()
+    assert "base&lt;line&gt;" in page and "<line>" not in page
+    assert page.count("<tr") == 3 and "completed" in page
+
+
+def test_runs_default_to_gpunb_home_and_say_when_empty(registry):
+    assert repr(runs()) == "No runs recorded yet." and "No runs" in runs()._repr_html_()
+
+
+def test_compare_overlays_curves(two_runs, registry):
+    _, fast = two_runs
+    chart = compare("base<line>", fast[:8], registry=registry)
+    assert repr(chart) == (
+        "loss by step\n"
+        "run         points  first  min     max  final   steps\n"
+        "----------  ------  -----  ------  ---  ------  -----\n"
+        "base<line>  11      2      0.0198  2    0.0198  0-100\n"
+        "fast        5       1      0.6     1    0.6     0-40")
+    svg = chart._repr_html_()
+    assert svg.startswith("<svg") and svg.endswith("</svg>")
+    assert svg.count("<polyline") == 2 and "base&lt;line&gt;" in svg and "(log)" in svg  # 2 .. 0.0198
+    assert svg == compare("base<line>", fast[:8], registry=registry)._repr_html_()
+
+
+def test_compare_a_metric_nobody_logged(two_runs, registry):
+    chart = compare("fast", metric="val_acc", registry=registry)
+    assert "No val_acc values recorded" in chart._repr_html_()
+    assert repr(chart).splitlines()[-1].split() == ["fast", "0", "-", "-", "-", "-", "-"]
+
+
+def test_compare_explains_unknown_names(registry):
+    with pytest.raises(GpunbError, match="No run named 'nope'.*\nHINT: `gpunb.runs.runs\\(\\)` lists"):
+        compare("nope", registry=registry)
+    with pytest.raises(GpunbError, match="needs at least one run"):
+        compare(registry=registry)
