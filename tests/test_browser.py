@@ -2,35 +2,27 @@
 
 Needs Debian's `chromium` and `pip install playwright` (never `playwright install`:
 the system browser is used). Starts its own `jupyter lab` on 127.0.0.1 with a token,
-a private config dir and GPUNB_HOME, and always tears both down.
+a private config dir and GPUNB_HOME, and always tears both down (tests/browser_support.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from browser_support import (
+    BUILT,
+    DOCS,
+    chromium_page,
+    jupyter_lab,
+    kernel_client,
+    require_browser,
+)
 
 from gpunb.runs import Registry
 
 pytestmark = pytest.mark.browser
 
-REPO = Path(__file__).resolve().parents[1]
-DOCS = REPO / "docs"
-BUILT = REPO / "gpunb" / "labextension"
-TOKEN = "gpunb-browser-test"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 TRAIN = """\
 import torch, gpunb
 torch.manual_seed(0)
@@ -41,120 +33,8 @@ gpunb.Trainer(epochs=1000, max_steps=100_000, log_every=5, name="browser-run").f
 """
 
 
-def _chromium() -> str:
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if path is None:
-        pytest.skip("no chromium on PATH: `apt-get install -y chromium` (Debian's browser is the one used)")
-    return path
-
-
-def _sync_playwright():
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.skip("playwright is not installed: `pip install playwright` (never `playwright install`)")
-    return sync_playwright
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _api(url: str, path: str, method: str = "GET", body: dict | None = None) -> dict:
-    request = urllib.request.Request(
-        f"{url}/{path}", method=method, data=None if body is None else json.dumps(body).encode(),
-        headers={"Authorization": f"token {TOKEN}", "Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.loads(response.read() or b"null")
-
-
-@contextlib.contextmanager
-def jupyter_lab(tmp: Path):
-    """A `jupyter lab` that sees this checkout's gpunb (server extension and built sidebar)."""
-    (tmp / "root").mkdir()
-    (tmp / "config").mkdir()
-    # This checkout's build comes first on the labextensions path, ahead of any installed copy.
-    (tmp / "labextensions").mkdir()
-    (tmp / "labextensions" / "gpunb").symlink_to(BUILT)
-    (tmp / "config" / "jupyter_server_config.json").write_text(json.dumps({
-        "ServerApp": {"jpserver_extensions": {"gpunb": True}},
-        "LabApp": {"extra_labextensions_path": [str(tmp / "labextensions")]}}))
-    # No "Would you like to get Jupyter news?" toast over the screenshots (and no web request).
-    notification = tmp / "config" / "lab" / "user-settings" / "@jupyterlab" / "apputils-extension"
-    notification.mkdir(parents=True)
-    (notification / "notification.jupyterlab-settings").write_text(
-        json.dumps({"fetchNews": "false", "checkForUpdates": False}))
-    env = dict(os.environ, GPUNB_HOME=str(tmp / "gpunb"), JUPYTER_CONFIG_DIR=str(tmp / "config"),
-               JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), JUPYTER_PLATFORM_DIRS="0",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    with open(tmp / "lab.log", "wb") as log:  # the child keeps its own copy of the descriptor
-        lab = subprocess.Popen(
-            [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip=127.0.0.1",
-             f"--port={port}", f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={tmp / 'root'}"],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                _api(url, "api/status")
-                break
-            except OSError:
-                if lab.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"jupyter lab did not start:\n{(tmp / 'lab.log').read_text()[-3000:]}")
-                time.sleep(0.25)
-        yield url
-    finally:
-        with contextlib.suppress(OSError):
-            _api(url, "api/shutdown", method="POST")  # shuts its kernels down too
-        try:
-            lab.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(lab.pid, signal.SIGKILL)  # whatever is left of its session: kernels, workers
-        lab.wait()
-
-
-@contextlib.contextmanager
-def chromium_page(url: str):
-    executable = _chromium()
-    with _sync_playwright()() as playwright:
-        browser = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 800})
-            page.set_default_timeout(30_000)
-            page.goto(f"{url}/lab?token={TOKEN}")
-            yield page
-        finally:
-            browser.close()
-
-
-@contextlib.contextmanager
-def kernel_client(url: str, tmp: Path, notebook: str):
-    """A kernel of that server, started for `notebook`, and a client on its connection file."""
-    from jupyter_client import BlockingKernelClient
-
-    session = _api(url, "api/sessions", "POST",
-                   {"path": notebook, "type": "notebook", "name": notebook, "kernel": {"name": "python3"}})
-    client = BlockingKernelClient()
-    client.load_connection_file(tmp / "runtime" / f"kernel-{session['kernel']['id']}.json")
-    # No heartbeat: a client without its kernel's manager judges liveness by heartbeat,
-    # which has not beaten yet for a fresh kernel, and wait_for_ready would call it dead.
-    client.start_channels(hb=False)
-    try:
-        client.wait_for_ready(timeout=60)
-        yield client
-    finally:
-        client.stop_channels()
-
-
 def test_sidebar_shows_host_stats_and_stops_a_run(tmp_path):
-    _chromium()
-    _sync_playwright()
+    require_browser()
     if not (BUILT / "package.json").exists():
         pytest.skip("the sidebar is not built: `pip install -e .` or `cd labextension && jlpm build`")
     DOCS.mkdir(exist_ok=True)

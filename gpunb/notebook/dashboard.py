@@ -36,8 +36,8 @@ class Dashboard:
         from IPython.display import display
 
         self.progress = w.IntProgress(min=0, max=max(1, state.total_steps or 1), value=state.step,
-                                      layout=w.Layout(width="60%"))
-        self.status = w.HTML()
+                                      layout=w.Layout(flex="1 1 auto", max_width="480px"))
+        self.status = w.HTML(layout=w.Layout(flex="0 0 auto"))
         self.metrics = w.HTML()
         self.curve = w.HTML()
         self.gpu = w.HTML()
@@ -75,7 +75,7 @@ class Dashboard:
         if state.total_steps:
             self.progress.max = state.total_steps
         self.progress.value = min(state.step, self.progress.max)
-        self.status.value = html.escape(_status_line(state))
+        self.status.value = f"<span style='white-space:nowrap'>{html.escape(_status_line(state))}</span>"
         self.metrics.value = _metrics_html(state)
         series = {"train": _thin(self.train_points)}
         if self.val_points:

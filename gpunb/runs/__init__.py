@@ -1,10 +1,13 @@
 """The run registry: every training run, in any kernel, as a row in one SQLite file.
 
-    gpunb.runs.runs()                       recent runs as a table
-    gpunb.runs.compare("a", "b")            their loss curves overlaid
+    gpunb.runs()                            recent runs as a table
+    gpunb.compare("a", "b")                 their loss curves overlaid
 
 Nothing touches the disk at import; the file is created on first use.
 """
+
+import sys
+import types
 
 from gpunb.runs.recorder import RunRecorder
 from gpunb.runs.registry import STATUSES, Registry, default_path
@@ -12,3 +15,17 @@ from gpunb.runs.views import RunComparison, RunTable, compare, runs
 
 __all__ = ["STATUSES", "Registry", "RunComparison", "RunRecorder", "RunTable", "compare",
            "default_path", "runs"]
+
+
+class _CallableModule(types.ModuleType):
+    """`gpunb.runs` is this package and, once imported, still the call `gpunb.runs()`.
+
+    Importing a subpackage binds its name on the parent package, which would shadow the
+    public function `gpunb.runs`; making the module callable keeps both meanings.
+    """
+
+    def __call__(self, limit: int = 20, **kwargs) -> RunTable:
+        return runs(limit, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -16,6 +16,7 @@ from gpunb.runs.registry import Registry, json_safe
 log = logging.getLogger(__name__)
 
 WRITE_EVERY_S = 1.0  # the registry's promise: at most one write per second per run
+POINTS_PER_WRITE = 25  # log rows kept per write (evenly thinned): curves survive short runs
 HEARTBEAT_S = 30.0  # without logs, still touch the row this often (others judge liveness by it)
 RETRY_AFTER_S = 30.0  # after a failed write, leave the registry alone this long
 _now = time.monotonic  # the clock for throttling (tests replace it)
@@ -31,7 +32,7 @@ class RunRecorder:
 
     def _reset(self) -> None:
         self.run_id: str | None = None
-        self._pending: dict = {}  # metrics logged since the last write
+        self._rows: list = []  # (step, metrics) logged since the last write
         self._latest: dict = {}  # every metric's newest value
         self._last_write = 0.0  # monotonic time of the last write
         self._paused_until = 0.0  # after a failure, no registry calls before this
@@ -61,12 +62,12 @@ class RunRecorder:
         first = self._first_log is None
         if first:
             self._first_log = (_now(), state.step)
-        self._collect(metrics)
+        self._collect(state.step, metrics)
         self._write(state, force=first)  # the first log is always written
 
     def on_validation_end(self, state, metrics: dict) -> None:
         if self.run_id is not None:
-            self._collect(metrics)
+            self._collect(state.step, metrics)
             self._write(state)
 
     on_epoch_end = on_validation_end
@@ -99,10 +100,21 @@ class RunRecorder:
             self.registry = Registry()
         return self.registry
 
-    def _collect(self, metrics: dict) -> None:
+    def _collect(self, step: int, metrics: dict) -> None:
         metrics = json_safe(metrics)
-        self._pending.update(metrics)
         self._latest.update(metrics)
+        if self._rows and self._rows[-1][0] == step:  # validation at the step just logged
+            self._rows[-1][1].update(metrics)
+        else:
+            self._rows.append((step, dict(metrics)))
+
+    def _flush_rows(self, registry: Registry, limit: int) -> None:
+        rows, self._rows = self._rows, []
+        if len(rows) > limit:  # evenly spread, always keeping the newest
+            stride = len(rows) / limit
+            rows = [rows[int(i * stride)] for i in range(limit - 1)] + [rows[-1]]
+        for step, metrics in rows:
+            registry.add_metrics(self.run_id, step, metrics)
 
     def _write(self, state, force: bool = False) -> None:
         now = _now()
@@ -114,9 +126,7 @@ class RunRecorder:
             registry = self._registry()
             registry.update(self.run_id, step=state.step, epoch=state.epoch, progress=state.progress,
                             eta_s=self._eta(state, now), latest=self._latest)
-            if self._pending:
-                registry.add_metrics(self.run_id, state.step, self._pending)
-                self._pending = {}
+            self._flush_rows(registry, POINTS_PER_WRITE)
             return registry.stop_requested(self.run_id)
 
         if self._safely(write):
@@ -125,9 +135,7 @@ class RunRecorder:
     def _finish(self, state, status: str, **fields) -> None:
         def finish() -> None:
             registry = self._registry()
-            if self._pending:
-                registry.add_metrics(self.run_id, state.step, self._pending)
-                self._pending = {}
+            self._flush_rows(registry, 10 * POINTS_PER_WRITE)
             registry.finish(self.run_id, status, step=state.step, epoch=state.epoch,
                             progress=state.progress, latest=self._latest, **fields)
 

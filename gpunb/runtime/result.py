@@ -86,7 +86,7 @@ class TrainResult:
                 ("device", self.device), ("precision", f"{self.precision} ({self.precision_reason})"),
                 ("batch", f"{self.batch_size} x {self.grad_accum} accumulation x {self.world_size} "
                           f"device(s) (micro-batch {self.micro_batch_size})"),
-                ("steps / samples", f"{self.steps} / {self.samples}"),
+                ("epochs / steps / samples", f"{len(self.epochs)} / {self.steps} / {self.samples}"),
                 ("wall time", f"{self.wall_time_s:.1f} s ({self.samples_per_s:,.0f} samples/s)")]
         if self.wall_time_s:
             share = 100 * self.data_wait_s / self.wall_time_s

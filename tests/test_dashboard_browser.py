@@ -1,0 +1,126 @@
+"""The %%gputrain live dashboard, and the summary that replaces it, in a real JupyterLab.
+
+A notebook made through the contents API trains gpunb.demo's digits CNN in a kernel of
+the server; headless Chromium (Playwright, the system browser) runs it and watches the
+ipywidgets dashboard advance, then sees it replaced in place by the static summary.
+Writes docs/dashboard-live.png and docs/dashboard-summary.png.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from browser_support import DOCS, api, chromium_page, jupyter_lab, require_browser
+
+pytestmark = pytest.mark.browser
+
+NOTEBOOK = "dashboard.ipynb"
+MAGIC = "%%gputrain --epochs 40 --batch-size 32 --lr 0.003 --log-every 5 --name dash-demo --no-track"
+TRAIN_CELL = f"""\
+{MAGIC}
+from torch import nn
+from gpunb.demo import digits_data, digits_cnn
+
+train_data, val_data = digits_data()
+model = digits_cnn()
+loss_fn = nn.CrossEntropyLoss()"""
+TOTAL_STEPS = 40 * 45  # 1,437 training images in batches of 32: 45 steps an epoch
+
+
+def _notebook(*sources: str) -> dict:
+    cells = [{"cell_type": "code", "execution_count": None, "id": f"cell-{i}", "metadata": {},
+              "outputs": [], "source": source} for i, source in enumerate(sources)]
+    return {"cells": cells, "nbformat": 4, "nbformat_minor": 5,
+            "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+                         "language_info": {"name": "python"}}}
+
+
+def _step(text: str) -> int:
+    match = re.search(rf"step (\d+)/{TOTAL_STEPS}\b", text)
+    assert match, f"no 'step N/{TOTAL_STEPS}' in the status line {text!r}"
+    return int(match.group(1))
+
+
+def test_live_dashboard_then_static_summary(tmp_path):
+    require_browser()
+    DOCS.mkdir(exist_ok=True)
+    # One torch thread: the kernel shares two cores with the server and the browser, and
+    # oversubscribed intra-op threads make this CPU run several times slower, not faster.
+    with jupyter_lab(tmp_path, env={"OMP_NUM_THREADS": "1"}) as url:
+        api(url, f"api/contents/{NOTEBOOK}", "PUT",
+            {"type": "notebook", "format": "json", "content": _notebook("%load_ext gpunb", TRAIN_CELL)})
+        # Its kernel, started here: the page joins this session instead of (sometimes) asking
+        # which kernel to start in a "Select Kernel" dialog.
+        api(url, "api/sessions", "POST",
+            {"path": NOTEBOOK, "type": "notebook", "name": NOTEBOOK, "kernel": {"name": "python3"}})
+        with chromium_page(url, f"lab/tree/{NOTEBOOK}") as page:
+            try:
+                notebook = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook")
+                cell = notebook.locator(".jp-CodeCell").nth(1)
+                cell.locator(".jp-InputArea", has_text="--name dash-demo").wait_for()
+                page.locator(".jp-StatusBar-Item", has_text="Python 3 (ipykernel) | Idle").wait_for(timeout=60_000)
+                assert page.locator(".jp-Dialog").count() == 0
+
+                page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+                page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+                started = time.monotonic()
+
+                # The live dashboard: header, progress bar and status line, metrics, loss curve.
+                output = cell.locator(".jp-OutputArea")
+                progress = output.locator(".widget-hprogress")  # ipywidgets 8's IntProgress
+                progress.wait_for(timeout=60_000)
+                html = output.locator(".widget-html")
+                status = html.filter(has_text=re.compile(r"step \d+/\d+"))
+                metrics = html.filter(has_text=re.compile(r"\bloss\b"))
+                curve = html.locator("svg polyline")
+                curve.first.wait_for(timeout=30_000)
+                assert "dash-demo" in output.inner_text()  # the header names the run
+                assert "precision 32" in output.inner_text() and "batch 32 x 1 accumulation" in output.inner_text()
+                assert progress.count() == 1 and status.count() == 1
+                first_step = _step(status.inner_text())
+                assert re.search(r"\bloss \d", metrics.first.inner_text()), metrics.first.inner_text()
+                assert "epoch " in status.inner_text() and "ETA" in status.inner_text()
+                bar = progress.locator(".progress-bar")  # ipywidgets 8 draws the filled part as a div
+                first_width = bar.bounding_box()["width"]
+
+                # It is live: the status line and the bar move on while the cell is still running,
+                # by at least an epoch, and far enough for a curve worth a screenshot.
+                page.wait_for_function(
+                    """([line, target]) => {
+                           const m = line.textContent.match(/step (\\d+)\\//);
+                           return m && Number(m[1]) >= target;
+                       }""",
+                    arg=[status.element_handle(), max(first_step + 45, TOTAL_STEPS // 3)], timeout=45_000)
+                later_step = _step(status.inner_text())
+                assert first_step < later_step < TOTAL_STEPS
+                assert bar.bounding_box()["width"] > first_width
+                assert curve.count() >= 1 and len(curve.first.get_attribute("points").split()) >= 3
+                assert cell.locator(".jp-InputPrompt").inner_text().strip() == "[*]:"  # still running
+                cell.screenshot(path=DOCS / "dashboard-live.png")
+
+                # The end: the widget's place now holds the static summary (table and curve).
+                summary = output.locator(".gpunb-result")
+                summary.wait_for(timeout=90_000)
+                elapsed = time.monotonic() - started
+                assert progress.count() == 0 and output.locator(".jupyter-widgets").count() == 0
+                assert output.locator(".jp-OutputArea-output").count() == 1  # replaced in place, not appended
+                table = summary.locator("table")
+                rows = dict(zip(table.locator("th").all_inner_texts(), table.locator("td").all_inner_texts()))
+                assert rows.get("status") == "completed", rows
+                assert rows.get("epochs / steps / samples", "").startswith(f"40 / {TOTAL_STEPS} / "), rows
+                assert float(rows["val_acc"]) > 0.8, rows
+                assert {"val_loss", "train_loss", "wall time"} <= rows.keys(), rows
+                assert "dash-demo" in summary.inner_text()
+                lines = summary.locator("svg polyline")
+                assert lines.count() >= 1 and len(lines.first.get_attribute("points").split()) >= 3
+                assert "val loss" in summary.locator("svg").text_content()  # validation after each epoch
+                cell.locator(".jp-InputPrompt", has_text="[2]:").wait_for()
+                assert "Traceback" not in notebook.inner_text()
+                cell.screenshot(path=DOCS / "dashboard-summary.png")
+                print(f"training cell ran for {elapsed:.1f} s in the browser")
+            except BaseException:
+                page.screenshot(path=tmp_path / "failure.png")  # what the browser showed, for the report
+                (tmp_path / "failure.html").write_text(page.content())
+                raise
