@@ -1,0 +1,123 @@
+"""Advice: rules that fire on evidence in a ProfileResult, each with what it saw and a
+rough estimate of the step time the change could save.
+
+A rule is a function (result, signals, caps) -> Advice | None. GPU-only rules return
+None unless `caps.gpu`; the caps come from hardware.device_caps, so tests can give a
+CPU trace the abilities of a GPU. The thresholds are deliberately coarse: a rule
+should fire only when the profile leaves little doubt.
+"""
+
+from __future__ import annotations
+
+from gpunb.profiling.analysis import TINY_OP_US
+from gpunb.profiling.hardware import DeviceCaps
+from gpunb.profiling.report import Advice, ProfileResult
+
+DATA_SHARE = 0.10  # data wait + copy above this share of the step: feed faster
+MATMUL_SHARE = 0.10  # fp32 matrix products above this share: lower precision pays
+TF32_SHARE = 0.05
+LIGHT_OP_SHARE = 0.50  # step time outside ops of >= 20 µs (data loading aside): dispatch-bound
+IDLE_HOST_SHARE = 0.25  # GPU idle waiting on the host this long: launch-bound
+LOW_MEMORY = 0.40  # peak reserved below this share of the GPU: room for a larger batch
+
+
+def advise(result: ProfileResult, caps: DeviceCaps) -> list[Advice]:
+    """Every rule that fires, the largest estimated gain first."""
+    signals = result.signals
+    fired = [rule(result, signals, caps) for rule in RULES]
+    return sorted((a for a in fired if a is not None), key=lambda a: -a.est_gain)
+
+
+def data_wait(result, s, caps) -> Advice | None:
+    share = s["phase_share"].get("data_wait", 0.0) + s["phase_share"].get("h2d", 0.0)
+    if share <= DATA_SHARE:
+        return None
+    fix = ("use more DataLoader workers (`--num-workers 4`, `num_workers=4`), make `__getitem__` cheaper, "
+           "or precompute the samples into tensors")
+    if caps.gpu:
+        fix += (", pin host memory, or keep a tensor dataset on the GPU (`gpu_resident=True`) "
+                "so no batch waits on the host")
+    return Advice("data_wait", f"The loop waits for data: {fix}.",
+                  f"waiting for the next batch or copying it takes {100 * share:.0f}% of each step "
+                  f"({result.step_ms * share:.3g} ms of {result.step_ms:.3g} ms)", share)
+
+
+def precision(result, s, caps) -> Advice | None:
+    share = s["fp32_matmul_share"]
+    if not caps.gpu or not (caps.bf16 or caps.fp16) or share <= MATMUL_SHARE:
+        return None
+    flag, kind = ("bf16-mixed", "bf16") if caps.bf16 else ("16-mixed", "fp16")
+    return Advice("precision", f"Run matrix products in low precision: `--precision {flag}` "
+                  f"(`precision='{flag}'`); {caps.name} has {kind} tensor cores.",
+                  f"{s['fp32_matmul_calls']} fp32 matrix products take {100 * share:.0f}% of the time, "
+                  f"e.g. {s['fp32_matmul_example']}", share * 0.5)
+
+
+def tf32(result, s, caps) -> Advice | None:
+    share = s["fp32_matmul_share"]
+    ampere = caps.capability is not None and caps.capability >= (8, 0)
+    if not caps.gpu or not ampere or caps.tf32_enabled or share <= TF32_SHARE:
+        return None
+    return Advice("tf32", "Let fp32 matrix products use TF32 tensor cores: "
+                  "`torch.set_float32_matmul_precision('high')` (gpunb's Trainer does this itself).",
+                  f"TF32 is off on an Ampere-or-newer GPU ({caps.name}) and fp32 matrix products take "
+                  f"{100 * share:.0f}% of the time", share * 0.5)
+
+
+def launch_bound(result, s, caps) -> Advice | None:
+    if s["device"]:
+        idle = s["idle_host_share"]
+        if idle < IDLE_HOST_SHARE or s["tiny_kernel_fraction"] < 0.5:
+            return None
+        evidence = (f"{s['kernels_per_step']:.0f} kernels per step, median {s['median_kernel_us']:.3g} µs; "
+                    f"the GPU sits idle waiting on the host {100 * idle:.0f}% of the time")
+        gain = idle * 0.6
+    else:
+        share = s["light_op_share"]
+        if share < LIGHT_OP_SHARE or s["top_ops_per_step"] < 50 or s["median_top_op_us"] >= TINY_OP_US:
+            return None
+        evidence = (f"{s['top_ops_per_step']:.0f} ops per step, median {s['median_top_op_us']:.3g} µs; "
+                    f"{100 * share:.0f}% of the step goes to such small ops and the Python around them")
+        gain = share * 0.5
+    return Advice("launch_bound", "Many tiny ops: per-op launch and dispatch overhead dominates. Fuse them "
+                  "with `--compile` (`compile=True`), or do more work per op with a larger batch.",
+                  evidence, gain)
+
+
+def low_memory(result, s, caps) -> Advice | None:
+    memory = result.memory
+    if not caps.gpu or memory is None or memory.device != "cuda" or not caps.total_memory:
+        return None
+    used = (memory.peak_reserved or memory.peak_allocated) / caps.total_memory
+    idle = s["idle_host_share"]
+    if used >= LOW_MEMORY or idle < 0.10:
+        return None
+    return Advice("low_memory", "Memory is left over and the GPU idles between kernels: try a larger batch "
+                  "(twice the `--batch-size`, or `--batch-size auto`), scaling the learning rate with it.",
+                  f"peak memory {100 * used:.0f}% of {caps.total_memory / 2**30:.0f} GiB; "
+                  f"GPU idle waiting on the host {100 * idle:.0f}% of the time", idle * 0.5)
+
+
+def host_sync(result, s, caps) -> Advice | None:
+    if not caps.gpu or s["syncs"] < s["steps"]:
+        return None
+    per_step = s["syncs"] / s["steps"]
+    sites = ", ".join(f"{op} in {phase} ({n}x)" for (op, phase), n in s["sync_sites"][:3])
+    return Advice("host_sync", "The step waits for the GPU: move `.item()`, `.cpu()`, `print(tensor)` "
+                  "and Python `if` on tensors out of the step, or do them every N steps.",
+                  f"{per_step:.3g} host-device sync{'' if per_step == 1 else 's'} per step: {sites}",
+                  max(s["idle_host_share"] * 0.5, 0.02))
+
+
+def unfused_optimizer(result, s, caps) -> Advice | None:
+    if not caps.gpu or s["optimizer_fused"] or s["optimizer_ops_per_step"] < 10:
+        return None
+    return Advice("unfused_optimizer", "The optimizer updates one parameter at a time: create it with "
+                  "`fused=True` (or `foreach=True`), e.g. `torch.optim.AdamW(params, fused=True)` "
+                  "(gpunb's default AdamW is fused already).",
+                  f"{s['optimizer_ops_per_step']:.0f} ops per optimizer step, none of them _foreach_/_fused_; "
+                  f"the optimizer takes {100 * s['optimizer_share']:.0f}% of the step",
+                  s["optimizer_share"] * 0.5)
+
+
+RULES = (data_wait, precision, tf32, launch_bound, low_memory, host_sync, unfused_optimizer)
