@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import resource
+import json
+import os
 import statistics
-import subprocess
-import sys
+import tempfile
 import time
 
 import torch
@@ -71,19 +71,24 @@ def cases(device):
 
 
 def plain_loop(make_model, data, batch_size, loss_fn, precision, device, steps):
-    """What a careful user writes by hand: data on the device, fused/foreach AdamW, autocast."""
+    """What a careful user writes by hand: data on the device, shuffled once per epoch,
+    fused/foreach AdamW, autocast, and the loss read at the same interval as gpunb's."""
     torch.manual_seed(0)
     model = make_model().to(device)
     fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **fast)
     x, y = (t.to(device) for t in data)
     dtype = torch.bfloat16 if precision == "bf16-mixed" else None
-    times = []
+    times, order, position = [], None, len(x)
     for step in range(steps):
         begin = time.perf_counter()
-        index = torch.randint(0, len(x), (batch_size,), device=device)
+        if position + batch_size > len(x):  # a new epoch: reshuffle (sampling without replacement)
+            order, position = torch.randperm(len(x), device=device), 0
+        index = order[position:position + batch_size]
+        position += batch_size
+        xb, yb = x[index], y[index]  # held through backward, as in any hand-written loop
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss = loss_fn(model(x[index]), y[index])
+            loss = loss_fn(model(xb), yb)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -120,32 +125,27 @@ def gpunb_loop(make_model, data, batch_size, loss_fn, precision, device, steps):
 
 
 def peak_memory(case, label, device) -> float:
-    """Peak memory of one loop: CUDA allocator peak, or on CPU the growth of the peak RSS of a
-    fresh process (torch's CPU allocator is invisible to tracemalloc)."""
-    if device.type == "cpu":
-        out = subprocess.run([sys.executable, __file__, "--memory", case, label], check=True,
-                             capture_output=True, text=True).stdout
-        return float(out.split()[-1])
+    """Peak bytes of tensor memory while one loop runs 40 steps: the CUDA allocator's peak, or
+    on CPU the peak of the allocator's running total from the profiler's memory events."""
     make_model, data, batch_size, loss_fn, precision = _case(case, device)
+    run = lambda: LOOPS[label](make_model, data, batch_size, loss_fn, precision, device, 40)  # noqa: E731
     gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    LOOPS[label](make_model, data, batch_size, loss_fn, precision, device, 40)
-    return torch.cuda.max_memory_allocated()
-
-
-def _memory_child(case, label) -> None:
-    """In a fresh process: pay each loop's one-off costs (imports, torch's lazy start-up)
-    with a 3-step run on a throwaway model, then measure how far a real run raises the peak
-    RSS while it builds its model and data and trains 40 steps."""
-    device = torch.device("cpu")
-    tiny = (torch.randn(64, 64), torch.randint(0, 10, (64,)))
-    LOOPS[label](lambda: nn.Linear(64, 10), tiny, 8, nn.CrossEntropyLoss(), "32", device, 3)
-    gc.collect()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    make_model, data, batch_size, loss_fn, precision = _case(case, device)
-    LOOPS[label](make_model, data, batch_size, loss_fn, precision, device, 40)
-    print(1024 * (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        run()
+        return torch.cuda.max_memory_allocated() - base
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = sorted((e for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"),
+                            key=lambda e: e["ts"])
+    totals = [e["args"]["Total Allocated"] for e in events]
+    return max(totals) - (totals[0] - events[0]["args"]["Bytes"])
 
 
 def _case(name, device):
@@ -161,8 +161,6 @@ LOOPS = {"plain": plain_loop, "gpunb": gpunb_loop}
 
 
 def main():
-    if len(sys.argv) == 4 and sys.argv[1] == "--memory":
-        return _memory_child(sys.argv[2], sys.argv[3])
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=5)

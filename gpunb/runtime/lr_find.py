@@ -79,7 +79,9 @@ def find_lr(model, train_data, *, config, optimizer=None, loss_fn=None, step=Non
     check_optimizer(optimizer, model)
     batch_size = 64 if config.batch_size == "auto" else config.batch_size
     feed = build_feed(adapt_data(train_data), batch_size=batch_size, device=device, config=config)
-    saved = _snapshot(model, optimizer, device)
+    saved = _snapshot(model, optimizer, device)  # RNG states included: seeding below is undone too
+    if config.seed is not None:
+        torch.manual_seed(config.seed)  # the same sweep every time, as fit is the same run every time
     result = LRFinderResult()
     try:
         _sweep(model, optimizer, objective, precision, feed, result, min_lr, max_lr, steps)
