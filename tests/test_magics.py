@@ -144,3 +144,15 @@ def test_last_setup_is_kept_for_gpuprofile(ip):
     ip.run_cell_magic("gputrain", "--max-steps 1 --quiet --no-track", CELL)
     assert session.LAST_TRAIN["model"] is ip.user_ns["model"]
     assert session.LAST_TRAIN["fit_kwargs"]["loss_fn"] is ip.user_ns["loss_fn"]
+
+
+def test_export_writes_a_script_and_trains_nothing(ip, tmp_path, capsys):
+    target = tmp_path / "train.py"
+    ip.run_cell(SETUP, store_history=True)  # an earlier cell, as the notebook's history holds it
+    ip.run_cell_magic("gputrain", f"--export {target} --epochs 2 --batch-size 16", CELL)
+    script = target.read_text()
+    assert "TrainConfig(" in script and "epochs=2" in script and "batch_size=16" in script
+    assert "nn.Sequential" in script and "torch.randn(256, 10" in script  # the earlier cell's data
+    compile(script, str(target), "exec")
+    assert "torchrun" in capsys.readouterr().out
+    assert "gputrain_result" not in ip.user_ns

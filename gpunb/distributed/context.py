@@ -1,8 +1,29 @@
-"""Where this process stands in a (possibly) distributed run."""
+"""Where this process stands in a (possibly) distributed run, and what differs there.
+
+`current_context(config)` is what Trainer.fit asks. It is `SingleProcess` unless this
+process is one rank of a process group: one started by gpunb's launcher (launch.py),
+or one torchrun describes in the environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT), which is then joined here. The loop calls the same methods
+on either, so it reads the same in both cases:
+
+    reduce_loss(mean_loss, state)  the log interval's one sync (and, in a group, its stop vote)
+    sync_stop(state)               the vote alone, at an epoch's end
+    reduce_sums(sums, count)       validation means over all ranks
+    wrap(model, device)            DDP, or FSDP2 sharding
+    state_dicts / load_*           checkpoints (FSDP gathers to rank 0 and scatters back)
+"""
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
+
+from gpunb.errors import GpunbError
+from gpunb.runtime.events import FitState
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 class SingleProcess:
@@ -11,6 +32,16 @@ class SingleProcess:
     rank = 0
     local_rank = 0
     world_size = 1
+    state_type = FitState
+
+    def reduce_loss(self, mean_loss: torch.Tensor, state) -> float:
+        return mean_loss.item()
+
+    def sync_stop(self, state) -> None:
+        pass
+
+    def smallest(self, value: int) -> int:
+        return value
 
     def reduce_sums(self, sums: dict, count: int) -> dict:
         """Means of device-side sums over `count` samples, as floats (one sync)."""
@@ -22,7 +53,201 @@ class SingleProcess:
     def wrap(self, model, device):
         return model
 
+    def rebind_optimizer(self, optimizer) -> None:
+        pass
+
+    def state_dicts(self, model, optimizer) -> tuple[dict, dict]:
+        return model.state_dict(), optimizer.state_dict()
+
+    def load_model_state(self, model, state: dict) -> None:
+        model.load_state_dict(state)
+
+    def load_optimizer_state(self, model, optimizer, state: dict) -> None:
+        from gpunb.distributed.fsdp import optimizer_state_by_index
+
+        optimizer.load_state_dict(optimizer_state_by_index(state, model, optimizer))
+
+
+@dataclass
+class SyncedFitState(FitState):
+    """FitState of one rank: a stop asked for on any rank applies on all ranks together.
+
+    Ranks must stop after the same step, or one would wait forever in a collective the
+    others never join. So `request_stop` only notes the request here; the next log
+    interval (or epoch end) votes on it with one all_reduce and every rank stops there.
+    """
+
+    pending_stop: str | None = None  # asked for on this rank, not yet voted on
+
+    def request_stop(self, reason: str = "stopped") -> None:
+        if self.pending_stop is None:
+            self.pending_stop = reason
+
+    def apply_vote(self, stops: float, interrupts: float) -> None:
+        if self.stop_reason is not None or not stops:
+            return
+        # The same decision on every rank ("interrupted" changes control flow; the
+        # wording of other reasons does not, so each rank keeps its own).
+        self.stop_reason = "interrupted" if interrupts else (self.pending_stop or "stopped on another rank")
+
+
+class ProcessGroupRank:
+    """One rank of an initialised torch.distributed process group (DDP or FSDP)."""
+
+    state_type = SyncedFitState
+
+    def __init__(self, strategy: str):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.strategy = strategy
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self.device = torch.device("cpu")  # set by wrap(); where collectives' tensors live
+        self._sharded = None  # FSDP: the model and its (old parameter, sharded parameter) pairs
+        self._last_work = None  # the latest collective (see _all_reduce)
+
+    def reduce_loss(self, mean_loss: torch.Tensor, state) -> float:
+        """Mean loss over ranks; the same all_reduce carries the stop vote (one sync)."""
+        votes = self._votes(state, mean_loss.device)
+        values = torch.cat([mean_loss.detach().float().reshape(1), votes])
+        self._all_reduce(values)
+        loss, stops, interrupts = values.tolist()  # the interval's one host-device sync
+        state.apply_vote(stops, interrupts)
+        return loss / self.world_size
+
+    def sync_stop(self, state) -> None:
+        votes = self._votes(state, self.device)
+        self._all_reduce(votes)
+        state.apply_vote(*votes.tolist())
+
+    def smallest(self, value: int) -> int:
+        """The smallest of the ranks' values (e.g. each rank's automatic batch size)."""
+        tensor = torch.tensor([value], device=self._collective_device())
+        self._all_reduce(tensor, op=self.dist.ReduceOp.MIN)
+        return int(tensor.item())
+
+    def reduce_sums(self, sums: dict, count: int) -> dict:
+        """Means over every rank's samples: the sums and the count in one all_reduce."""
+        if not sums:
+            return {}
+        values = torch.stack([v.float().reshape(()) for v in sums.values()])
+        values = torch.cat([values, values.new_tensor([float(count)])])
+        self._all_reduce(values)
+        values = values.cpu()
+        return dict(zip(sums, (values[:-1] / max(1.0, values[-1].item())).tolist()))
+
+    def wrap(self, model, device):
+        self.device = device
+        if self.strategy == "fsdp":
+            from gpunb.distributed import fsdp
+
+            self._sharded = fsdp.shard(model, device, self.world_size)
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                       gradient_as_bucket_view=True)
+
+    def rebind_optimizer(self, optimizer) -> None:
+        """FSDP swapped the model's parameters for sharded ones: point the optimizer at those."""
+        if self._sharded is not None:
+            from gpunb.distributed import fsdp
+
+            fsdp.rebind_optimizer(optimizer, *self._sharded)
+            self._sharded = None
+
+    def state_dicts(self, model, optimizer) -> tuple[dict | None, dict | None]:
+        """Full model and optimizer (when given) state on rank 0, None elsewhere; every rank
+        must call it."""
+        if self.strategy == "fsdp":
+            from gpunb.distributed import fsdp
+
+            return fsdp.full_state_dicts(model, optimizer, self.rank)
+        if self.rank != 0:
+            return None, None
+        return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
+
+    def load_model_state(self, model, state: dict) -> None:
+        if self.strategy == "fsdp":
+            from gpunb.distributed import fsdp
+
+            fsdp.load_model_state(model, state)
+        else:
+            model.load_state_dict(state)
+
+    def load_optimizer_state(self, model, optimizer, state: dict) -> None:
+        from gpunb.distributed import fsdp
+
+        if self.strategy == "fsdp":
+            fsdp.load_optimizer_state(model, optimizer, state)
+        else:
+            optimizer.load_state_dict(fsdp.optimizer_state_by_index(state, model, optimizer))
+
+    def _all_reduce(self, tensor: torch.Tensor, op=None) -> None:
+        work = self.dist.all_reduce(tensor, op=op or self.dist.ReduceOp.SUM, async_op=True)
+        work.wait()
+        # Hold the work until the next one, so that it dies on this thread. Left to gloo's
+        # worker thread, the last reference to a tensor made in Python needs the GIL, and
+        # at interpreter exit that aborts ("terminate called without an active exception").
+        self._last_work = work
+
+    def _votes(self, state, device) -> torch.Tensor:
+        pending = state.pending_stop
+        return torch.tensor([float(pending is not None), float(pending == "interrupted")], device=device)
+
+    def _collective_device(self) -> torch.device:
+        if self.dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
 
 def current_context(config):
     """The distributed context of this process (single process unless a group is running)."""
-    return SingleProcess()
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return SingleProcess()
+    if not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return SingleProcess()
+        join_torchrun_group(config)
+    if dist.get_world_size() == 1:
+        return SingleProcess()
+    check_config(config)
+    return ProcessGroupRank(config.strategy)
+
+
+def join_torchrun_group(config) -> None:
+    """init_process_group from torchrun's environment (env://); no processes are started."""
+    import torch.distributed as dist
+
+    missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
+    if missing:
+        raise GpunbError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set, but not "
+                         f"{', '.join(missing)}: this does not look like a complete torchrun environment.",
+                         "start the script with `torchrun --nproc-per-node N script.py` (or srun with "
+                         "all of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set), or unset "
+                         "WORLD_SIZE to train in one process.")
+    backend = backend_for(config.accelerator)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method="env://")
+
+
+def backend_for(accelerator: str) -> str:
+    """NCCL between GPUs, gloo between CPU processes."""
+    if accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available()):
+        return "nccl"
+    return "gloo"
+
+
+def check_config(config) -> None:
+    """Settings that cannot work with several ranks, caught before any process starts."""
+    if config.strategy == "fsdp" and config.batch_size == "auto":
+        raise GpunbError("batch_size='auto' is not available with strategy='fsdp': the probe would "
+                         "run the whole, unsharded model on one device, which is what FSDP avoids.",
+                         "pass the per-device batch size, e.g. `batch_size=8`.")
+    if config.accelerator == "mps":
+        raise GpunbError("Apple MPS has one device; devices > 1 cannot use it.",
+                         "use `devices=1`, or `accelerator='cpu'` for several CPU processes.")

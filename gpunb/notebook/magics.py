@@ -71,7 +71,7 @@ class GpuMagics(Magics):
         args = parse_argstring(self.gputrain, line)
         config = _config(args)
         if args.export:
-            return self._export(args, line, cell)
+            return self._export(args, line, cell, config)
         before = {name: id(value) for name, value in self.shell.user_ns.items()}
         outcome = self.shell.run_cell(cell, store_history=False)
         if not outcome.success:
@@ -103,11 +103,12 @@ class GpuMagics(Magics):
             display(result)  # no dashboard showed the summary in its place
         return None
 
-    def _export(self, args, line, cell):
+    def _export(self, args, line, cell, config):
         from gpunb.distributed.export import export_script
 
+        names = {role: getattr(args, f"{role}_name") for role in ROLES}
         try:
-            path = export_script(args.export, cell, line, self.shell)
+            path = export_script(args.export, cell, config, self.shell, names=names, options_line=line)
         except GpunbError as error:
             raise UsageError(str(error)) from None
         print(f"Wrote {path}; run it with: torchrun --standalone --nproc-per-node <gpus> {path}")

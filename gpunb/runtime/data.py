@@ -15,8 +15,10 @@ import os
 from typing import Iterator
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
+from torch.utils.data import (BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler,
+                              SequentialSampler)
 
+from gpunb.errors import GpunbError
 from gpunb.runtime.inputs import move_batch
 from gpunb.runtime.prefetch import CudaPrefetcher
 
@@ -96,6 +98,8 @@ class LoaderFeed:
             self.sampler.epoch, self.sampler.start = epoch, skip * self.batch_size
             batches = iter(self.loader)
         else:  # the user's own DataLoader: its order is its own, so skip by reading
+            if hasattr(self.loader.sampler, "set_epoch"):  # a DistributedSampler of the user's
+                self.loader.sampler.set_epoch(epoch)
             batches = iter(self.loader)
             for _ in range(skip):
                 next(batches, None)
@@ -114,7 +118,10 @@ def build_feed(data, *, batch_size, device, config, rank=0, world_size=1, train=
         tensors = _maybe_resident(data, device, config.gpu_resident)
         return TensorFeed(tensors, batch_size, order, device, config.drop_last and train, transforms)
     if isinstance(data, DataLoader):
-        # TODO(distributed): with world_size > 1 the user's loader is re-built around our sampler.
+        if world_size > 1 and _needs_sharding(data):
+            sampler = _EpochSampler(EpochOrder(len(data.dataset), isinstance(data.sampler, RandomSampler),
+                                               config.seed, rank, world_size))
+            return LoaderFeed(_rebuilt(data, sampler), device, transforms, sampler)
         return LoaderFeed(data, device, transforms)
     if isinstance(data, IterableDataset):
         loader = DataLoader(data, batch_size=batch_size, **_loader_options(config, device))
@@ -123,6 +130,32 @@ def build_feed(data, *, batch_size, device, config, rank=0, world_size=1, train=
     batch_sampler = BatchSampler(sampler, batch_size, drop_last=config.drop_last and train)
     loader = DataLoader(data, batch_sampler=batch_sampler, **_loader_options(config, device))
     return LoaderFeed(loader, device, transforms, sampler)
+
+
+def _needs_sharding(loader: DataLoader) -> bool:
+    """Whether a user's DataLoader must be rebuilt so that each rank reads its own share."""
+    if isinstance(loader.dataset, IterableDataset) or hasattr(loader.sampler, "set_epoch"):
+        return False  # a stream splits itself by rank; a DistributedSampler already does it
+    if loader.batch_size is None or not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+        custom = loader.sampler if loader.batch_size is not None else loader.batch_sampler
+        raise GpunbError(
+            f"The DataLoader uses a {type(custom).__name__}, which gpunb cannot split between "
+            "the processes of a multi-device run.",
+            "give the DataLoader `shuffle=True/False` and a `batch_size` (gpunb then gives each "
+            "process its share), or a `torch.utils.data.DistributedSampler` of your own.")
+    return True
+
+
+def _rebuilt(loader: DataLoader, sampler: Sampler) -> DataLoader:
+    """The same loader (collate_fn, workers, pinning, ...) drawing its indices from `sampler`."""
+    options = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+                   pin_memory=loader.pin_memory, timeout=loader.timeout,
+                   worker_init_fn=loader.worker_init_fn, generator=loader.generator,
+                   multiprocessing_context=loader.multiprocessing_context)
+    if loader.num_workers:
+        options.update(prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers)
+    batches = BatchSampler(sampler, loader.batch_size, drop_last=loader.drop_last)
+    return DataLoader(loader.dataset, batch_sampler=batches, **options)
 
 
 def resolve_num_workers(requested, device: torch.device) -> int:

@@ -30,14 +30,19 @@ class Checkpointer:
 
     def save(self) -> None:
         run, state = self.run, self.run.state
-        if state.rank != 0 or state.step == self.saved_step:
+        if state.step == self.saved_step:
+            return
+        # Every rank takes part (FSDP gathers its shards to rank 0 here); rank 0 writes.
+        model_state, optimizer_state = run.dist.state_dicts(run.model, run.stepper.optimizer)
+        if state.rank != 0:
+            self.saved_step = state.step
             return
         batches_per_epoch = run.feed.num_batches
         epoch_complete = batches_per_epoch is not None and state.batch_in_epoch >= batches_per_epoch
         stepper = run.stepper
         payload = {
-            "model": run.model.state_dict(),
-            "optimizer": stepper.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "scheduler": stepper.scheduler.state_dict() if stepper.scheduler else None,
             "precision": run.precision.state_dict(),
             "rng": devices.rng_state(state.device),
@@ -59,14 +64,14 @@ def resume(run, path) -> None:
     payload = ckpt.load_checkpoint(path)
     state, stepper = run.state, run.stepper
     try:
-        run.model.load_state_dict(payload["model"])
+        run.dist.load_model_state(run.model, payload["model"])
     except RuntimeError as error:
         raise GpunbError(f"The checkpoint {path!s} does not fit this model: "
                          f"{str(error).splitlines()[0]}",
                          "resume with the model definition it was trained with, or start fresh "
                          "without `resume`.") from error
     try:
-        stepper.optimizer.load_state_dict(payload["optimizer"])
+        run.dist.load_optimizer_state(run.model, stepper.optimizer, payload["optimizer"])
     except (ValueError, KeyError) as error:
         raise GpunbError(f"The optimizer state in {path!s} does not fit this optimizer: {error}",
                          "resume with the same optimizer type and parameter groups.") from error

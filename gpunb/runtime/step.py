@@ -44,6 +44,7 @@ class Stepper:
 
     def update(self) -> torch.Tensor:
         """Clip, step the optimizer and the schedule; returns the step's mean loss (on device)."""
+        self.pending.clear()  # backward is done: the batches are no longer needed for a replay
         with self.phase("optimizer"):
             if self.config.clip_grad_norm:
                 self.precision.unscale(self.optimizer)
@@ -54,7 +55,6 @@ class Stepper:
             if self.scheduler is not None:
                 self.scheduler.step()
         loss, self.step_loss = self.step_loss, None
-        self.pending.clear()
         return loss
 
     def micro_batch_size(self, batch_size: int) -> int:

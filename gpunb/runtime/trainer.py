@@ -38,6 +38,13 @@ class Trainer:
     >>> result = Trainer(epochs=3, precision="auto").fit(model, (x, y), loss_fn=nn.CrossEntropyLoss())
 
     `config` is a TrainConfig; keyword overrides are applied on top of it.
+
+    With `devices=N` (or "all") fit starts one process per device and trains under
+    DDP (`strategy="fsdp"`: sharded); each process reads its own share of the data.
+    `batch_size` is per device, so an optimizer step sees batch_size x grad_accum x N
+    samples. The learning rate is never scaled for you: when moving from one device to
+    N, raise `lr` yourself if the larger batch calls for it. Under torchrun (or any
+    initialised process group) fit joins the group instead of starting processes.
     """
 
     def __init__(self, config: TrainConfig | None = None, **overrides):
@@ -49,6 +56,12 @@ class Trainer:
         if not isinstance(model, torch.nn.Module):
             raise GpunbError(f"`model` must be a torch.nn.Module, got a {type(model).__name__}.",
                              "pass the module itself, e.g. `model = nn.Sequential(...)`.")
+        from gpunb.distributed import launch
+
+        if launch.needs_processes(self.config):
+            # One process per device; this process drives them and returns rank 0's result.
+            return launch.fit(self.config, model, train_data, val_data, optimizer=optimizer,
+                              loss_fn=loss_fn, step=step, metrics=metrics, callbacks=callbacks)
         from gpunb.distributed.context import current_context
 
         dist = current_context(self.config)
@@ -66,7 +79,7 @@ class Trainer:
             model.train(was_training)  # hand the model back in the mode it came in
             devices.restore_globals(saved_globals)
             torch.set_float32_matmul_precision(previous_matmul_precision)
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
+            if torch.cuda.is_initialized():  # not is_available(): that would rule out fork later
                 torch.cuda.empty_cache()  # hand cached blocks back so the notebook sees free memory
 
 
@@ -109,6 +122,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
     batch_size = config.batch_size
     if batch_size == "auto":
         batch_size = find_batch_size(model, optimizer, objective, precision, train, device, config)
+        batch_size = dist.smallest(batch_size)  # ranks must agree: the smallest fits on all
     config = config.replace(batch_size=batch_size, precision=precision_name)
     feed = build_feed(train, batch_size=batch_size, device=device, config=config,
                       rank=dist.rank, world_size=dist.world_size)
@@ -121,10 +135,13 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
         total_steps = min(total_steps or config.max_steps, config.max_steps)
     scheduler = make_scheduler(optimizer, config.lr_schedule, total_steps, config.warmup_steps)
 
+    run_name = config.name or type(model).__name__  # before FSDP renames the class
     train_model, unwrap = wrap_model(model, config, dist, device)
-    state = FitState(config=config, model=train_model, optimizer=optimizer, device=device,
-                     run_name=config.name or type(model).__name__, steps_per_epoch=steps_per_epoch,
-                     total_steps=total_steps, rank=dist.rank, world_size=dist.world_size)
+    dist.rebind_optimizer(optimizer)  # FSDP replaced the parameters with sharded ones
+    state = dist.state_type(config=config, model=train_model, optimizer=optimizer, device=device,
+                            run_name=run_name,
+                            steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+                            rank=dist.rank, world_size=dist.world_size)
     phase = _phase_annotator(state)
     no_sync = getattr(train_model, "no_sync", None)
     stepper = Stepper(train_model, optimizer, objective, precision, scheduler, config, phase, no_sync)
@@ -154,10 +171,12 @@ def _train(run: _Run) -> TrainResult:
                 logged_before = len(state.history)
                 run.train_model.train()
                 batches = run.feed.epoch(epoch, skip)
-                for batch, last_in_step in _grouped(batches, config.grad_accum, timer, stepper.phase):
-                    stepper.accumulate(batch, last_in_step)
+                remaining = None if run.feed.num_batches is None else run.feed.num_batches - skip
+                for batch, last_in_step in _Steps(batches, config.grad_accum, timer, stepper.phase, remaining):
                     state.batch_in_epoch += 1
                     state.samples_seen += batch_size_of(batch) * state.world_size
+                    stepper.accumulate(batch, last_in_step)
+                    del batch  # let it go before the optimizer step allocates its temporaries
                     if not last_in_step:
                         continue
                     step_loss = stepper.update()  # stays on the device: no sync here
@@ -197,29 +216,55 @@ def _finished(state: FitState) -> bool:
     return state.total_steps is not None and state.step >= state.total_steps
 
 
-def _grouped(batches, grad_accum, timer, phase):
-    """Yields (batch, ends_an_optimizer_step); looks one batch ahead to see the epoch's end."""
-    pending, in_group = None, 0
-    clock = time.perf_counter
-    while True:
-        begin = clock()
-        with phase("data_wait"):
-            batch = next(batches, None)
-        timer.data_wait += clock() - begin
-        if pending is not None:
-            in_group += 1
-            last = batch is None or in_group == grad_accum
-            yield pending, last
-            if last:
-                in_group = 0
-        if batch is None:
-            return
-        pending = batch
+class _Steps:
+    """Iterates (batch, ends_an_optimizer_step) over an epoch's batches.
+
+    `remaining` (batches left in the epoch) says where the epoch ends; when the data has
+    no length, it looks one batch ahead instead (holding one more batch in memory). A
+    class rather than a generator so that no suspended frame keeps the batch alive
+    while the optimizer step runs.
+    """
+
+    def __init__(self, batches, grad_accum, timer, phase, remaining):
+        self.batches, self.grad_accum, self.timer, self.phase = batches, grad_accum, timer, phase
+        self.remaining, self.in_group = remaining, 0
+        self.ahead = self._fetch() if remaining is None else None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.remaining is not None:
+            batch = self._fetch()
+            if batch is None:
+                raise StopIteration
+            self.remaining -= 1
+            ends = self._count() or self.remaining == 0
+        else:
+            batch, self.ahead = self.ahead, None
+            if batch is None:
+                raise StopIteration
+            self.ahead = self._fetch()
+            ends = self._count() or self.ahead is None
+        if ends:
+            self.in_group = 0
+        return batch, ends
+
+    def _count(self) -> bool:
+        self.in_group += 1
+        return self.in_group == self.grad_accum
+
+    def _fetch(self):
+        begin = time.perf_counter()
+        with self.phase("data_wait"):
+            batch = next(self.batches, None)
+        self.timer.data_wait += time.perf_counter() - begin
+        return batch
 
 
 def _log(run: _Run, mean_loss: torch.Tensor, steps: int, timer) -> None:
     state = run.state
-    loss = mean_loss.item()  # the one host-device sync of the interval
+    loss = run.dist.reduce_loss(mean_loss, state)  # the interval's one sync (ranks: + stop vote)
     if run.config.detect_nan and not math.isfinite(loss):
         raise GpunbError(
             f"The training loss became {loss} at step {state.step} (epoch {state.epoch}).",
@@ -256,6 +301,7 @@ def _end_epoch(run: _Run, logged: list, timer) -> None:
         run.callbacks.call("on_validation_end", state, metrics)
     state.extras.setdefault("epochs", []).append(row)
     run.callbacks.call("on_epoch_end", state, row)
+    run.dist.sync_stop(state)  # ranks: a stop asked for at the epoch's end (early stopping) applies now
 
 
 @torch.no_grad()

@@ -37,10 +37,7 @@ def checkpoint_activations(model: torch.nn.Module):
     each direct child that has parameters. Trades ~30% more compute for activation
     memory of one block at a time. Returns a function that restores the forwards.
     """
-    blocks = [block for child in model.children()
-              if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) for block in child]
-    if not blocks:
-        blocks = [child for child in model.children() if any(True for _ in child.parameters())]
+    blocks = model_blocks(model)
     for block in blocks:
         original = block.forward
         block.forward = functools.partial(_checkpointed, original)
@@ -50,6 +47,17 @@ def checkpoint_activations(model: torch.nn.Module):
             block.__dict__.pop("forward", None)
 
     return restore
+
+
+def model_blocks(model: torch.nn.Module) -> list:
+    """The model's blocks: the items of every ModuleList / Sequential among its direct
+    children (a transformer's layers), or else each direct child that has parameters.
+    Activation checkpointing recomputes them and FSDP shards them one by one."""
+    blocks = [block for child in model.children()
+              if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) for block in child]
+    if not blocks:
+        blocks = [child for child in model.children() if any(True for _ in child.parameters())]
+    return blocks
 
 
 def _checkpointed(forward, *args, **kwargs):

@@ -1,0 +1,350 @@
+"""Start one process per device and drive them from this one (the notebook's kernel).
+
+Trainer.fit calls `fit` here when devices > 1 and no process group exists yet.
+
+- Start: fork while CUDA is untouched in this process (fast: nothing is pickled);
+  once CUDA is initialised a forked process cannot use it, so spawn, with fit's
+  arguments cloudpickled (shipping.py). torch.multiprocessing starts and joins the
+  processes; a TCPStore on a free localhost port is the rendezvous.
+- While they train: rank 0 streams its events over a queue; here they update a
+  FitState that mirrors rank 0's and go to the caller's callbacks (the dashboard) and
+  the run registry, which run in this process only. A stop asked for here
+  (`state.request_stop`, the kernel's stop button) reaches the ranks through a shared
+  value; they vote on it at the next log interval and stop after the same step.
+- At the end rank 0's weights (and optimizer state, when an optimizer was passed) are
+  loaded into the caller's objects; TrainResult.per_rank holds each rank's timings.
+- A rank that raises: the others are terminated and the call raises RankFailed with
+  that rank's traceback. An interrupt: the ranks stop at their next log interval and
+  send their weights; any still running after INTERRUPT_GRACE_S are terminated. No
+  process outlives the call.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+import time
+import warnings
+from datetime import timedelta
+from queue import Empty
+
+import torch
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
+
+from gpunb.distributed import worker
+from gpunb.distributed.context import check_config
+from gpunb.distributed.shipping import FitArgs, ship
+from gpunb.errors import GpunbError
+from gpunb.runtime.events import Callbacks, FitState
+from gpunb.runtime.interrupt import InterruptFlag
+from gpunb.runtime.result import TrainResult
+
+INTERRUPT_GRACE_S = 4.0  # after a Ctrl-C, how long ranks get to reach a log interval and stop
+FAILURE_GRACE_S = 1.0  # after a rank fails, how long the others get to exit before SIGTERM/SIGKILL
+POLL_S = 0.05
+
+
+class RankFailed(GpunbError):
+    """A rank of a multi-device run raised; the message carries its traceback."""
+
+    def __init__(self, rank: int, world_size: int, what: str, hint: str | None, remote_traceback: str):
+        super().__init__(f"Rank {rank} of {world_size} failed: {what}", hint)
+        self.rank, self.remote_traceback = rank, remote_traceback
+        self.args = (f"{self.args[0]}\n\nTraceback on rank {rank}:\n{remote_traceback.rstrip()}",)
+
+
+def needs_processes(config) -> bool:
+    """True when fit must start processes: devices > 1 and no process group to join."""
+    if config.devices == 1:
+        return False
+    import torch.distributed as dist
+
+    if (dist.is_available() and dist.is_initialized()) or "WORLD_SIZE" in os.environ:
+        return False  # under torchrun (or inside a rank): the context joins the group instead
+    return plan_devices(config)[1] > 1
+
+
+def plan_devices(config) -> tuple[str, int]:
+    """(accelerator, number of processes), found without initialising CUDA here."""
+    from gpunb.runtime.device import mps_available
+
+    gpus = torch.cuda.device_count()  # asks NVML before CUDA is initialised: fork stays possible
+    accelerator = config.accelerator
+    if accelerator == "auto":
+        accelerator = "cuda" if gpus else ("mps" if mps_available() else "cpu")
+    count = config.devices
+    if count == "all":
+        count = gpus if accelerator == "cuda" else 1
+    if accelerator == "cuda" and count > gpus:
+        raise GpunbError(f"devices={config.devices!r} asks for {count} GPUs, but {gpus} "
+                         f"{'is' if gpus == 1 else 'are'} visible.",
+                         f"use `devices={gpus}` or `devices='all'`, or check CUDA_VISIBLE_DEVICES "
+                         "and `nvidia-smi`.")
+    return accelerator, count
+
+
+def start_method() -> str:
+    """fork while CUDA is untouched here (fast, nothing pickled); spawn once it is initialised."""
+    return "spawn" if torch.cuda.is_initialized() else "fork"
+
+
+def fit(config, model, train_data, val_data=None, *, optimizer=None, loss_fn=None, step=None,
+        metrics=None, callbacks=(), method: str | None = None) -> TrainResult:
+    """Train on one process per device; returns rank 0's TrainResult (world_size = N)."""
+    accelerator, count = plan_devices(config)
+    config = config.replace(accelerator=accelerator, devices=count)
+    check_config(config)
+    _check_arguments(model, train_data, val_data, optimizer, loss_fn, step, metrics)
+    args = FitArgs(config.replace(track=False), model, train_data, val_data, optimizer, loss_fn,
+                   step, metrics)  # the registry is written here, not by the ranks
+    launch = _Launch(config, args, callbacks)
+    method = method or start_method()
+    try:
+        return launch.run(method)
+    except _ForkUnusable:
+        return _Launch(config, args, callbacks).run("spawn")
+
+
+class _ForkUnusable(Exception):
+    """A forked rank found CUDA unusable (it was initialised here after all)."""
+
+
+class _Launch:
+    def __init__(self, config, args: FitArgs, callbacks):
+        self.config, self.args = config, args
+        self.count = config.devices
+        self.state = FitState(config=config, model=args.model, optimizer=args.optimizer,
+                              device=torch.device("cpu"), run_name=config.name or type(args.model).__name__,
+                              world_size=self.count)
+        self.callbacks = Callbacks([*_parent_callbacks(config), *callbacks])
+        self.reports: dict = {}  # rank -> what it sent when done
+        self.errors: list = []  # (rank, description) in arrival order
+        self.fork_unusable = False  # a forked rank found CUDA unusable: start again with spawn
+        self.forwarded = worker.RUN
+        self.abandoned = False  # ranks terminated before they could report (interrupt)
+
+    def run(self, method: str) -> TrainResult:
+        payload = self.args if method == "fork" else ship(self.args)  # names what does not pickle
+        context = mp.get_context(method)
+        queue, stop = context.Queue(), context.Value("i", worker.RUN, lock=False)
+        store = torch.distributed.TCPStore(worker.HOST, 0, is_master=True, wait_for_workers=False,
+                                           timeout=timedelta(seconds=60))
+        scratch = tempfile.TemporaryDirectory(prefix="gpunb-launch-")
+        plan = worker.Plan(world_size=self.count, port=store.port, method=method,
+                           accelerator=self.config.accelerator, threads=_threads_per_rank(self.count),
+                           weights_path=os.path.join(scratch.name, "weights.pt"),
+                           return_optimizer=self.args.optimizer is not None)
+        try:
+            self._drive(plan, payload, queue, stop)
+            if self.fork_unusable:
+                raise _ForkUnusable
+            return self._finish(plan)
+        finally:
+            queue.close()
+            del store
+            scratch.cleanup()
+
+    def _drive(self, plan, payload, queue, stop) -> None:
+        """Start the ranks and follow them to the end; none is left running afterwards."""
+        processes = None
+        try:
+            with InterruptFlag() as interrupt:
+                processes = _start(plan, payload, queue, stop)
+                self._watch(processes, queue, stop, interrupt)
+        except KeyboardInterrupt:  # a second Ctrl-C: stop the ranks now, keep the weights as they are
+            self.state.request_stop("interrupted")
+            self.abandoned = True
+        except _ForkUnusable:
+            raise
+        except BaseException as error:
+            self.callbacks.call("on_exception", self.state, error)
+            raise
+        finally:
+            _end(processes)
+
+    def _watch(self, processes, queue, stop, interrupt) -> None:
+        deadline = None
+        while True:
+            self._drain(queue, timeout=POLL_S)
+            if interrupt.raised and deadline is None:
+                self.state.request_stop("interrupted")
+                deadline = time.monotonic() + INTERRUPT_GRACE_S
+            if self.state.should_stop and self.forwarded == worker.RUN:
+                self.forwarded = worker.INTERRUPT if self.state.stop_reason == "interrupted" else worker.STOP
+                stop.value = self.forwarded
+            try:
+                if processes.join(timeout=0, grace_period=FAILURE_GRACE_S):
+                    break
+            except ProcessException as error:
+                self._drain(queue, timeout=0)
+                raise self._failure(error) from None
+            if deadline is not None and time.monotonic() > deadline:
+                self.abandoned = True
+                break
+        self._drain(queue, timeout=0)
+
+    def _drain(self, queue, timeout: float) -> None:
+        """Handle every message waiting (waiting up to `timeout` for the first)."""
+        while True:
+            try:
+                kind, rank, body = queue.get(timeout=timeout) if timeout else queue.get_nowait()
+            except Empty:
+                return
+            timeout = 0
+            if kind == "event":
+                self._dispatch(*body)
+            elif kind == "done":
+                self.reports[rank] = body
+            elif kind == "error":
+                self.errors.append((rank, body))
+            elif kind == "fork-unusable":
+                self.fork_unusable = True
+
+    def _dispatch(self, event: str, snapshot: dict, args) -> None:
+        """Bring the mirror up to date with rank 0, then call the callbacks here."""
+        state = self.state
+        state.history.extend(snapshot.pop("rows"))
+        state.latest.update(snapshot.pop("latest"))
+        state.extras.update(snapshot.pop("extras"))
+        if event == "on_fit_start":
+            state.config = self.config.replace(**snapshot.pop("resolved"))
+            state.device = torch.device(snapshot.pop("device"))
+        for name, value in snapshot.items():
+            setattr(state, name, value)
+        self.callbacks.call(event, state, *args)
+
+    def _failure(self, error: ProcessException) -> GpunbError:
+        if self.fork_unusable:
+            return _ForkUnusable()
+        reported = self.errors
+        if reported:
+            # The first rank to fail is the cause; the others usually fail after it, in a
+            # collective that lost its peer: prefer an error that is not of that kind.
+            rank, info = next((e for e in reported if not _lost_peer(e[1])), reported[0])
+            what = info.get("what") or f"{info['type']}: {info['message']}"
+            hint = info.get("hint") or ("the traceback below is from that rank; the other ranks "
+                                        "were stopped. Fix the error, then run the cell again.")
+            return RankFailed(rank, self.count, what, hint, info["traceback"])
+        if isinstance(error, ProcessExitedException):
+            return GpunbError(f"Rank {error.error_index} of {self.count} died ({error.msg}) without "
+                              f"raising a Python error.",
+                              "SIGKILL usually means the host ran out of memory (fewer devices, a "
+                              "smaller batch or fewer DataLoader workers help); SIGSEGV/SIGABRT a crash "
+                              "in native code (check driver and library versions).")
+        return RankFailed(error.error_index, self.count, "it raised", None, str(error))
+
+    def _finish(self, plan: worker.Plan) -> TrainResult:
+        state = self.state
+        missing = [r for r in range(self.count) if r not in self.reports]
+        if missing and not self.abandoned:
+            raise GpunbError(f"Rank(s) {missing} of {self.count} exited without finishing the run.",
+                             "run the cell again; if it repeats, run with devices=1 to see the error.")
+        if 0 in self.reports and os.path.exists(plan.weights_path):
+            final = torch.load(plan.weights_path, map_location="cpu", weights_only=True)
+            _load_into(self.args.model, self.args.optimizer, final)
+            result = self.reports[0]["result"]
+        else:
+            result = self._result_without_rank0()
+        result.per_rank = [self.reports[r]["timings"] for r in sorted(self.reports)]
+        energies = [t["energy_j"] for t in result.per_rank if t.get("energy_j") is not None]
+        result.energy_j = sum(energies) if energies else result.energy_j
+        if result.stop_reason and state.stop_reason:  # stopped from here: say why in our words
+            result.stop_reason = state.stop_reason
+            result.interrupted = state.stop_reason == "interrupted"
+        state.result = result
+        self.callbacks.call("on_fit_end", state)
+        return result
+
+    def _result_without_rank0(self) -> TrainResult:
+        state = self.state
+        checkpoint = state.extras.get("checkpoint_path")
+        warnings.warn(
+            f"gpunb: the ranks did not stop within {INTERRUPT_GRACE_S:.0f} s of the interrupt (they "
+            f"stop at a log interval, every {self.config.log_every} steps) and were terminated; the "
+            "model keeps the weights it had before this run"
+            + (f" (the latest checkpoint is {checkpoint})." if checkpoint else ".")
+            + " A smaller `log_every` makes stops quicker.", RuntimeWarning, stacklevel=4)
+        return TrainResult(run_name=state.run_name, history=list(state.history),
+                           epochs=list(state.extras.get("epochs", [])), config=state.config.to_dict(),
+                           device=str(state.device), batch_size=state.config.batch_size
+                           if isinstance(state.config.batch_size, int) else 0,
+                           grad_accum=state.config.grad_accum, world_size=self.count, steps=state.step,
+                           samples=state.samples_seen, checkpoint_path=checkpoint, interrupted=True,
+                           stop_reason="interrupted")
+
+
+def _check_arguments(model, train_data, val_data, optimizer, loss_fn, step, metrics) -> None:
+    """The checks a single-process fit makes first, here, before any process starts."""
+    from gpunb.runtime.inputs import adapt_data
+    from gpunb.runtime.objective import Objective
+    from gpunb.runtime.optim import check_optimizer
+
+    Objective(loss_fn, step, metrics)
+    adapt_data(train_data, "train_data")
+    if val_data is not None:
+        adapt_data(val_data, "val_data")
+    if optimizer is not None:
+        check_optimizer(optimizer, model)
+
+
+def _parent_callbacks(config) -> list:
+    """The run registry writes from here (one row per run, whatever the number of ranks)."""
+    if not config.track:
+        return []
+    try:
+        from gpunb.runs import RunRecorder
+    except ImportError:
+        return []
+    return [RunRecorder()]
+
+
+def _threads_per_rank(count: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // count)
+
+
+def _lost_peer(info: dict) -> bool:
+    """An error a rank gets because another rank died under it."""
+    text = f"{info['type']} {info['message']}"
+    return info["type"] in ("DistBackendError", "DistNetworkError") or any(
+        sign in text for sign in ("Connection closed by peer", "Connection reset by peer",
+                                  "Broken pipe", "NCCL communicator was aborted"))
+
+
+def _load_into(model, optimizer, final: dict) -> None:
+    """Rank 0's weights into the caller's model (wherever its parameters live)."""
+    from gpunb.distributed.fsdp import optimizer_state_by_index
+
+    model.load_state_dict(final["model"])
+    if optimizer is not None and final.get("optimizer") is not None:
+        optimizer.load_state_dict(optimizer_state_by_index(final["optimizer"], model, optimizer))
+
+
+def _start(plan: worker.Plan, payload, queue, stop):
+    if plan.method == "fork":
+        # The forked ranks must never collect this process's garbage: finalising a copy of an
+        # object that owned a thread here (a store, a loader from an earlier cell) hangs there.
+        gc.freeze()
+    try:
+        return mp.start_processes(worker.run_rank, args=(plan, payload, queue, stop),
+                                  nprocs=plan.world_size, join=False, start_method=plan.method)
+    finally:
+        if plan.method == "fork":
+            gc.unfreeze()
+
+
+def _end(processes) -> None:
+    """No rank outlives the call: SIGTERM what still runs, then SIGKILL, and reap all."""
+    if processes is None:
+        return
+    for process in processes.processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + FAILURE_GRACE_S
+    for process in processes.processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()

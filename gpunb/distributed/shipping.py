@@ -1,0 +1,167 @@
+"""Sending fit's arguments to spawned processes, and saying clearly what cannot travel.
+
+A spawned process starts from nothing: the model, the data, the optimizer and the
+loss are pickled here and rebuilt there. cloudpickle carries classes and functions
+of the notebook (`__main__`, or any module made at run time) by value, so a class
+defined in an earlier cell works. Tensors on a GPU travel as CPU tensors (each rank
+moves them to its own device), so the ranks never crowd onto this process's GPU.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import sys
+import types
+from dataclasses import dataclass, fields
+from typing import Any
+
+import cloudpickle
+import torch
+
+from gpunb.errors import GpunbError
+
+
+@dataclass
+class FitArgs:
+    """What each rank needs to run the same fit."""
+
+    config: Any
+    model: Any
+    train_data: Any
+    val_data: Any = None
+    optimizer: Any = None
+    loss_fn: Any = None
+    step: Any = None
+    metrics: Any = None
+
+
+def ship(args: FitArgs) -> bytes:
+    """`args` as bytes (one pickle, so the optimizer keeps pointing at the model's parameters)."""
+    sourceless = _sourceless_modules()
+    for module in sourceless:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return _dumps(args)
+    except Exception as error:
+        raise _unshippable(args, error) from error
+    finally:
+        for module in sourceless:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+def unship(payload: bytes) -> FitArgs:
+    try:
+        return pickle.loads(payload)
+    except Exception as error:
+        raise GpunbError(f"A spawned process could not rebuild fit's arguments: "
+                         f"{type(error).__name__}: {error}",
+                         "objects from installed modules travel by name and are imported again in "
+                         "the new process: check that the module imports there (same working "
+                         "directory and sys.path), or define the class in the notebook.") from error
+
+
+class _Pickler(cloudpickle.Pickler):
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
+            if isinstance(obj, torch.nn.Parameter):
+                return torch.nn.Parameter, (obj.detach().cpu(), obj.requires_grad)
+            return obj.detach().cpu().requires_grad_(obj.requires_grad).__reduce_ex__(self.proto)
+        return super().reducer_override(obj)
+
+
+def _dumps(obj) -> bytes:
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
+def _sourceless_modules() -> list:
+    """Modules made at run time (no file up their package chain): a new process cannot import
+    them, so their classes and functions must travel by value, like the notebook's."""
+    found = []
+    for name, module in list(sys.modules.items()):
+        if name == "__main__" or not isinstance(module, types.ModuleType):
+            continue
+        root = sys.modules.get(name.partition(".")[0])
+        if root is not None and not _has_origin(root) and not _has_origin(module):
+            found.append(module)
+    return found
+
+
+def _has_origin(module) -> bool:
+    spec = getattr(module, "__spec__", None)
+    return bool(getattr(module, "__file__", None) or getattr(module, "__path__", None)
+                or getattr(spec, "origin", None))
+
+
+def _unshippable(args: FitArgs, error: Exception) -> GpunbError:
+    """Which argument failed to pickle, what inside it, and what to do instead."""
+    for f in fields(FitArgs):
+        value = getattr(args, f.name)
+        if value is None:
+            continue
+        name = f.name if f.name != "config" else "config.transforms"
+        value = value.transforms if f.name == "config" else value
+        culprit = _find_unpicklable(value, name, depth=4)
+        if culprit is None:
+            continue
+        path, inner, inner_error = culprit
+        what = _kind(inner, inner_error)
+        where = "" if path == name else f" (at `{path}`)"
+        return GpunbError(
+            f"`{name}` holds {what}{where} that cannot be pickled, so it cannot be sent to the "
+            f"processes of the other devices ({type(inner_error).__name__}: {inner_error}).",
+            "CUDA is already in use in this process, so gpunb starts the device processes with "
+            "spawn, which sends fit's arguments by pickling them. Build "
+            f"`{name}` from parts that pickle (tensors, a Dataset holding tensors or file paths, "
+            "a DataLoader over such a Dataset; a generator can become a list or a Dataset), or "
+            "start the multi-device training before anything in this kernel uses CUDA: the "
+            "processes are then forked and nothing is pickled.")
+    return GpunbError(f"fit's arguments cannot be pickled for the device processes: "
+                      f"{type(error).__name__}: {error}",
+                      "make the model, data, optimizer and loss picklable, or run the multi-device "
+                      "training before anything in this kernel uses CUDA (then nothing is pickled).")
+
+
+def _find_unpicklable(value, path: str, depth: int):
+    """(path, object, error) of the innermost part of `value` that does not pickle, or None."""
+    try:
+        _dumps(value)
+        return None
+    except Exception as error:  # pickling fails with any type (TypeError, PicklingError, ...)
+        found = (path, value, error)
+    if depth == 0:
+        return found
+    for child_path, child in _children(value, path):
+        inner = _find_unpicklable(child, child_path, depth - 1)
+        if inner is not None:
+            return inner
+    return found
+
+
+def _children(value, path: str):
+    if isinstance(value, dict):
+        return [(f"{path}[{key!r}]", item) for key, item in value.items()]
+    if isinstance(value, (list, tuple)):
+        return [(f"{path}[{i}]", item) for i, item in enumerate(value)]
+    if isinstance(value, torch.nn.Module):
+        return [(f"{path}.{name}", item) for name, item in vars(value).items()
+                if not name.startswith("_")] + [(f"{path}.{name}", m) for name, m in value.named_children()]
+    attributes = getattr(value, "__dict__", None)
+    if isinstance(attributes, dict):
+        return [(f"{path}.{name}", item) for name, item in attributes.items()]
+    return []
+
+
+def _kind(value, error: Exception) -> str:
+    """'a generator', 'a lambda', 'a lock' ... for the message."""
+    if isinstance(value, types.GeneratorType):
+        return "a generator"
+    match = re.search(r"pickle '([^']+)' object", str(error))
+    name = match.group(1) if match else type(value).__name__
+    if name.startswith("_thread."):
+        name = name.removeprefix("_thread.")
+    article = "an" if name[:1].lower() in "aeiou" else "a"
+    return f"{article} {name}"

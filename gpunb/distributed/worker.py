@@ -1,0 +1,188 @@
+"""The body of each process launch.py starts: one rank of the run.
+
+It joins the process group (the parent's TCPStore is the rendezvous), runs the same
+`Trainer.fit` as a single-process run (the runtime sees an initialised group and
+wraps the model in DDP / FSDP), and reports back. Rank 0 also relays its events to
+the parent and brings the parent's stop requests in.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from gpunb.distributed.shipping import FitArgs, unship
+from gpunb.errors import GpunbError
+
+HOST = "127.0.0.1"
+RUN, STOP, INTERRUPT = 0, 1, 2  # values of the shared stop flag
+PROGRESS_EVERY_S = 0.25  # rank 0 sends its progress (on_train_batch_end) at most this often
+
+
+@dataclass
+class Plan:
+    """How the ranks of one launch find each other and where they leave their results."""
+
+    world_size: int
+    port: int  # of the parent's TCPStore on HOST
+    method: str  # "fork" or "spawn"
+    accelerator: str  # "cuda" or "cpu"
+    threads: int  # CPU threads per rank (the cores shared out)
+    weights_path: str  # where rank 0 writes the final weights
+    return_optimizer: bool  # also the optimizer's state (the caller passed an optimizer)
+
+
+def run_rank(rank: int, plan: Plan, payload, queue, stop) -> None:
+    """Started by torch.multiprocessing.start_processes as fn(rank, *args)."""
+    _own_signals()
+    torch.set_num_threads(plan.threads)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(plan.world_size),
+                      LOCAL_WORLD_SIZE=str(plan.world_size), MASTER_ADDR=HOST, MASTER_PORT=str(plan.port))
+    try:
+        if plan.method == "fork" and plan.accelerator == "cuda" and torch.cuda._is_in_bad_fork():
+            # CUDA was set up in the parent after all (e.g. by torch.cuda.is_available()):
+            # a forked process cannot use it. The parent starts again with spawn.
+            queue.put(("fork-unusable", rank, None))
+            return
+        args = payload if isinstance(payload, FitArgs) else unship(payload)
+        _join_group(rank, plan)
+        queue.put(("done", rank, _fit(rank, plan, args, queue, stop)))
+    except BaseException as error:
+        queue.put(("error", rank, describe(error)))
+        raise  # torch.multiprocessing records the traceback and exits with 1
+    _exit_now(queue)
+
+
+def _exit_now(queue) -> None:
+    """Leave without tearing the process group down. Its gloo threads may still be
+    releasing work that holds Python objects, which needs the GIL: destroying the group
+    (joining those threads with the GIL held) can deadlock, and interpreter shutdown can
+    abort. The parent has everything it needs once the queue is flushed."""
+    queue.close()
+    queue.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _own_signals() -> None:
+    """Only the parent answers Ctrl-C and the kernel's stop button: it forwards a stop that
+    the ranks then carry out together. So leave the parent's process group (the kernel
+    signals the whole group), and die with the parent if it dies."""
+    os.setpgrp()
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a forked rank inherits the parent's
+    try:
+        from torch.multiprocessing import _prctl_pr_set_pdeathsig
+    except ImportError:  # not Linux, or a torch without it: the parent's clean-up still applies
+        return
+    _prctl_pr_set_pdeathsig(signal.SIGKILL)
+
+
+def _join_group(rank: int, plan: Plan) -> None:
+    store = dist.TCPStore(HOST, plan.port, is_master=False)
+    backend = "nccl" if plan.accelerator == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=plan.world_size)
+
+
+def _fit(rank: int, plan: Plan, args: FitArgs, queue, stop) -> dict:
+    from gpunb.distributed.context import ProcessGroupRank
+    from gpunb.runtime.device import select_device
+    from gpunb.runtime.trainer import Trainer
+
+    model, optimizer = args.model, args.optimizer
+    if optimizer is not None and optimizer.state:
+        # Shipped from a GPU its state arrived on the CPU: move it next to the parameters.
+        model.to(select_device(plan.accelerator, rank))
+        optimizer.load_state_dict(optimizer.state_dict())
+    callbacks = [Relay(queue, stop)] if rank == 0 else []
+    result = Trainer(args.config).fit(model, args.train_data, args.val_data, optimizer=optimizer,
+                                      loss_fn=args.loss_fn, step=args.step, metrics=args.metrics,
+                                      callbacks=callbacks)
+    # Every rank takes part (FSDP gathers the shards); rank 0 writes the weights.
+    returned_optimizer = optimizer if plan.return_optimizer else None
+    model_state, optimizer_state = ProcessGroupRank(args.config.strategy).state_dicts(model, returned_optimizer)
+    if rank == 0:
+        torch.save({"model": model_state, "optimizer": optimizer_state}, plan.weights_path)
+    timings = {"rank": rank, "device": result.device, "steps": result.steps,
+               "wall_time_s": result.wall_time_s, "data_wait_s": result.data_wait_s,
+               "compute_s": result.compute_s, "validation_s": result.validation_s,
+               "peak_memory_mb": result.peak_memory_mb, "energy_j": result.energy_j}
+    return {"result": result if rank == 0 else None, "timings": timings}
+
+
+class Relay:
+    """Rank 0's callback: each event goes to the parent; the parent's stop requests come in.
+
+    Events go as they happen, except on_train_batch_end: a progress update at most every
+    PROGRESS_EVERY_S (the dashboard's progress bar, the registry's heartbeat)."""
+
+    def __init__(self, queue, stop):
+        self.queue, self.stop = queue, stop
+        self.rows_sent = 0
+        self.progress_sent = 0.0
+
+    def on_fit_start(self, state) -> None:
+        self.rows_sent = 0
+        resolved = {"batch_size": state.config.batch_size, "precision": state.config.precision}
+        self._send("on_fit_start", state, resolved=resolved, device=str(state.device))
+
+    def on_train_batch_end(self, state) -> None:
+        code = self.stop.value  # a read of shared memory: no lock, no sync
+        if code != RUN:
+            state.request_stop("interrupted" if code == INTERRUPT else "stopped")  # voted on at the next log
+        now = time.monotonic()
+        if now - self.progress_sent >= PROGRESS_EVERY_S:
+            self.progress_sent = now
+            self._send("on_train_batch_end", state)
+
+    def on_log(self, state, metrics) -> None:
+        self._send("on_log", state, dict(metrics))
+
+    def on_validation_end(self, state, metrics) -> None:
+        self._send("on_validation_end", state, dict(metrics))
+
+    def on_epoch_end(self, state, metrics) -> None:
+        self._send("on_epoch_end", state, dict(metrics))
+
+    def on_checkpoint(self, state, path) -> None:
+        self._send("on_checkpoint", state, str(path))
+
+    def _send(self, event: str, state, *args, **fields) -> None:
+        snapshot = {"step": state.step, "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch,
+                    "samples_seen": state.samples_seen, "steps_per_epoch": state.steps_per_epoch,
+                    "total_steps": state.total_steps, "latest": dict(state.latest),
+                    "rows": state.history[self.rows_sent:],
+                    "extras": {k: v for k, v in state.extras.items() if _plain(v)}, **fields}
+        self.rows_sent = len(state.history)
+        # A deep copy: the queue pickles on its own thread, later, while training goes on.
+        self.queue.put(("event", 0, (event, copy.deepcopy(snapshot), copy.deepcopy(args))))
+
+
+def describe(error: BaseException) -> dict:
+    info = {"type": type(error).__name__, "message": str(error), "traceback": traceback.format_exc()}
+    if isinstance(error, GpunbError):
+        info.update(what=error.what, hint=error.hint)
+    return info
+
+
+def _plain(value, depth: int = 0) -> bool:
+    """Plain data (what the dashboard reads from state.extras), safe to send and copy."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if depth > 4:
+        return False
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
+    return False
