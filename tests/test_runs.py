@@ -491,3 +491,15 @@ def test_gpunb_runs_is_callable_even_after_the_package_is_imported():
 
     assert isinstance(gpunb.runs(), gpunb.runs.RunTable)
     assert gpunb.compare is gpunb.runs.compare
+
+
+def test_a_stop_request_is_seen_at_the_next_log_interval_even_between_writes(registry, clock):
+    state, rec = _state(), RunRecorder(registry)
+    rec.on_fit_start(state)
+    state.step = 1
+    rec.on_log(state, {"loss": 1.0})  # the first log: written
+    registry.request_stop(rec.run_id)
+    clock.now += 0.1  # well inside the one-second write throttle
+    state.step = 2
+    rec.on_log(state, {"loss": 0.9})
+    assert state.stop_reason == "stopped from the sidebar"

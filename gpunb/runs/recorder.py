@@ -1,7 +1,8 @@
 """RunRecorder: the callback that keeps a run's row in the registry up to date.
 
 A plain callback (see gpunb/runtime/events.py). It writes at most once a second
-(always on the first log), answers stop requests from the sidebar, and never lets a
+(always on the first log), answers stop requests from the sidebar at every log
+interval (a single read between writes), and never lets a
 registry problem (disk full, locked or corrupt file) reach the training loop: it
 warns once and carries on without recording.
 """
@@ -119,6 +120,9 @@ class RunRecorder:
     def _write(self, state, force: bool = False) -> None:
         now = _now()
         if not force and now - self._last_write < WRITE_EVERY_S:
+            # No write yet, but a stop request is still answered at this log interval (one read).
+            if self._safely(lambda: self._registry().stop_requested(self.run_id)):
+                state.request_stop("stopped from the sidebar")
             return
         self._last_write = now
 
