@@ -209,6 +209,16 @@ def test_fsdp_trains_matches_ddp_and_resumes_from_a_full_checkpoint(tmp_path):
                                atol=1e-6, rtol=0)
 
 
+def test_fsdp_fp16_skips_a_step_on_every_rank_when_one_shard_overflows():
+    x, y = classification_data(n=256)
+    x[37] = float("inf")  # in rank 1's share of the third step only
+    model = mlp()
+    result = Trainer(batch_size=16, shuffle=False, strategy="fsdp", precision="16-mixed", detect_nan=False,
+                     **CPU2).fit(model, (x, y), loss_fn=nn.CrossEntropyLoss())
+    assert result.skipped_steps == 1 and [t["steps"] for t in result.per_rank] == [8, 8]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 # --------------------------------------------------------------------------- start methods
 
 CELL = '''

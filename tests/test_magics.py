@@ -156,3 +156,9 @@ def test_export_writes_a_script_and_trains_nothing(ip, tmp_path, capsys):
     compile(script, str(target), "exec")
     assert "torchrun" in capsys.readouterr().out
     assert "gputrain_result" not in ip.user_ns
+
+
+def test_a_step_left_from_an_earlier_cell_does_not_clash_with_this_cells_loss_fn(ip):
+    ip.run_cell("def step(model, batch):\n    return model(batch[0]).sum()")
+    ip.run_cell_magic("gputrain", "--max-steps 2 --quiet --no-track", CELL)  # CELL binds loss_fn
+    assert ip.user_ns["gputrain_result"].steps == 2

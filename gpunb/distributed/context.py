@@ -9,7 +9,7 @@ on either, so it reads the same in both cases:
     reduce_loss(mean_loss, state)  the log interval's one sync (and, in a group, its stop vote)
     sync_stop(state)               the vote alone, at an epoch's end
     reduce_sums(sums, count)       validation means over all ranks
-    wrap(model, device)            DDP, or FSDP2 sharding
+    wrap(model, device)            DDP, or FSDP2 sharding (then adopt_shards: optimizer, fp16 scaler)
     state_dicts / load_*           checkpoints (FSDP gathers to rank 0 and scatters back)
 """
 
@@ -53,7 +53,7 @@ class SingleProcess:
     def wrap(self, model, device):
         return model
 
-    def rebind_optimizer(self, optimizer) -> None:
+    def adopt_shards(self, optimizer, precision) -> None:
         pass
 
     def state_dicts(self, model, optimizer) -> tuple[dict, dict]:
@@ -149,13 +149,20 @@ class ProcessGroupRank:
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                        gradient_as_bucket_view=True)
 
-    def rebind_optimizer(self, optimizer) -> None:
-        """FSDP swapped the model's parameters for sharded ones: point the optimizer at those."""
-        if self._sharded is not None:
-            from gpunb.distributed import fsdp
+    def adopt_shards(self, optimizer, precision) -> None:
+        """FSDP swapped the model's parameters for sharded ones: point the optimizer at those,
+        and make fp16 loss scaling skip a step on every rank when any rank's shard of the
+        gradients holds inf/NaN (each rank sees only its shard)."""
+        if self._sharded is None:
+            return
+        from gpunb.distributed import fsdp
 
-            fsdp.rebind_optimizer(optimizer, *self._sharded)
-            self._sharded = None
+        fsdp.rebind_optimizer(optimizer, *self._sharded)
+        self._sharded = None
+        if precision.scaler is not None:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            precision.scaler = ShardedGradScaler(precision.device.type)
 
     def state_dicts(self, model, optimizer) -> tuple[dict | None, dict | None]:
         """Full model and optimizer (when given) state on rank 0, None elsewhere; every rank

@@ -6,9 +6,10 @@ Trainer.fit calls `fit` here when devices > 1 and no process group exists yet.
   once CUDA is initialised a forked process cannot use it, so spawn, with fit's
   arguments cloudpickled (shipping.py). torch.multiprocessing starts and joins the
   processes; a TCPStore on a free localhost port is the rendezvous.
-- While they train: rank 0 streams its events over a queue; here they update a
-  FitState that mirrors rank 0's and go to the caller's callbacks (the dashboard) and
-  the run registry, which run in this process only. A stop asked for here
+- While they train: rank 0 streams its events over a queue (on_train_batch_end as a
+  progress update at most 4 times a second); here they update a FitState that mirrors
+  rank 0's and go to the caller's callbacks (the dashboard) and the run registry,
+  which run in this process only. A stop asked for here
   (`state.request_stop`, the kernel's stop button) reaches the ranks through a shared
   value; they vote on it at the next log interval and stop after the same step.
 - At the end rank 0's weights (and optimizer state, when an optimizer was passed) are
@@ -21,8 +22,10 @@ Trainer.fit calls `fit` here when devices > 1 and no process group exists yet.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import sys
 import tempfile
 import time
 import warnings
@@ -123,7 +126,7 @@ class _Launch:
         self.errors: list = []  # (rank, description) in arrival order
         self.fork_unusable = False  # a forked rank found CUDA unusable: start again with spawn
         self.forwarded = worker.RUN
-        self.abandoned = False  # ranks terminated before they could report (interrupt)
+        self.abandoned = None  # why the ranks were terminated before they could report, if they were
 
     def run(self, method: str) -> TrainResult:
         payload = self.args if method == "fork" else ship(self.args)  # names what does not pickle
@@ -155,7 +158,7 @@ class _Launch:
                 self._watch(processes, queue, stop, interrupt)
         except KeyboardInterrupt:  # a second Ctrl-C: stop the ranks now, keep the weights as they are
             self.state.request_stop("interrupted")
-            self.abandoned = True
+            self.abandoned = "a second interrupt stopped the ranks at once"
         except _ForkUnusable:
             raise
         except BaseException as error:
@@ -181,7 +184,9 @@ class _Launch:
                 self._drain(queue, timeout=0)
                 raise self._failure(error) from None
             if deadline is not None and time.monotonic() > deadline:
-                self.abandoned = True
+                self.abandoned = (f"the ranks did not stop within {INTERRUPT_GRACE_S:.0f} s of the interrupt "
+                                  f"(they stop at a log interval, every {self.config.log_every} steps; "
+                                  "a smaller `log_every` makes stops quicker) and were terminated")
                 break
         self._drain(queue, timeout=0)
 
@@ -260,12 +265,9 @@ class _Launch:
     def _result_without_rank0(self) -> TrainResult:
         state = self.state
         checkpoint = state.extras.get("checkpoint_path")
-        warnings.warn(
-            f"gpunb: the ranks did not stop within {INTERRUPT_GRACE_S:.0f} s of the interrupt (they "
-            f"stop at a log interval, every {self.config.log_every} steps) and were terminated; the "
-            "model keeps the weights it had before this run"
-            + (f" (the latest checkpoint is {checkpoint})." if checkpoint else ".")
-            + " A smaller `log_every` makes stops quicker.", RuntimeWarning, stacklevel=4)
+        warnings.warn(f"gpunb: {self.abandoned}; the model keeps the weights it had before this run"
+                      + (f" (the latest checkpoint is {checkpoint})." if checkpoint else "."),
+                      RuntimeWarning, stacklevel=5)
         return TrainResult(run_name=state.run_name, history=list(state.history),
                            epochs=list(state.extras.get("epochs", [])), config=state.config.to_dict(),
                            device=str(state.device), batch_size=state.config.batch_size
@@ -327,12 +329,30 @@ def _start(plan: worker.Plan, payload, queue, stop):
         # The forked ranks must never collect this process's garbage: finalising a copy of an
         # object that owned a thread here (a store, a loader from an earlier cell) hangs there.
         gc.freeze()
-    try:
-        return mp.start_processes(worker.run_rank, args=(plan, payload, queue, stop),
-                                  nprocs=plan.world_size, join=False, start_method=plan.method)
-    finally:
-        if plan.method == "fork":
+        try:
+            return mp.start_processes(worker.run_rank, args=(plan, payload, queue, stop),
+                                      nprocs=plan.world_size, join=False, start_method="fork")
+        finally:
             gc.unfreeze()
+    with _main_module_hidden():
+        return mp.start_processes(worker.run_rank, args=(plan, payload, queue, stop),
+                                  nprocs=plan.world_size, join=False, start_method="spawn")
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """A spawned rank gets everything from the payload, so multiprocessing need not run the
+    caller's main module again in it (the kernel's launcher, or a script, which without an
+    `if __name__ == "__main__"` guard would start training again there)."""
+    main = sys.modules["__main__"]
+    saved = {name: main.__dict__[name] for name in ("__spec__", "__file__") if name in main.__dict__}
+    main.__spec__ = None
+    main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
 
 
 def _end(processes) -> None:

@@ -179,6 +179,12 @@ def _collect(namespace, args, before) -> dict:
     for role in ROLES:
         name = getattr(args, f"{role}_name")
         found[role] = namespace.get(name)
+    if found["loss_fn"] is not None and found["step"] is not None:
+        # One of them is often left over from an earlier cell: keep the one this cell bound.
+        fresh = {role for role in ("loss_fn", "step")
+                 if before.get(getattr(args, f"{role}_name")) != id(found[role])}
+        if len(fresh) == 1:
+            found[({"loss_fn", "step"} - fresh).pop()] = None
     for role in ("model", "train_data"):
         if found[role] is None:
             name = getattr(args, f"{role}_name")

@@ -13,7 +13,8 @@ with `getattr` and calls it with the `FitState` (no base class to inherit).
     on_exception(state, error)     when fit raises; on_fit_end is not called then
 
 Any hook may call `state.request_stop(reason)`: the loop stops cleanly at the next
-step boundary (writing a checkpoint when a directory is set).
+step boundary (in multi-process runs: at the next log interval, on every rank at the
+same step), writing a checkpoint when a directory is set.
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
 
     run_name = config.name or type(model).__name__  # before FSDP renames the class
     train_model, unwrap = wrap_model(model, config, dist, device)
-    dist.rebind_optimizer(optimizer)  # FSDP replaced the parameters with sharded ones
+    dist.adopt_shards(optimizer, precision)  # FSDP replaced the parameters with sharded ones
     state = dist.state_type(config=config, model=train_model, optimizer=optimizer, device=device,
                             run_name=run_name,
                             steps_per_epoch=steps_per_epoch, total_steps=total_steps,
