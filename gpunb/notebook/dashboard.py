@@ -12,7 +12,7 @@ import html
 import time
 from collections import deque
 
-from gpunb.runtime.callbacks import epochs_suffix, eta_seconds, format_duration
+from gpunb.runtime.callbacks import progress_parts
 from gpunb.runtime.render import loss_curve_svg
 
 MAX_CURVE_POINTS = 300  # the live curve is thinned to this many points
@@ -75,7 +75,8 @@ class Dashboard:
         if state.total_steps:
             self.progress.max = state.total_steps
         self.progress.value = min(state.step, self.progress.max)
-        self.status.value = f"<span style='white-space:nowrap'>{html.escape(_status_line(state))}</span>"
+        line = " · ".join(progress_parts(state, with_loss=False))
+        self.status.value = f"<span style='white-space:nowrap'>{html.escape(line)}</span>"
         self.metrics.value = _metrics_html(state)
         series = {"train": _thin(self.train_points)}
         if self.val_points:
@@ -125,17 +126,6 @@ def _header_html(state) -> str:
     batch = f"{config.batch_size} x {config.grad_accum} accumulation x {state.world_size} device(s)"
     return (f"<b>{html.escape(state.run_name)}</b> &middot; {html.escape(str(state.device))} &middot; "
             f"precision {html.escape(config.precision)} &middot; batch {batch}")
-
-
-def _status_line(state) -> str:
-    total = f"/{state.total_steps}" if state.total_steps else ""
-    parts = [f"step {state.step}{total}", f"epoch {state.epoch + 1}{epochs_suffix(state)}"]
-    if state.latest.get("samples_per_s"):
-        parts.append(f"{state.latest['samples_per_s']:,.0f} samples/s")
-    eta = eta_seconds(state)
-    if eta is not None:
-        parts.append(f"ETA {format_duration(eta)}")
-    return " · ".join(parts)
 
 
 def _metrics_html(state) -> str:

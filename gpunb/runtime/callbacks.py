@@ -70,20 +70,25 @@ class ProgressPrinter:
 
 
 def progress_line(state) -> str:
-    """`step 120/450 (27%) epoch 1/3 loss 0.412 3,210 samples/s ETA 0:12`"""
+    """`step 120/450 (27%)  epoch 1/3  loss 0.412  3,210 samples/s  ETA 0:12`"""
+    return "  ".join(progress_parts(state, with_loss=True))
+
+
+def progress_parts(state, with_loss: bool) -> list[str]:
+    """The pieces of a progress line: step, epoch, (loss), throughput, ETA."""
     latest = state.latest
     total = f"/{state.total_steps}" if state.total_steps else ""
     percent = f" ({100 * state.progress:.0f}%)" if state.progress is not None else ""
     parts = [f"step {state.step}{total}{percent}",
              f"epoch {state.epoch + 1}{epochs_suffix(state)}"]
-    if "loss" in latest:
+    if with_loss and "loss" in latest:
         parts.append(f"loss {latest['loss']:.4g}")
     if latest.get("samples_per_s"):
         parts.append(f"{latest['samples_per_s']:,.0f} samples/s")
     eta = eta_seconds(state)
     if eta is not None:
         parts.append(f"ETA {format_duration(eta)}")
-    return "  ".join(parts)
+    return parts
 
 
 def epochs_suffix(state) -> str:
