@@ -11,7 +11,7 @@ def main(argv=None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train a CNN on scikit-learn's digits and print the result")
     demo.add_argument("--epochs", type=int, default=5)
-    demo.add_argument("--batch-size", default="auto", help="an integer or 'auto' (default)")
+    demo.add_argument("--batch-size", default="32", help="an integer (default 32) or 'auto'")
     demo.add_argument("--precision", default="auto")
     commands.add_parser("status", help="the GPUs (or the host's CPU and RAM) right now")
     args = parser.parse_args(argv)
