@@ -13,7 +13,7 @@ import time
 from collections import deque
 
 from gpunb.runtime.callbacks import progress_parts
-from gpunb.runtime.render import loss_curve_svg
+from gpunb.charts import line_chart
 
 MAX_CURVE_POINTS = 300  # the live curve is thinned to this many points
 
@@ -78,10 +78,11 @@ class Dashboard:
         line = " · ".join(progress_parts(state, with_loss=False))
         self.status.value = f"<span style='white-space:nowrap'>{html.escape(line)}</span>"
         self.metrics.value = _metrics_html(state)
-        series = {"train": _thin(self.train_points)}
+        names, series = ["train loss"], [_thin(self.train_points)]
         if self.val_points:
-            series["val"] = self.val_points
-        self.curve.value = loss_curve_svg(series, width=380, height=150)
+            names.append("val loss")
+            series.append(self.val_points)
+        self.curve.value = line_chart("loss", names, series, width=380, height=190, legend=80)
         if self.gpu_samples:
             self.gpu.value = gpu_sparklines_html(list(self.gpu_samples))
 
@@ -118,7 +119,7 @@ class FailedRun:
     def _repr_html_(self) -> str:
         points = [(row["step"], row["loss"]) for row in self.state.history]
         return (f"<div class='gpunb-failed'><b>{html.escape(repr(self))}</b>"
-                f"{loss_curve_svg({'train': points}) if points else ''}</div>")
+                f"{line_chart('loss', ['train loss'], [points], legend=90) if points else ''}</div>")
 
 
 def _header_html(state) -> str:
@@ -147,10 +148,20 @@ def gpu_sparklines_html(samples: list) -> str:
         values = [s[key] for s in samples if key in s]
         if not values:
             continue
-        points = [(i, v) for i, v in enumerate(values)]
-        svg = loss_curve_svg({"gpu": points}, width=160, height=50, y_label="")
+        svg = sparkline_svg(values)
         rows.append((label, f"{values[-1]:,.0f}{unit}", svg))
     return "".join(f"<div>{html.escape(label)} <b>{value}</b>{svg}</div>" for label, value, svg in rows)
+
+
+def sparkline_svg(values: list, width: int = 160, height: int = 32) -> str:
+    """A bare line of recent values scaled to the box: no axes, just the shape."""
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+    step = width / max(1, len(values) - 1)
+    coords = " ".join(f"{i * step:.1f},{height - 2 - (v - low) / span * (height - 4):.1f}"
+                      for i, v in enumerate(values))
+    return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}'>"
+            f"<polyline points='{coords}' fill='none' stroke='#1f77b4' stroke-width='1.5'/></svg>")
 
 
 def _thin(points: list) -> list:

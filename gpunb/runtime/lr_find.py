@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpunb.charts import line_chart
 from gpunb.errors import GpunbError
 from gpunb.runtime import device as devices
 from gpunb.runtime.batch_size import _restore, _snapshot
@@ -21,7 +22,6 @@ from gpunb.runtime.inputs import adapt_data
 from gpunb.runtime.objective import Objective
 from gpunb.runtime.optim import check_optimizer, default_optimizer
 from gpunb.runtime.precision import Precision, resolve_precision
-from gpunb.runtime.render import loss_curve_svg
 
 SMOOTHING = 0.98  # exponential moving average of the loss, as fastai uses
 DIVERGENCE = 4.0  # stop when the smoothed loss exceeds this multiple of its minimum
@@ -44,11 +44,12 @@ class LRFinderResult:
     def _repr_html_(self) -> str:
         # Plot against log10(lr) so the sweep reads evenly from left to right.
         points = [(math.log10(lr), loss) for lr, loss in zip(self.lrs, self.losses)]
-        series = {"train": points}
+        names, series = ["smoothed loss"], [points]
         if self.suggestion:
-            near = min(points, key=lambda p: abs(p[0] - math.log10(self.suggestion)))
-            series["suggested"] = [near]
-        svg = loss_curve_svg(series, y_label="loss (smoothed)").replace(" steps</text>", " log10(lr)</text>")
+            names.append("suggested")
+            series.append([min(points, key=lambda p: abs(p[0] - math.log10(self.suggestion)))])
+        svg = line_chart("loss (smoothed)", names, series, x_label="log10(learning rate)",
+                         width=420, height=210, legend=110)
         text = repr(self).replace("\n", "<br>")
         return f"<div class='gpunb-lr-find'>{svg}<div>{text}</div></div>"
 

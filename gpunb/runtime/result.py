@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
-from gpunb.runtime.render import html_table, loss_curve_svg
+from gpunb.charts import line_chart
 
 
 @dataclass
@@ -105,7 +105,9 @@ class TrainResult:
         return rows
 
     def _repr_html_(self) -> str:
-        svg = loss_curve_svg(self.loss_series())
+        series = self.loss_series()
+        svg = line_chart("loss", [f"{name} loss" for name in series], list(series.values()),
+                         width=420, height=210, legend=90, empty="yet")
         return (f"<div class='gpunb-result'><b>{html.escape(self.run_name)}</b>"
                 f"<div style='display:flex;gap:1.5em;flex-wrap:wrap;align-items:flex-start'>"
                 f"{html_table(self.summary_rows())}{svg}</div></div>")
@@ -135,3 +137,9 @@ def _fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+def html_table(rows: list[tuple[str, str]]) -> str:
+    cells = "".join(f"<tr><th style='text-align:left;padding-right:1em'>{html.escape(k)}</th>"
+                    f"<td style='text-align:left'>{html.escape(v)}</td></tr>" for k, v in rows)
+    return f"<table>{cells}</table>"

@@ -1,0 +1,96 @@
+"""Inline SVG line charts: pure functions of their data (no clock, no randomness, no torch).
+
+The same data gives the same bytes, so rendered summaries are stable under nbval and
+nbconvert; `fill="currentColor"` lets labels follow the page's text colour (dark themes).
+"""
+
+from __future__ import annotations
+
+import html
+import math
+
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+           "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+
+
+
+
+def line_chart(metric: str, names: list[str], series: list[list[tuple[float, float]]], *,
+               x_label: str = "step", width: int = 560, height: int = 280, legend: int = 180,
+               empty: str = "for these runs") -> str:
+    """An SVG line chart of `series` (lists of (x, y)), one colour per name, legend on the right.
+
+    A metric that spans more than two decades (a falling loss) is drawn on a log axis.
+    """
+    _W, _H, _LEGEND = width, height, legend
+    _LEFT, _RIGHT, _TOP, _BOTTOM = 60, 16, 12, 40
+    points = [point for line in series for point in line if math.isfinite(point[1])]
+    series = [[point for point in line if math.isfinite(point[1])] for line in series]
+    total_width = _W + _LEGEND
+    parts = [(f"<svg xmlns='http://www.w3.org/2000/svg' width='{total_width}' height='{_H}' "
+              f"viewBox='0 0 {total_width} {_H}' font-family='sans-serif' font-size='11' "
+              "fill='currentColor'>")]
+    if not points:
+        parts.append(f"<text x='{_LEFT}' y='{_H / 2}'>No {html.escape(metric)} values recorded "
+                     f"{html.escape(empty)}.</text></svg>")
+        return "".join(parts)
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    log_y = min(ys) > 0 and max(ys) / min(ys) > 100  # losses spanning decades read better on a log axis
+    to_y = math.log10 if log_y else float
+    x_low, x_high = _padded(min(xs), max(xs), 0.0)
+    y_low, y_high = _padded(to_y(min(ys)), to_y(max(ys)), 0.05)
+    plot_w, plot_h = _W - _LEFT - _RIGHT, _H - _TOP - _BOTTOM
+
+    def px(x: float) -> float:
+        return _LEFT + (x - x_low) / (x_high - x_low) * plot_w
+
+    def py(y: float) -> float:
+        return _TOP + (1 - (to_y(y) - y_low) / (y_high - y_low)) * plot_h
+
+    for tick in _ticks(x_low, x_high):
+        parts.append(f"<line x1='{px(tick):.1f}' x2='{px(tick):.1f}' y1='{_TOP}' y2='{_TOP + plot_h}' "
+                     f"stroke='currentColor' stroke-opacity='0.15'/><text x='{px(tick):.1f}' "
+                     f"y='{_TOP + plot_h + 14}' text-anchor='middle'>{tick:g}</text>")
+    y_ticks = [10 ** t for t in _ticks(y_low, y_high, integers=True)] if log_y else _ticks(y_low, y_high)
+    for tick in y_ticks:
+        parts.append(f"<line x1='{_LEFT}' x2='{_LEFT + plot_w}' y1='{py(tick):.1f}' y2='{py(tick):.1f}' "
+                     f"stroke='currentColor' stroke-opacity='0.15'/><text x='{_LEFT - 6}' "
+                     f"y='{py(tick) + 4:.1f}' text-anchor='end'>{tick:.3g}</text>")
+    parts.append(f"<rect x='{_LEFT}' y='{_TOP}' width='{plot_w}' height='{plot_h}' fill='none' "
+                 "stroke='currentColor' stroke-opacity='0.5'/>"
+                 f"<text x='{_LEFT + plot_w / 2}' y='{_H - 6}' text-anchor='middle'>{html.escape(x_label)}</text>"
+                 f"<text x='14' y='{_TOP + plot_h / 2}' text-anchor='middle' "
+                 f"transform='rotate(-90 14 {_TOP + plot_h / 2})'>{html.escape(metric)}"
+                 f"{' (log)' if log_y else ''}</text>")
+    for i, (name, line) in enumerate(zip(names, series)):
+        colour = PALETTE[i % len(PALETTE)]
+        if len(line) == 1:
+            parts.append(f"<circle cx='{px(line[0][0]):.1f}' cy='{py(line[0][1]):.1f}' r='3' fill='{colour}'/>")
+        elif line:
+            coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in line)
+            parts.append(f"<polyline points='{coords}' fill='none' stroke='{colour}' stroke-width='1.5'/>")
+        label = name if len(name) <= 24 else name[:23] + "…"
+        y = _TOP + 8 + 16 * i
+        parts.append(f"<line x1='{_W + 4}' x2='{_W + 22}' y1='{y}' y2='{y}' stroke='{colour}' "
+                     f"stroke-width='2'/><text x='{_W + 28}' y='{y + 4}'>{html.escape(label)}"
+                     f"{'' if line else ' (no data)'}</text>")
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _padded(low: float, high: float, fraction: float) -> tuple[float, float]:
+    if high == low:
+        return low - 1, high + 1
+    pad = (high - low) * fraction
+    return low - pad, high + pad
+
+
+def _ticks(low: float, high: float, integers: bool = False) -> list[float]:
+    """About five round values in [low, high]: steps of 1, 2 or 5 times a power of ten."""
+    raw = (high - low) / 5
+    step = 10 ** math.floor(math.log10(raw))
+    step *= next(m for m in (1, 2, 5, 10) if step * m >= raw)
+    if integers:
+        step = max(1.0, round(step))
+    first = math.ceil(low / step) * step
+    return [round(first + k * step, 10) for k in range(int((high - first) / step) + 1)]
