@@ -70,7 +70,8 @@ def gpunb_first_step(data, batch, devices, accelerator):
     return first.seconds
 
 
-def _raw_rank(rank, port, world, data, batch, accelerator, queue):
+def _join_as_rank(rank, port, world, accelerator):
+    """What every hand-written DDP rank does first: join the group, wrap the model, make AdamW."""
     torch.set_num_threads(threads_per_rank(world))
     backend = "nccl" if accelerator == "cuda" else "gloo"
     device = torch.device("cuda", rank) if accelerator == "cuda" else torch.device("cpu")
@@ -81,6 +82,11 @@ def _raw_rank(rank, port, world, data, batch, accelerator, queue):
     model = nn.parallel.DistributedDataParallel(make_model().to(device),
                                                 device_ids=[rank] if accelerator == "cuda" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    return device, model, optimizer
+
+
+def _raw_rank(rank, port, world, data, batch, accelerator, queue):
+    device, model, optimizer = _join_as_rank(rank, port, world, accelerator)
     x, y = (t[rank::world][:batch].to(device) for t in data)
     nn.functional.cross_entropy(model(x), y).backward()
     optimizer.step()
@@ -120,16 +126,7 @@ def gpunb_step_times(data, batch, devices, accelerator, steps):
 def _raw_loop(rank, port, world, data, batch, accelerator, steps, queue):
     """A careful hand-written DDP loop: tensors on the device, a per-epoch shuffle split by rank
     (DistributedSampler's order), foreach AdamW, the loss read once per interval."""
-    torch.set_num_threads(threads_per_rank(world))
-    backend = "nccl" if accelerator == "cuda" else "gloo"
-    device = torch.device("cuda", rank) if accelerator == "cuda" else torch.device("cpu")
-    if accelerator == "cuda":
-        torch.cuda.set_device(rank)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
-    model = nn.parallel.DistributedDataParallel(make_model().to(device),
-                                                device_ids=[rank] if accelerator == "cuda" else None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    device, model, optimizer = _join_as_rank(rank, port, world, accelerator)
     x, y = (t.to(device) for t in data)
     per_rank = len(x) // world
     times, epoch, position, shard = [], 0, per_rank, None

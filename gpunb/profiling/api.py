@@ -136,6 +136,7 @@ def summarise(recorder: Recorder, kind: str) -> ProfileResult:
 
 def _profile_training(train, steps, warmup, save, device) -> ProfileResult:
     from gpunb.config import TrainConfig, make_config
+    from gpunb.runtime import snapshot
     from gpunb.runtime.trainer import Trainer
 
     if not isinstance(train, dict):
@@ -165,24 +166,14 @@ def _profile_training(train, steps, warmup, save, device) -> ProfileResult:
     if device is not None:
         overrides["accelerator"] = _torch_device(device).type
     # Put the weights and optimizer state back afterwards (anything else, the Trainer rejects).
-    owners = [o for o in (model, spec.get("optimizer")) if isinstance(o, (torch.nn.Module, torch.optim.Optimizer))]
-    saved = [_cpu_copy(o.state_dict()) for o in owners]
+    optimizer = spec.get("optimizer") if isinstance(spec.get("optimizer"), torch.optim.Optimizer) else None
+    saved = snapshot.capture(model, optimizer) if isinstance(model, torch.nn.Module) else None
     try:
         Trainer(config, **overrides).fit(model, data, callbacks=[callback], **spec)
     finally:
-        for owner, state in zip(owners, saved):
-            owner.load_state_dict(state)
+        if saved is not None:
+            snapshot.restore(saved, model, optimizer)
     return callback.result()
-
-
-def _cpu_copy(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return type(obj)((k, _cpu_copy(v)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu_copy(v) for v in obj)
-    return obj
 
 
 def check_options(steps, warmup, save=None) -> None:

@@ -8,14 +8,13 @@ memory; on a CPU the search stops when throughput stops growing (a plateau).
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
 from torch.utils.data import DataLoader, default_collate
 
 from gpunb.errors import GpunbError
-from gpunb.runtime import device as devices
+from gpunb.runtime import snapshot
 from gpunb.runtime.inputs import data_length, move_batch
 from gpunb.runtime.precision import Precision
 
@@ -36,7 +35,7 @@ def find_batch_size(model, optimizer, objective, precision, data, device, config
         raise GpunbError("batch_size='auto' needs data with a known length.",
                          "pass an int batch size, e.g. `batch_size=64`.")
     cap = min(CPU_CAP if device.type == "cpu" else GPU_CAP, max(1, n // MIN_STEPS_PER_EPOCH))
-    saved = _snapshot(model, optimizer, device)
+    saved = snapshot.capture(model, optimizer, device)
     probe_precision = Precision(precision.name, device)  # a throwaway scaler
     probes = []
     try:
@@ -56,7 +55,7 @@ def find_batch_size(model, optimizer, objective, precision, data, device, config
                 break
             size *= 2
     finally:
-        _restore(model, optimizer, device, saved)
+        snapshot.restore(saved, model, optimizer, device)
     fitting = [p for p in probes if not p.get("too_close")]
     if not fitting:
         raise GpunbError(f"batch_size='auto' found no batch size that fits (tried {START}).",
@@ -91,21 +90,6 @@ def _sample_batch(data, size, device):
     if isinstance(data, tuple):
         return tuple(t[:size].to(device) for t in data)
     return move_batch(default_collate([data[i] for i in range(size)]), device)
-
-
-def _snapshot(model, optimizer, device) -> dict:
-    return {"model": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
-            "optimizer": copy.deepcopy(optimizer.state_dict()),
-            "rng": devices.rng_state(device)}
-
-
-def _restore(model, optimizer, device, saved) -> None:
-    optimizer.zero_grad(set_to_none=True)
-    model.load_state_dict(saved["model"])
-    optimizer.load_state_dict(saved["optimizer"])
-    devices.set_rng_state(saved["rng"], device)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _synchronize(device) -> None:

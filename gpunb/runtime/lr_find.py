@@ -16,7 +16,7 @@ import torch
 from gpunb.charts import line_chart
 from gpunb.errors import GpunbError
 from gpunb.runtime import device as devices
-from gpunb.runtime.batch_size import _restore, _snapshot
+from gpunb.runtime import snapshot
 from gpunb.runtime.data import build_feed
 from gpunb.runtime.inputs import adapt_data
 from gpunb.runtime.objective import Objective
@@ -80,14 +80,14 @@ def find_lr(model, train_data, *, config, optimizer=None, loss_fn=None, step=Non
     check_optimizer(optimizer, model)
     batch_size = 64 if config.batch_size == "auto" else config.batch_size
     feed = build_feed(adapt_data(train_data), batch_size=batch_size, device=device, config=config)
-    saved = _snapshot(model, optimizer, device)  # RNG states included: seeding below is undone too
+    saved = snapshot.capture(model, optimizer, device)  # RNG states included: seeding below is undone too
     if config.seed is not None:
         torch.manual_seed(config.seed)  # the same sweep every time, as fit is the same run every time
     result = LRFinderResult()
     try:
         _sweep(model, optimizer, objective, precision, feed, result, min_lr, max_lr, steps)
     finally:
-        _restore(model, optimizer, device, saved)
+        snapshot.restore(saved, model, optimizer, device)
     result.suggestion = _steepest(result.lrs, result.losses)
     return result
 
