@@ -24,6 +24,8 @@ _SCHEDULE_ALIASES = {"none": "none", "constant": "none", "one-cycle": "one-cycle
                      "onecycle": "one-cycle", "cosine": "cosine"}
 ACCELERATORS = ("auto", "cuda", "mps", "cpu")
 STRATEGIES = ("ddp", "fsdp")
+LOG_POINTS = 100  # log_every="auto" aims at about this many log points a run
+FALLBACK_LOG_EVERY = 50  # log_every="auto" when the run's length is unknown
 
 
 @dataclass
@@ -55,7 +57,7 @@ class TrainConfig:
     gpu_resident: Union[bool, str] = "auto"  # keep tensor data on the GPU: "auto", True or False
     transforms: Sequence[Callable[[Any], Any]] = ()  # applied to each batch on the device
     # --- logging and safety
-    log_every: int = 50  # optimizer steps between metric reads (the only host syncs)
+    log_every: Union[int, str] = "auto"  # steps between metric reads (the only host syncs); "auto": ~100 a run, >= 1 an epoch
     val_every: int = 1  # epochs between validation passes
     detect_nan: bool = True  # stop with advice when the loss becomes NaN/inf
     name: str | None = None  # run name shown in dashboards and the run registry
@@ -87,7 +89,7 @@ class TrainConfig:
         if self.epochs is not None:
             self.epochs = _positive_int("epochs", self.epochs)
         self.grad_accum = _positive_int("grad_accum", self.grad_accum)
-        self.log_every = _positive_int("log_every", self.log_every)
+        self.log_every = _positive_or_auto("log_every", self.log_every)
         self.val_every = _positive_int("val_every", self.val_every)
         self.keep_last = _positive_int("keep_last", self.keep_last)
         self.warmup_steps = _count("warmup_steps", self.warmup_steps)
@@ -112,6 +114,15 @@ class TrainConfig:
         if self.epochs is not None:
             return self.epochs
         return 2**62 if self.max_steps is not None else 1
+
+    def resolved_log_every(self, total_steps: int | None, steps_per_epoch: int | None) -> int:
+        """`log_every`, or for "auto" an interval giving ~LOG_POINTS points a run and >= 1 an epoch."""
+        if self.log_every != "auto":
+            return self.log_every
+        if total_steps is None:  # data without a length and no max_steps: nothing to divide
+            return FALLBACK_LOG_EVERY
+        every = max(1, total_steps // LOG_POINTS)
+        return min(every, steps_per_epoch) if steps_per_epoch else every
 
     def replace(self, **overrides: Any) -> "TrainConfig":
         """A copy with some fields changed (validated like a new config)."""

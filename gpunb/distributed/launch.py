@@ -185,8 +185,8 @@ class _Launch:
                 raise self._failure(error) from None
             if deadline is not None and time.monotonic() > deadline:
                 self.abandoned = (f"the ranks did not stop within {INTERRUPT_GRACE_S:.0f} s of the interrupt "
-                                  f"(they stop at a log interval, every {self.config.log_every} steps; "
-                                  "a smaller `log_every` makes stops quicker) and were terminated")
+                                  "(they stop at a log interval; a smaller `log_every` makes stops quicker) "
+                                  "and were terminated")
                 break
         self._drain(queue, timeout=0)
 

@@ -33,7 +33,7 @@ class GpuMagics(Magics):
     @argument("--checkpoint-every", type=int, help="optimizer steps between checkpoints (default: each epoch)")
     @argument("--resume", nargs="?", const="last", help="resume from a checkpoint path, or the last one")
     @argument("--seed", type=int, help="seed for python, numpy and torch (default 0)")
-    @argument("--log-every", type=int, help="steps between metric reads (default 50)")
+    @argument("--log-every", help="steps between metric reads, or 'auto' (default: ~100 a run, >= 1 an epoch)")
     @argument("--num-workers", help="DataLoader workers: an integer or 'auto'")
     @argument("--name", help="run name for the dashboard and the run registry")
     @argument("--out", default="gputrain_result", help="variable that receives the TrainResult")
@@ -143,7 +143,7 @@ def _config(args):
         "clip_grad_norm": args.clip, "lr": args.lr, "lr_schedule": args.lr_schedule,
         "warmup_steps": args.warmup_steps, "checkpoint_dir": args.checkpoint_dir,
         "checkpoint_every": args.checkpoint_every, "resume": args.resume, "seed": args.seed,
-        "log_every": args.log_every, "num_workers": _int_or(args.num_workers, "num_workers"),
+        "log_every": _int_or(args.log_every, "log_every"), "num_workers": _int_or(args.num_workers, "num_workers"),
         "name": args.name,
     }
     chosen = {k: v for k, v in fields.items() if v is not None}

@@ -134,6 +134,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
     if config.max_steps is not None:
         total_steps = min(total_steps or config.max_steps, config.max_steps)
     scheduler = make_scheduler(optimizer, config.lr_schedule, total_steps, config.warmup_steps)
+    config = config.replace(log_every=config.resolved_log_every(total_steps, steps_per_epoch))
 
     run_name = config.name or type(model).__name__  # before FSDP renames the class
     train_model, unwrap = wrap_model(model, config, dist, device)
