@@ -11,16 +11,18 @@ import math
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
            "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
-
-
+MAX_CURVE_POINTS = 300  # a run's train curve is thinned to this many points
 
 
 def line_chart(metric: str, names: list[str], series: list[list[tuple[float, float]]], *,
                x_label: str = "step", width: int = 560, height: int = 280, legend: int = 180,
-               empty: str = "for these runs") -> str:
+               empty: str = "for these runs", x_range: tuple[float, float] | None = None,
+               integer_x: bool | None = None, log_y: bool | None = None) -> str:
     """An SVG line chart of `series` (lists of (x, y)), one colour per name, legend on the right.
 
-    A metric that spans more than two decades (a falling loss) is drawn on a log axis.
+    `x_range` fixes the x axis (data outside it widens it); `integer_x` puts ticks on whole
+    numbers only (default: when x_label is "step"); `log_y` forces the y scale (default:
+    `log_scale` of the values).
     """
     _W, _H, _LEGEND = width, height, legend
     _LEFT, _RIGHT, _TOP, _BOTTOM = 60, 16, 12, 40
@@ -35,8 +37,13 @@ def line_chart(metric: str, names: list[str], series: list[list[tuple[float, flo
                      f"{html.escape(empty)}.</text></svg>")
         return "".join(parts)
     xs, ys = [x for x, _ in points], [y for _, y in points]
-    log_y = min(ys) > 0 and max(ys) / min(ys) > 100  # losses spanning decades read better on a log axis
+    if log_y is None:
+        log_y = log_scale(ys)
+    if integer_x is None:
+        integer_x = x_label == "step"
     to_y = math.log10 if log_y else float
+    if x_range is not None:
+        xs += list(x_range)
     x_low, x_high = _padded(min(xs), max(xs), 0.0)
     y_low, y_high = _padded(to_y(min(ys)), to_y(max(ys)), 0.05)
     plot_w, plot_h = _W - _LEFT - _RIGHT, _H - _TOP - _BOTTOM
@@ -47,10 +54,11 @@ def line_chart(metric: str, names: list[str], series: list[list[tuple[float, flo
     def py(y: float) -> float:
         return _TOP + (1 - (to_y(y) - y_low) / (y_high - y_low)) * plot_h
 
-    for tick in _ticks(x_low, x_high):
+    for tick in _ticks(x_low, x_high, integers=integer_x):
+        label = f"{int(tick)}" if integer_x else f"{tick:g}"
         parts.append(f"<line x1='{px(tick):.1f}' x2='{px(tick):.1f}' y1='{_TOP}' y2='{_TOP + plot_h}' "
                      f"stroke='currentColor' stroke-opacity='0.15'/><text x='{px(tick):.1f}' "
-                     f"y='{_TOP + plot_h + 14}' text-anchor='middle'>{tick:g}</text>")
+                     f"y='{_TOP + plot_h + 14}' text-anchor='middle'>{label}</text>")
     y_ticks = [10 ** t for t in _ticks(y_low, y_high, integers=True)] if log_y else _ticks(y_low, y_high)
     for tick in y_ticks:
         parts.append(f"<line x1='{_LEFT}' x2='{_LEFT + plot_w}' y1='{py(tick):.1f}' y2='{py(tick):.1f}' "
@@ -76,6 +84,35 @@ def line_chart(metric: str, names: list[str], series: list[list[tuple[float, flo
                      f"{'' if line else ' (no data)'}</text>")
     parts.append("</svg>")
     return "".join(parts)
+
+
+def loss_chart(train: list, val: list = (), *, x_max: int | None = None) -> str:
+    """The loss curves of one run: the live dashboard and the final summary both draw this.
+
+    One size, one x axis (optimizer steps from 0 to `x_max` or the last point, whole-number
+    ticks) and one y scale, decided by `log_scale` over every point before the train curve
+    is thinned to MAX_CURVE_POINTS, so a chart does not change scale when the run ends.
+    """
+    names, series = ["train loss"], [thin(list(train))]
+    if val:
+        names.append("val loss")
+        series.append(list(val))
+    values = [y for line in (train, val) for _, y in line if math.isfinite(y)]
+    return line_chart("loss", names, series, width=420, height=210, legend=90, empty="yet",
+                      x_range=(0, x_max or 0), integer_x=True, log_y=bool(values) and log_scale(values))
+
+
+def log_scale(values: list[float]) -> bool:
+    """Values spanning more than two decades (a falling loss) read better on a log axis."""
+    return min(values) > 0 and max(values) / min(values) > 100
+
+
+def thin(points: list) -> list:
+    """At most MAX_CURVE_POINTS of `points`, evenly spread, the last always kept."""
+    if len(points) <= MAX_CURVE_POINTS:
+        return points
+    stride = len(points) / MAX_CURVE_POINTS
+    return [points[int(i * stride)] for i in range(MAX_CURVE_POINTS)] + [points[-1]]
 
 
 def _padded(low: float, high: float, fraction: float) -> tuple[float, float]:

@@ -106,12 +106,13 @@ def test_live_dashboard_then_static_summary(tmp_path):
                 elapsed = time.monotonic() - started
                 assert progress.count() == 0 and output.locator(".jupyter-widgets").count() == 0
                 assert output.locator(".jp-OutputArea-output").count() == 1  # replaced in place, not appended
-                table = summary.locator("table")
+                table = summary.locator("table").first
                 rows = dict(zip(table.locator("th").all_inner_texts(), table.locator("td").all_inner_texts()))
                 assert rows.get("status") == "completed", rows
-                assert rows.get("epochs / steps / samples", "").startswith(f"40 / {TOTAL_STEPS} / "), rows
+                assert rows.get("progress", "").startswith(f"epoch 40 of 40, step {TOTAL_STEPS:,} of {TOTAL_STEPS:,}, "), rows
                 assert float(rows["val_acc"]) > 0.8, rows
-                assert {"val_loss", "train_loss", "wall time"} <= rows.keys(), rows
+                assert {"val_loss", "train_loss", "last loss", "wall time"} <= rows.keys(), rows
+                assert summary.locator("table.gpunb-epochs tbody tr").count() == 40  # one row an epoch
                 assert "dash-demo" in summary.inner_text()
                 lines = summary.locator("svg polyline")
                 assert lines.count() >= 1 and len(lines.first.get_attribute("points").split()) >= 3

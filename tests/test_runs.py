@@ -439,10 +439,10 @@ def _make_runs(registry: Registry) -> tuple[str, str]:
 def test_runs_table_text_is_exact_and_stable(two_runs, registry):
     table = runs(registry=registry)
     assert repr(table) == (
-        "name        status     started           duration  steps     final loss  device\n"
-        "----------  ---------  ----------------  --------  --------  ----------  ------\n"
-        "fast        running    2023-11-14 23:13  1h 05m    40/1,000  0.6         cuda:1\n"
-        "base<line>  completed  2023-11-14 22:13  1m 05s    100       0.0198      cuda:0")
+        "name        status     started           duration  steps     last loss  device\n"
+        "----------  ---------  ----------------  --------  --------  ---------  ------\n"
+        "fast        running    2023-11-14 23:13  1h 05m    40/1,000  0.6        cuda:1\n"
+        "base<line>  completed  2023-11-14 22:13  1m 05s    100       0.0198     cuda:0")
     assert repr(runs(registry=registry)) == repr(table)
     assert len(table) == 2 and table[0]["name"] == "fast"
 

@@ -12,10 +12,9 @@ import html
 import time
 from collections import deque
 
+from gpunb.charts import loss_chart
 from gpunb.runtime.callbacks import progress_parts
-from gpunb.charts import line_chart
-
-MAX_CURVE_POINTS = 300  # the live curve is thinned to this many points
+from gpunb.runtime.result import epoch_table_html
 
 
 class Dashboard:
@@ -27,6 +26,7 @@ class Dashboard:
         self._last_draw = 0.0
         self.train_points: list = []
         self.val_points: list = []
+        self.epoch_rows: list = []
         self.gpu_samples: deque = deque(maxlen=120)
         self.draws = 0
 
@@ -41,9 +41,10 @@ class Dashboard:
         self.metrics = w.HTML()
         self.curve = w.HTML()
         self.gpu = w.HTML()
+        self.epochs = w.HTML()
         header = w.HTML(_header_html(state))
         self.box = _Dashboard([header, w.HBox([self.progress, self.status]), self.metrics,
-                               w.HBox([self.curve, self.gpu])], run_name=state.run_name)
+                               w.HBox([self.curve, self.gpu]), self.epochs], run_name=state.run_name)
         self.handle = display(self.box, display_id=True)
         self._draw(state)
 
@@ -62,6 +63,10 @@ class Dashboard:
             self.val_points.append((state.step, metrics["val_loss"]))
         self._draw(state)
 
+    def on_epoch_end(self, state, row) -> None:
+        self.epoch_rows.append(row)
+        self.epochs.value = epoch_table_html(self.epoch_rows)
+
     def on_fit_end(self, state) -> None:
         self._finish(state.result)
 
@@ -78,11 +83,7 @@ class Dashboard:
         line = " · ".join(progress_parts(state, with_loss=False))
         self.status.value = f"<span style='white-space:nowrap'>{html.escape(line)}</span>"
         self.metrics.value = _metrics_html(state)
-        names, series = ["train loss"], [_thin(self.train_points)]
-        if self.val_points:
-            names.append("val loss")
-            series.append(self.val_points)
-        self.curve.value = line_chart("loss", names, series, width=380, height=190, legend=80)
+        self.curve.value = loss_chart(self.train_points, self.val_points, x_max=state.total_steps)
         if self.gpu_samples:
             self.gpu.value = gpu_sparklines_html(list(self.gpu_samples))
 
@@ -119,7 +120,7 @@ class FailedRun:
     def _repr_html_(self) -> str:
         points = [(row["step"], row["loss"]) for row in self.state.history]
         return (f"<div class='gpunb-failed'><b>{html.escape(repr(self))}</b>"
-                f"{line_chart('loss', ['train loss'], [points], legend=90) if points else ''}</div>")
+                f"{loss_chart(points, x_max=self.state.step) if points else ''}</div>")
 
 
 def _header_html(state) -> str:
@@ -132,7 +133,8 @@ def _header_html(state) -> str:
 def _metrics_html(state) -> str:
     latest = state.latest
     names = ["loss", "val_loss", *sorted(k for k in latest if k.startswith("val_") and k != "val_loss"), "lr"]
-    cells = [f"{name} <b>{latest[name]:.4g}</b>" for name in names if name in latest]
+    labels = {"loss": "last loss"}  # the mean of the last log interval (train_loss is an epoch's mean)
+    cells = [f"{labels.get(name, name)} <b>{latest[name]:.4g}</b>" for name in names if name in latest]
     if latest.get("skipped_steps"):
         cells.append(f"skipped fp16 steps <b>{latest['skipped_steps']}</b>")
     if latest.get("oom_recoveries"):
@@ -162,12 +164,3 @@ def sparkline_svg(values: list, width: int = 160, height: int = 32) -> str:
                       for i, v in enumerate(values))
     return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}'>"
             f"<polyline points='{coords}' fill='none' stroke='#1f77b4' stroke-width='1.5'/></svg>")
-
-
-def _thin(points: list) -> list:
-    if len(points) <= MAX_CURVE_POINTS:
-        return points
-    stride = len(points) / MAX_CURVE_POINTS
-    return [points[int(i * stride)] for i in range(MAX_CURVE_POINTS)] + [points[-1]]
-
-

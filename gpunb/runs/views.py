@@ -14,13 +14,13 @@ from gpunb.charts import line_chart
 from gpunb.errors import GpunbError
 from gpunb.runs.registry import Registry
 
-_COLUMNS = ("name", "status", "started", "duration", "steps", "final loss", "device")
+_COLUMNS = ("name", "status", "started", "duration", "steps", "last loss", "device")
 _STATUS_COLOURS = {"running": "#1f77b4", "completed": "#2ca02c", "stopped": "#ff7f0e",
                    "interrupted": "#ff7f0e", "failed": "#d62728"}
 
 
 def runs(limit: int = 20, *, registry: Registry | None = None) -> RunTable:
-    """The newest `limit` recorded runs as a table (name, status, started, duration, steps, final loss, device)."""
+    """The newest `limit` recorded runs as a table (name, status, started, duration, steps, last loss, device)."""
     return RunTable((registry or Registry()).list_runs(limit))
 
 

@@ -70,12 +70,12 @@ class ProgressPrinter:
 
 
 def progress_line(state) -> str:
-    """`step 120/450 (27%)  epoch 1/3  loss 0.412  3,210 samples/s  ETA 0:12`"""
+    """`step 120/450 (27%)  epoch 1/3  loss 0.412  3,210 samples/s  elapsed 0:04  ETA 0:12`"""
     return "  ".join(progress_parts(state, with_loss=True))
 
 
 def progress_parts(state, with_loss: bool) -> list[str]:
-    """The pieces of a progress line: step, epoch, (loss), throughput, ETA."""
+    """The pieces of a progress line: step, epoch, (loss), throughput, elapsed time, ETA."""
     latest = state.latest
     total = f"/{state.total_steps}" if state.total_steps else ""
     percent = f" ({100 * state.progress:.0f}%)" if state.progress is not None else ""
@@ -85,6 +85,7 @@ def progress_parts(state, with_loss: bool) -> list[str]:
         parts.append(f"loss {latest['loss']:.4g}")
     if latest.get("samples_per_s"):
         parts.append(f"{latest['samples_per_s']:,.0f} samples/s")
+    parts.append(f"elapsed {format_duration(time.time() - state.started_at)}")
     eta = eta_seconds(state)
     if eta is not None:
         parts.append(f"ETA {format_duration(eta)}")

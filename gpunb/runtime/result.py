@@ -5,15 +5,16 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
-from gpunb.charts import line_chart
+from gpunb.charts import loss_chart
+from gpunb.runtime.callbacks import format_duration
 
 
 @dataclass
 class TrainResult:
     run_name: str
-    history: list = field(default_factory=list)  # per log interval: step, epoch, loss, lr, samples_per_s, step_time_ms
-    epochs: list = field(default_factory=list)  # per epoch: epoch, step, train_loss, val_* metrics
-    final_metrics: dict = field(default_factory=dict)
+    history: list = field(default_factory=list)  # per log interval: step, epoch, loss (the interval's mean), lr, ...
+    epochs: list = field(default_factory=list)  # per epoch: epoch, step, train_loss (the epoch's mean), val_*, elapsed_s
+    final_metrics: dict = field(default_factory=dict)  # train_loss of the last epoch, the last val_* metrics
     config: dict = field(default_factory=dict)  # the config actually used
     device: str = "cpu"
     precision: str = "32"
@@ -23,6 +24,7 @@ class TrainResult:
     grad_accum: int = 1  # loaded batches per optimizer step
     world_size: int = 1
     steps: int = 0
+    total_steps: int | None = None  # optimizer steps the run was set to take, when known
     samples: int = 0
     wall_time_s: float = 0.0
     data_wait_s: float = 0.0  # host time spent waiting for the next batch
@@ -82,11 +84,12 @@ class TrainResult:
         return "\n".join(lines)
 
     def summary_rows(self) -> list[tuple[str, str]]:
-        rows = [("status", self.status + (f" ({self.stop_reason})" if self.stop_reason else "")),
+        reason = f" ({self.stop_reason})" if self.stop_reason not in (None, self.status) else ""
+        rows = [("status", self.status + reason),
                 ("device", self.device), ("precision", f"{self.precision} ({self.precision_reason})"),
                 ("batch", f"{self.batch_size} x {self.grad_accum} accumulation x {self.world_size} "
                           f"device(s) (micro-batch {self.micro_batch_size})"),
-                ("epochs / steps / samples", f"{len(self.epochs)} / {self.steps} / {self.samples}"),
+                ("progress", self.progress_text()),
                 ("wall time", f"{self.wall_time_s:.1f} s ({self.samples_per_s:,.0f} samples/s)")]
         if self.wall_time_s:
             share = 100 * self.data_wait_s / self.wall_time_s
@@ -101,16 +104,25 @@ class TrainResult:
             rows.append(("skipped fp16 steps", str(self.skipped_steps)))
         if self.checkpoint_path:
             rows.append(("checkpoint", self.checkpoint_path))
+        if self.history:
+            rows.append(("last loss", f"{_fmt(self.history[-1]['loss'])} (mean of the last log interval)"))
         rows += [(k, _fmt(v)) for k, v in sorted(self.final_metrics.items())]
         return rows
 
+    def progress_text(self) -> str:
+        """`epoch 25 of 200, step 1,125 of 36,000, 35,950 samples`: how far the run got."""
+        reached = max([row["epoch"] + 1 for row in [*self.epochs[-1:], *self.history[-1:]]], default=0)
+        planned = self.config.get("epochs")
+        epochs = f"epoch {reached}" + (f" of {planned}" if planned else "")
+        steps = f"step {self.steps:,}" + (f" of {self.total_steps:,}" if self.total_steps else "")
+        return f"{epochs}, {steps}, {self.samples:,} samples"
+
     def _repr_html_(self) -> str:
         series = self.loss_series()
-        svg = line_chart("loss", [f"{name} loss" for name in series], list(series.values()),
-                         width=420, height=210, legend=90, empty="yet")
+        svg = loss_chart(series["train"], series.get("val", []), x_max=self.steps)
         return (f"<div class='gpunb-result'><b>{html.escape(self.run_name)}</b>"
                 f"<div style='display:flex;gap:1.5em;flex-wrap:wrap;align-items:flex-start'>"
-                f"{html_table(self.summary_rows())}{svg}</div></div>")
+                f"{html_table(self.summary_rows())}{svg}</div>{epoch_table_html(self.epochs)}</div>")
 
     def plot(self, ax=None):
         """Loss curves with matplotlib; returns the Axes."""
@@ -137,6 +149,25 @@ def _fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+def epoch_table_html(epochs: list[dict]) -> str:
+    """One row per epoch: train_loss (the epoch's mean), the val_* metrics, the epoch's time."""
+    if not epochs:
+        return ""
+    val = sorted({k for row in epochs for k in row if k.startswith("val_")}, key=lambda k: (k != "val_loss", k))
+    columns = ["epoch", "train_loss", *val, "time"]
+    head = "".join(f"<th style='text-align:right;padding:0 .6em'>{html.escape(c)}</th>" for c in columns)
+    body, previous = [], 0.0
+    for row in epochs:
+        elapsed = row.get("elapsed_s")
+        took = "-" if elapsed is None else format_duration(max(0.0, elapsed - previous))
+        previous = elapsed if elapsed is not None else previous
+        cells = [str(row["epoch"] + 1), *(_fmt(row[k]) if k in row else "" for k in ["train_loss", *val]), took]
+        body.append("<tr>" + "".join(f"<td style='text-align:right;padding:0 .6em'>{html.escape(c)}</td>"
+                                     for c in cells) + "</tr>")
+    return (f"<table class='gpunb-epochs'><thead><tr>{head}</tr></thead>"
+            f"<tbody>{''.join(body)}</tbody></table>")
 
 
 def html_table(rows: list[tuple[str, str]]) -> str:

@@ -291,18 +291,23 @@ def _end_epoch(run: _Run, logged: list, timer) -> None:
     """Validation, the epoch's row (mean train loss from this epoch's log rows), on_epoch_end."""
     state, config = run.state, run.config
     row = {"epoch": state.epoch, "step": state.step}
-    steps = sum(r["steps"] for r in logged)
-    if steps:
-        row["train_loss"] = sum(r["loss"] * r["steps"] for r in logged) / steps
+    if logged:
+        row["train_loss"] = epoch_mean_loss(logged)
     if run.val_feed is not None and (state.epoch + 1) % config.val_every == 0:
         with timer.validating():
             metrics = _validate(run)
         row.update(metrics)
         state.latest.update(metrics)
         run.callbacks.call("on_validation_end", state, metrics)
+    row["elapsed_s"] = timer.elapsed()
     state.extras.setdefault("epochs", []).append(row)
     run.callbacks.call("on_epoch_end", state, row)
     run.dist.sync_stop(state)  # ranks: a stop asked for at the epoch's end (early stopping) applies now
+
+
+def epoch_mean_loss(rows: list) -> float:
+    """`train_loss`: the mean step loss over an epoch's log rows (each the mean of its interval)."""
+    return sum(r["loss"] * r["steps"] for r in rows) / sum(r["steps"] for r in rows)
 
 
 @torch.no_grad()
@@ -324,8 +329,9 @@ def _result(run: _Run, timer) -> TrainResult:
     state, config = run.state, run.config
     epochs = state.extras.get("epochs", [])
     final = {}
-    if state.history:
-        final["train_loss"] = state.history[-1]["loss"]
+    if state.history:  # the last epoch's mean, also when the run stopped within it
+        last = state.history[-1]["epoch"]
+        final["train_loss"] = epoch_mean_loss([r for r in state.history if r["epoch"] == last])
     for row in reversed(epochs):
         if any(k.startswith("val_") for k in row):
             final.update({k: v for k, v in row.items() if k.startswith("val_")})
@@ -337,7 +343,7 @@ def _result(run: _Run, timer) -> TrainResult:
         config=config.to_dict(), device=str(device), precision=run.precision.name,
         precision_reason=run.precision_reason, batch_size=run.batch_size,
         micro_batch_size=run.stepper.micro_batch_size(run.batch_size), grad_accum=config.grad_accum,
-        world_size=state.world_size, steps=state.step, samples=state.samples_seen,
+        world_size=state.world_size, steps=state.step, total_steps=state.total_steps, samples=state.samples_seen,
         wall_time_s=timer.elapsed(), data_wait_s=timer.data_wait, validation_s=timer.validation,
         compute_s=max(0.0, timer.elapsed() - timer.data_wait - timer.validation),
         peak_memory_mb=peak, oom_recoveries=run.stepper.oom_recoveries,
