@@ -88,14 +88,16 @@ class GpuMagics(Magics):
     def _train(self, config, found, args):
         from IPython.display import display
 
+        from gpunb.notebook.busy import kernel_stays_busy
         from gpunb.runtime.trainer import Trainer
 
         callbacks = [*found["callbacks"], *_progress_callbacks(self.shell, args.quiet)]
         try:
-            result = Trainer(config).fit(
-                found["model"], found["train_data"], found["val_data"], optimizer=found["optimizer"],
-                loss_fn=found["loss_fn"], step=found["step"], metrics=found["metrics"],
-                callbacks=callbacks)
+            with kernel_stays_busy(self.shell):  # the dashboard's widgets must not read "Idle"
+                result = Trainer(config).fit(
+                    found["model"], found["train_data"], found["val_data"], optimizer=found["optimizer"],
+                    loss_fn=found["loss_fn"], step=found["step"], metrics=found["metrics"],
+                    callbacks=callbacks)
         except GpunbError as error:
             raise UsageError(str(error)) from None
         self.shell.user_ns[args.out] = result
