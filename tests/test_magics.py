@@ -162,3 +162,12 @@ def test_a_step_left_from_an_earlier_cell_does_not_clash_with_this_cells_loss_fn
     ip.run_cell("def step(model, batch):\n    return model(batch[0]).sum()")
     ip.run_cell_magic("gputrain", "--max-steps 2 --quiet --no-track", CELL)  # CELL binds loss_fn
     assert ip.user_ns["gputrain_result"].steps == 2
+
+
+def test_log_every_is_auto_by_default_and_takes_a_number_or_auto(ip):
+    ip.run_cell_magic("gputrain", "--epochs 2 --batch-size 20 --quiet --no-track --out res", CELL)
+    assert ip.user_ns["res"].config["log_every"] == 1  # 20 steps in all: every step
+    ip.run_cell_magic("gputrain", "--epochs 2 --batch-size 20 --log-every auto --quiet --no-track --out res", CELL)
+    assert ip.user_ns["res"].config["log_every"] == 1
+    with pytest.raises(UsageError, match="`--log-every 64`"):
+        ip.run_cell_magic("gputrain", "--log-every often --no-track", CELL)
