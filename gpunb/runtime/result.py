@@ -151,6 +151,19 @@ def _fmt(value) -> str:
     return str(value)
 
 
+def epoch_mean_loss(rows: list) -> float:
+    """`train_loss`: the mean step loss over an epoch's log rows (each the mean of its interval)."""
+    return sum(r["loss"] * r["steps"] for r in rows) / sum(r["steps"] for r in rows)
+
+
+def last_epoch_train_loss(history: list) -> dict:
+    """{"train_loss": the mean over the last epoch's log rows}, or {} before the first log."""
+    if not history:
+        return {}
+    last = history[-1]["epoch"]
+    return {"train_loss": epoch_mean_loss([row for row in history if row["epoch"] == last])}
+
+
 def epoch_table_html(epochs: list[dict]) -> str:
     """One row per epoch: train_loss (the epoch's mean), the val_* metrics, the epoch's time."""
     if not epochs:

@@ -26,7 +26,7 @@ from gpunb.runtime.interrupt import InterruptFlag
 from gpunb.runtime.objective import Objective
 from gpunb.runtime.optim import check_optimizer, default_optimizer, make_scheduler
 from gpunb.runtime.precision import Precision, resolve_precision
-from gpunb.runtime.result import TrainResult
+from gpunb.runtime.result import TrainResult, epoch_mean_loss, last_epoch_train_loss
 from gpunb.runtime.saving import Checkpointer, resume
 from gpunb.runtime.step import Stepper
 from gpunb.runtime.wrap import wrap_model
@@ -305,11 +305,6 @@ def _end_epoch(run: _Run, logged: list, timer) -> None:
     run.dist.sync_stop(state)  # ranks: a stop asked for at the epoch's end (early stopping) applies now
 
 
-def epoch_mean_loss(rows: list) -> float:
-    """`train_loss`: the mean step loss over an epoch's log rows (each the mean of its interval)."""
-    return sum(r["loss"] * r["steps"] for r in rows) / sum(r["steps"] for r in rows)
-
-
 @torch.no_grad()
 def _validate(run: _Run) -> dict:
     run.train_model.eval()
@@ -328,10 +323,7 @@ def _validate(run: _Run) -> dict:
 def _result(run: _Run, timer) -> TrainResult:
     state, config = run.state, run.config
     epochs = state.extras.get("epochs", [])
-    final = {}
-    if state.history:  # the last epoch's mean, also when the run stopped within it
-        last = state.history[-1]["epoch"]
-        final["train_loss"] = epoch_mean_loss([r for r in state.history if r["epoch"] == last])
+    final = last_epoch_train_loss(state.history)  # also when the run stopped within that epoch
     for row in reversed(epochs):
         if any(k.startswith("val_") for k in row):
             final.update({k: v for k, v in row.items() if k.startswith("val_")})
