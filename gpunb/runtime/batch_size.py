@@ -1,9 +1,19 @@
-"""batch_size="auto": try growing batches, keep the fastest that fits.
+"""batch_size="auto": the batch size to train with, chosen so that a re-run chooses it again.
 
-Each candidate runs real forward + backward + optimizer steps; afterwards the model,
-optimizer and RNG states are put back exactly as they were, so probing leaves no
-trace on training. On a GPU a candidate must stay under MEMORY_MARGIN of the device's
-memory; on a CPU the search stops when throughput stops growing (a plateau).
+On a GPU each candidate runs real forward + backward + optimizer steps and must stay
+under MEMORY_MARGIN of the device's memory; among the sizes that fit, the smallest
+within NEAR_BEST of the best measured throughput wins, so that timing noise between
+neighbouring sizes does not flip the choice.
+
+On a CPU memory is rarely the limit and step timings vary from run to run, so the size
+is chosen from FLOPs instead (counted by torch.utils.flop_counter, the same on every
+machine): the smallest size whose step does CPU_STEP_FLOPS of work, enough to make
+the fixed per-step cost (optimizer, Python) small. One real step at that size checks
+that it fits. The same seed therefore gives the same batch size, and the same result.
+
+Afterwards the model, optimizer and RNG states are put back exactly as they were, so
+probing leaves no trace on training. The probes and the reason for the choice are
+recorded in config.extras ('batch_probe', 'batch_size_reason').
 """
 
 from __future__ import annotations
@@ -21,11 +31,14 @@ from gpunb.runtime.precision import Precision
 MEMORY_MARGIN = 0.85  # a candidate may use at most this share of GPU memory
 START, CPU_CAP, GPU_CAP = 8, 1024, 65536
 MIN_STEPS_PER_EPOCH = 8  # never choose a batch so large that an epoch has fewer steps
-PLATEAU_GAIN = 1.10  # on CPU, stop doubling once throughput grows by less than 10%
+NEAR_BEST = 0.95  # on a GPU, the smallest size within 5% of the best throughput wins
+# A CPU core runs a few dozen GFLOP/s and a step has ~0.3 ms of fixed cost; at 3e8 FLOPs
+# per step that cost stays near a tenth of the step (throughput plateaus there).
+CPU_STEP_FLOPS = 3e8
 
 
 def find_batch_size(model, optimizer, objective, precision, data, device, config) -> int:
-    """The batch size to train with; records the probes in config.extras['batch_probe']."""
+    """The batch size to train with; notes in config.extras['batch_probe'] and ['batch_size_reason']."""
     if isinstance(data, DataLoader):
         raise GpunbError("batch_size='auto' cannot change the batch size of a DataLoader.",
                          "pass the Dataset (or tensors) as train_data so gpunb builds the loader, "
@@ -34,62 +47,141 @@ def find_batch_size(model, optimizer, objective, precision, data, device, config
     if not n:
         raise GpunbError("batch_size='auto' needs data with a known length.",
                          "pass an int batch size, e.g. `batch_size=64`.")
-    cap = min(CPU_CAP if device.type == "cpu" else GPU_CAP, max(1, n // MIN_STEPS_PER_EPOCH))
+    cap = _largest_candidate(min(CPU_CAP if device.type == "cpu" else GPU_CAP,
+                                 max(1, n // MIN_STEPS_PER_EPOCH)))
+    probe = _Probe(model, optimizer, objective, Precision(precision.name, device), data, device)
     saved = snapshot.capture(model, optimizer, device)
-    probe_precision = Precision(precision.name, device)  # a throwaway scaler
-    probes = []
     try:
-        size = min(START, cap)
-        while size <= cap:
-            try:
-                seconds, peak = _time_steps(model, optimizer, objective, probe_precision,
-                                            _sample_batch(data, size, device), device)
-            except torch.OutOfMemoryError:
-                break
-            probes.append({"batch_size": size, "samples_per_s": size / seconds, "peak_fraction": peak})
-            if peak is not None and peak > MEMORY_MARGIN:
-                probes[-1]["too_close"] = True
-                break
-            if device.type == "cpu" and len(probes) > 1 and (
-                    probes[-1]["samples_per_s"] < PLATEAU_GAIN * probes[-2]["samples_per_s"]):
-                break
-            size *= 2
+        if device.type == "cpu":
+            size, reason = _by_flops(probe, cap)
+        else:
+            size, reason = _by_throughput(probe, cap)
     finally:
         snapshot.restore(saved, model, optimizer, device)
-    fitting = [p for p in probes if not p.get("too_close")]
+    config.extras["batch_probe"] = probe.records
+    config.extras["batch_size_reason"] = reason
+    return size
+
+
+def _by_flops(probe: "_Probe", cap: int) -> tuple[int, str]:
+    """The smallest power of two from START whose step does CPU_STEP_FLOPS, checked to fit."""
+    first = min(START, cap)
+    flops = probe.count_flops(first)
+    if flops is None:  # an op the counter cannot see through: fall back to timing
+        size, reason = _by_throughput(probe, cap)
+        return size, reason + " (FLOPs could not be counted)"
+    per_sample = flops / first
+    size = first
+    while size < cap and size * per_sample < CPU_STEP_FLOPS:
+        size *= 2
+    size = min(size, cap)
+    while not probe.fits(size):
+        if size == first:
+            raise _nothing_fits(first)
+        size //= 2
+    why = (f"capped so that an epoch has at least {MIN_STEPS_PER_EPOCH} steps"
+           if size * per_sample < CPU_STEP_FLOPS else f"the smallest size with {CPU_STEP_FLOPS:.0e} FLOPs per step")
+    return size, f"auto: {per_sample / 1e6:.3g} MFLOP per sample on CPU, {why}"
+
+
+def _by_throughput(probe: "_Probe", cap: int) -> tuple[int, str]:
+    """Doubling sizes until memory runs short; the smallest near the best throughput."""
+    size = min(START, cap)
+    while size <= cap:
+        record = probe.time(size)
+        if record is None or record.get("too_close"):
+            break
+        size *= 2
+    fitting = [r for r in probe.records if not r.get("too_close") and "samples_per_s" in r]
     if not fitting:
-        raise GpunbError(f"batch_size='auto' found no batch size that fits (tried {START}).",
-                         "try `precision='bf16-mixed'`, `activation_checkpointing=True` or a "
-                         "smaller batch such as `batch_size=4`.")
-    config.extras["batch_probe"] = probes
-    return max(fitting, key=lambda p: p["samples_per_s"])["batch_size"]
+        raise _nothing_fits(START)
+    best = max(r["samples_per_s"] for r in fitting)
+    chosen = min((r for r in fitting if r["samples_per_s"] >= NEAR_BEST * best), key=lambda r: r["batch_size"])
+    tried = f"{fitting[0]['batch_size']}-{fitting[-1]['batch_size']}"
+    return chosen["batch_size"], f"auto: fastest of {tried} measured ({chosen['samples_per_s']:,.0f} samples/s)"
 
 
-def _time_steps(model, optimizer, objective, precision, batch, device, repeats=3):
-    """Seconds per training step at this batch size, and the peak share of GPU memory."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    for i in range(repeats + 1):  # the first step warms up (allocations, kernels)
-        if i == 1:
-            _synchronize(device)
+def _largest_candidate(limit: int) -> int:
+    """The largest power of two from START that is <= limit (or limit itself when below START)."""
+    size = START
+    while size * 2 <= limit:
+        size *= 2
+    return min(size, limit)
+
+
+def _nothing_fits(tried: int) -> GpunbError:
+    return GpunbError(f"batch_size='auto' found no batch size that fits (tried {tried}).",
+                      "try `precision='bf16-mixed'`, `activation_checkpointing=True` or a "
+                      "smaller batch such as `batch_size=4`.")
+
+
+class _Probe:
+    """Runs real training steps at a given batch size and keeps a record of each."""
+
+    def __init__(self, model, optimizer, objective, precision, data, device):
+        self.model, self.optimizer, self.objective = model, optimizer, objective
+        self.precision, self.data, self.device = precision, data, device
+        self.records: list[dict] = []
+
+    def count_flops(self, size: int) -> int | None:
+        """FLOPs of one forward + backward at this size (None when the counter fails)."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        counter = FlopCounterMode(display=False)
+        try:
+            with counter:
+                self._step(self._batch(size))
+        except torch.OutOfMemoryError:
+            raise _nothing_fits(size) from None
+        except Exception:  # noqa: BLE001 - a counter that cannot trace an op is not the user's error
+            return None
+        flops = counter.get_total_flops()
+        self.records.append({"batch_size": size, "flops_per_step": flops})
+        return flops
+
+    def fits(self, size: int) -> bool:
+        try:
+            self._step(self._batch(size))
+        except torch.OutOfMemoryError:
+            return False
+        if not any(r["batch_size"] == size for r in self.records):
+            self.records.append({"batch_size": size})
+        return True
+
+    def time(self, size: int, repeats: int = 3) -> dict | None:
+        """Seconds per step at this size and the peak share of GPU memory; None on OOM."""
+        try:
+            batch = self._batch(size)
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            self._step(batch)  # warm-up: allocations, kernels
+            _synchronize(self.device)
             begin = time.perf_counter()
-        with precision.autocast():
-            loss = objective.loss(model, batch)
-        precision.backward(loss)
-        precision.step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
-    _synchronize(device)
-    seconds = (time.perf_counter() - begin) / repeats
-    peak = None
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_reserved(device) / torch.cuda.get_device_properties(device).total_memory
-    return seconds, peak
+            for _ in range(repeats):
+                self._step(batch)
+            _synchronize(self.device)
+        except torch.OutOfMemoryError:
+            return None
+        seconds = (time.perf_counter() - begin) / repeats
+        record = {"batch_size": size, "samples_per_s": size / seconds, "peak_fraction": None}
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            record["peak_fraction"] = torch.cuda.max_memory_reserved(self.device) / total
+            record["too_close"] = record["peak_fraction"] > MEMORY_MARGIN
+        self.records.append(record)
+        return record
 
+    def _step(self, batch) -> None:
+        with self.precision.autocast():
+            loss = self.objective.loss(self.model, batch)
+        self.precision.backward(loss)
+        self.precision.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
 
-def _sample_batch(data, size, device):
-    if isinstance(data, tuple):
-        return tuple(t[:size].to(device) for t in data)
-    return move_batch(default_collate([data[i] for i in range(size)]), device)
+    def _batch(self, size: int):
+        if isinstance(self.data, tuple):
+            return tuple(t[:size].to(self.device) for t in self.data)
+        return move_batch(default_collate([self.data[i] for i in range(size)]), self.device)
 
 
 def _synchronize(device) -> None:

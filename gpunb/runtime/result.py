@@ -20,6 +20,7 @@ class TrainResult:
     precision: str = "32"
     precision_reason: str = ""
     batch_size: int = 0  # samples per micro-batch as loaded
+    batch_size_reason: str = ""  # how batch_size="auto" chose it ("" when it was given)
     micro_batch_size: int = 0  # after OOM recovery (== batch_size when none happened)
     grad_accum: int = 1  # loaded batches per optimizer step
     world_size: int = 1
@@ -89,6 +90,7 @@ class TrainResult:
                 ("device", self.device), ("precision", f"{self.precision} ({self.precision_reason})"),
                 ("batch", f"{self.batch_size} x {self.grad_accum} accumulation x {self.world_size} "
                           f"device(s) (micro-batch {self.micro_batch_size})"),
+                *([("batch size", self.batch_size_reason)] if self.batch_size_reason else []),
                 ("progress", self.progress_text()),
                 ("wall time", f"{self.wall_time_s:.1f} s ({self.samples_per_s:,.0f} samples/s)")]
         if self.wall_time_s:

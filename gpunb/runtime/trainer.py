@@ -334,6 +334,7 @@ def _result(run: _Run, timer) -> TrainResult:
         run_name=state.run_name, history=list(state.history), epochs=list(epochs), final_metrics=final,
         config=config.to_dict(), device=str(device), precision=run.precision.name,
         precision_reason=run.precision_reason, batch_size=run.batch_size,
+        batch_size_reason=config.extras.get("batch_size_reason", ""),
         micro_batch_size=run.stepper.micro_batch_size(run.batch_size), grad_accum=config.grad_accum,
         world_size=state.world_size, steps=state.step, total_steps=state.total_steps, samples=state.samples_seen,
         wall_time_s=timer.elapsed(), data_wait_s=timer.data_wait, validation_s=timer.validation,
