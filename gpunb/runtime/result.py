@@ -92,7 +92,7 @@ class TrainResult:
                           f"device(s) (micro-batch {self.micro_batch_size})"),
                 *([("batch size", self.batch_size_reason)] if self.batch_size_reason else []),
                 ("progress", self.progress_text()),
-                ("wall time", f"{self.wall_time_s:.1f} s ({self.samples_per_s:,.0f} samples/s)")]
+                ("wall time", f"{self.wall_time_s:.1f} s ({self.samples:,} samples, {self.samples_per_s:,.0f}/s)")]
         if self.wall_time_s:
             share = 100 * self.data_wait_s / self.wall_time_s
             rows.append(("data wait", f"{self.data_wait_s:.2f} s ({share:.1f}% of wall time)"))
@@ -107,17 +107,17 @@ class TrainResult:
         if self.checkpoint_path:
             rows.append(("checkpoint", self.checkpoint_path))
         if self.history:
-            rows.append(("last loss", f"{_fmt(self.history[-1]['loss'])} (mean of the last log interval)"))
+            rows.append(("last loss", _fmt(self.history[-1]["loss"])))  # the last log interval's mean
         rows += [(k, _fmt(v)) for k, v in sorted(self.final_metrics.items())]
         return rows
 
     def progress_text(self) -> str:
-        """`epoch 25 of 200, step 1,125 of 36,000, 35,950 samples`: how far the run got."""
+        """`epoch 25 of 200, step 1,125 of 36,000`: how far the run got."""
         reached = max([row["epoch"] + 1 for row in [*self.epochs[-1:], *self.history[-1:]]], default=0)
         planned = self.config.get("epochs")
         epochs = f"epoch {reached}" + (f" of {planned}" if planned else "")
         steps = f"step {self.steps:,}" + (f" of {self.total_steps:,}" if self.total_steps else "")
-        return f"{epochs}, {steps}, {self.samples:,} samples"
+        return f"{epochs}, {steps}"
 
     def _repr_html_(self) -> str:
         series = self.loss_series()
