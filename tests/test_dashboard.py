@@ -118,6 +118,7 @@ def test_an_interrupted_run_says_interrupted_once():
     result = _fit(epochs=2, callbacks=[_StopAt(3, "interrupted")])
     rows = dict(result.summary_rows())
     assert rows["status"] == "interrupted"
+    assert repr(result).count("interrupted") == 1
     assert rows["progress"] == "epoch 1 of 2, step 3 of 20"
 
 

@@ -80,7 +80,7 @@ class TrainResult:
         if self.oom_recoveries or self.skipped_steps:
             lines.append(f"  oom_recoveries={self.oom_recoveries} (micro-batch {self.micro_batch_size}), "
                          f"skipped_fp16_steps={self.skipped_steps}")
-        if self.stop_reason:
+        if self.stop_reason not in (None, self.status):
             lines.append(f"  stop: {self.stop_reason}")
         return "\n".join(lines)
 
