@@ -162,3 +162,37 @@ def test_a_step_left_from_an_earlier_cell_does_not_clash_with_this_cells_loss_fn
     ip.run_cell("def step(model, batch):\n    return model(batch[0]).sum()")
     ip.run_cell_magic("gputrain", "--max-steps 2 --quiet --no-track", CELL)  # CELL binds loss_fn
     assert ip.user_ns["gputrain_result"].steps == 2
+
+
+def test_a_model_bound_under_another_name_is_not_silently_ignored(ip):
+    ip.run_cell(CELL)  # model and train_data from an earlier cell
+    cell = "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(10, 2)\n" \
+           "    def forward(self, x):\n        return self.fc(x)\nnet = Net()\ncriterion = nn.CrossEntropyLoss()"
+    with pytest.raises(UsageError) as error:
+        ip.run_cell_magic("gputrain", "--max-steps 1 --quiet --no-track", cell)
+    text = str(error.value)
+    assert "defined net (Net) but model is from an earlier cell" in text
+    assert "`--model net`" in text and "gputrain_result" not in ip.user_ns
+
+
+def test_naming_the_model_on_the_line_keeps_the_earlier_one(ip):
+    ip.run_cell(CELL)
+    ip.run_cell_magic("gputrain", "--model model --max-steps 1 --quiet --no-track", "net = nn.Linear(10, 2)")
+    assert ip.user_ns["gputrain_result"].steps == 1
+
+
+def test_new_data_bound_under_another_name_is_not_silently_ignored(ip):
+    ip.run_cell(CELL)
+    cell = CELL.replace("train_data = (x[:200], y[:200])", "data = (x[:100], y[:100])")
+    with pytest.raises(UsageError) as error:
+        ip.run_cell_magic("gputrain", "--max-steps 1 --quiet --no-track", cell)
+    assert "defined data (tuple) but train_data is from an earlier cell" in str(error.value)
+    assert "`--train-data data`" in str(error.value)
+
+
+def test_submodules_losses_and_data_parts_bound_in_the_cell_are_not_mistaken_for_new_ones(ip):
+    ip.run_cell(CELL)
+    cell = "head = nn.Linear(2, 2)\nmodel = nn.Sequential(nn.Linear(10, 2), head)\ncriterion = nn.MSELoss()\n" \
+           "xv, yv = x[200:], y[200:]\nval_data = (xv, yv)"
+    ip.run_cell_magic("gputrain", "--max-steps 1 --quiet --no-track", cell)
+    assert ip.user_ns["gputrain_result"].steps == 1
