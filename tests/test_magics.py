@@ -196,3 +196,28 @@ def test_submodules_losses_and_data_parts_bound_in_the_cell_are_not_mistaken_for
            "xv, yv = x[200:], y[200:]\nval_data = (xv, yv)"
     ip.run_cell_magic("gputrain", "--max-steps 1 --quiet --no-track", cell)
     assert ip.user_ns["gputrain_result"].steps == 1
+
+
+def test_an_error_in_the_users_forward_shows_their_frames_not_gpunbs(ip, capsys):
+    cell = "%%gputrain --max-steps 1 --quiet --no-track\n" + CELL + """
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(10, 2)
+    def forward(self, x):
+        raise ValueError("a bug in forward")
+model = Net()
+"""
+    ip.run_cell(cell)
+    out = capsys.readouterr()
+    shown = out.out + out.err
+    assert "a bug in forward" in shown and "raise ValueError" in shown
+    assert "gpunb/runtime" not in shown and "gpunb/notebook" not in shown
+    assert "gputrain_result" not in ip.user_ns
+
+
+def test_a_data_mistake_is_one_usage_error_with_the_fix(ip):
+    cell = CELL.replace("train_data = (x[:200], y[:200])", "train_data = (x[:200], y[:200].float())")
+    with pytest.raises(UsageError) as error:
+        ip.run_cell_magic("gputrain", "--max-steps 1 --quiet --no-track", cell)
+    assert "`y.long()`" in str(error.value) and "float32 (" in str(error.value)

@@ -68,6 +68,7 @@ class GpuMagics(Magics):
             train_data = (x, y)
             loss_fn = nn.CrossEntropyLoss()
         """
+        __tracebackhide__ = True  # noqa: F841 (errors from the user's model show their own frames)
         args = parse_argstring(self.gputrain, line)
         config = _config(args)
         if args.export:
@@ -86,6 +87,7 @@ class GpuMagics(Magics):
         return self._train(config, found, args)
 
     def _train(self, config, found, args):
+        __tracebackhide__ = True  # noqa: F841
         from IPython.display import display
 
         from gpunb.runtime.trainer import Trainer

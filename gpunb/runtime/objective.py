@@ -73,6 +73,11 @@ class Objective:
             return model(batch), batch
         if isinstance(batch, (list, tuple)) and len(batch) >= 2:
             return model(*batch[:-1]), batch[-1]
+        if isinstance(batch, (list, tuple)) and len(batch) == 1:
+            raise GpunbError(f"With `loss_fn`, a batch must be (inputs, target); this one is a "
+                             f"{_describe(batch)}, so the data holds no labels for `loss_fn`.",
+                             "pass features and labels apart, e.g. `train_data = (x, y)` or "
+                             "`(df.drop(columns='label'), df['label'])`; or use `step(model, batch)`.")
         raise GpunbError(f"With `loss_fn`, a batch must be (inputs, target); got a {_describe(batch)}.",
                          "yield (x, y) pairs from the data, or use `step(model, batch)` for "
                          "other layouts.")
