@@ -84,6 +84,10 @@ callbacks = [Spy()]
     ("--batch-size 0", CELL, "--batch-size 64"),
     ("--epochs two", CELL, "invalid int value"),
     ("--no-such-option", CELL, "unrecognized arguments"),
+    ("--epoch 3", CELL, "did you mean `--epochs` (for `--epoch`)?"),
+    ("--num-epochs 3", CELL, "did you mean `--epochs` (for `--num-epochs`)?"),
+    ("--epoch=3", CELL, "did you mean `--epochs`"),
+    ("--batch 8", CELL, "unrecognized arguments: --batch 8"),
     ("", "train_data = (x, y)\nnet = nn.Linear(10, 2)", "needs a variable `model`"),
     ("", "model = nn.Linear(10, 2)", "needs a variable `train_data`"),
     ("", "model = 'a string'\ntrain_data = (x, y)", "not a torch.nn.Module"),
@@ -135,6 +139,7 @@ def test_gpustatus_without_a_gpu_says_so_and_shows_the_host(ip):
 def test_help_is_useful(ip):
     doc = ip.find_cell_magic("gputrain").__doc__
     assert "train_data" in doc and "--batch-size" in doc and "--find-lr" in doc
+    assert "  %%gputrain [--epochs EPOCHS]" in doc  # a cell magic's usage line
     assert "NVML" in ip.find_line_magic("gpustatus").__doc__
 
 
@@ -221,3 +226,18 @@ def test_a_data_mistake_is_one_usage_error_with_the_fix(ip):
     with pytest.raises(UsageError) as error:
         ip.run_cell_magic("gputrain", "--max-steps 1 --quiet --no-track", cell)
     assert "`y.long()`" in str(error.value) and "float32 (" in str(error.value)
+
+
+def test_an_option_prefix_is_not_taken_for_the_option(ip):
+    with pytest.raises(UsageError, match="unrecognized arguments: --max 3"):
+        ip.run_cell_magic("gputrain", "--max 3 --quiet --no-track", CELL)
+    assert "gputrain_result" not in ip.user_ns
+
+
+def test_gpuprofile_and_gpustatus_options_are_strict_too(ip):
+    with pytest.raises(UsageError, match="did you mean `--steps`"):
+        ip.run_line_magic("gpuprofile", "--step 3 x = 1")
+    with pytest.raises(UsageError, match="did you mean `--json`"):
+        ip.run_line_magic("gpustatus", "--jsn")
+    with pytest.raises(UsageError, match="unrecognized arguments: --warm"):
+        ip.run_line_magic("gpuprofile", "--warm 1 x = 1")

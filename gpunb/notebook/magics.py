@@ -7,6 +7,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from gpunb.errors import GpunbError
+from gpunb.notebook.options import make_strict
 
 # The names a %%gputrain cell may define, and the option that renames each.
 ROLES = ("model", "train_data", "val_data", "optimizer", "loss_fn", "step", "metrics", "callbacks")
@@ -132,6 +133,10 @@ class GpuMagics(Magics):
             print(status.json())
             return None
         return status
+
+
+make_strict(GpuMagics.gputrain, prog="%gputrain")  # the usage line then reads %%gputrain
+make_strict(GpuMagics.gpustatus)
 
 
 def _config(args):
