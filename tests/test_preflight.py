@@ -308,3 +308,13 @@ def test_gpunb_never_imports_pandas():
 def test_non_numeric_numpy_arrays_are_refused():
     with pytest.raises(GpunbError, match="dtype <U1, which is not numeric"):
         fit(data=(np.array(["a", "b"]), np.array([0, 1])))
+
+
+def test_the_checked_batches_see_the_transforms_the_feed_applies():
+    from gpunb.runtime.transforms import Normalize
+
+    images = torch.randint(0, 255, (64, 1, 4, 4), dtype=torch.uint8)  # bytes until Normalize makes floats
+    model = nn.Sequential(nn.Flatten(), nn.Linear(16, 3))
+    data = (images, torch.randint(0, 3, (64,)))
+    result = fit(model, data, val_data=data, transforms=[Normalize([0.5], [0.2])], max_steps=None, epochs=1)
+    assert "val_loss" in result.final_metrics and "val_acc" in result.final_metrics

@@ -48,7 +48,8 @@ def preflight(model, train, val, objective, precision, device, config):
 def check_not_empty(data, config, what: str, drop_last: bool) -> None:
     n = data_length(data)
     if n == 0:
-        raise GpunbError(f"{what} is empty: it holds 0 samples, so there is nothing to train on.",
+        purpose = "train" if what == "train_data" else "validate"
+        raise GpunbError(f"{what} is empty: it holds 0 samples, so there is nothing to {purpose} on.",
                          f"check how `{what}` was built (a filter or split that kept nothing?).")
     if isinstance(data, DataLoader):
         drop_last, batch = data.drop_last, data.batch_size
@@ -90,8 +91,9 @@ def cast_floats(data, dtype, what: str):
 def _check_batch(model, objective, precision, data, device, config, what, training: bool) -> None:
     __tracebackhide__ = True  # noqa: F841
     batch = first_batch(data, config.batch_size if isinstance(config.batch_size, int) else AUTO_PROBE, device)
-    if training and config.transforms:
-        batch = apply_transforms(batch, config.transforms)
+    transforms = [t for t in config.transforms if training or not getattr(t, "train_only", False)]
+    if transforms:  # as the feed applies them (build_feed): the model sees transformed batches
+        batch = apply_transforms(batch, transforms)
     model.train(training)
     try:
         with torch.no_grad(), precision.autocast():
