@@ -193,6 +193,9 @@ def test_new_data_bound_under_another_name_is_not_silently_ignored(ip):
         ip.run_cell_magic("gputrain", "--max-steps 1 --quiet --no-track", cell)
     assert "defined data (tuple) but train_data is from an earlier cell" in str(error.value)
     assert "`--train-data data`" in str(error.value)
+    arrays = CELL.replace("train_data = (x[:200], y[:200])", "arrays = (x[:100].numpy(), y[:100].numpy())")
+    with pytest.raises(UsageError, match="defined arrays \\(tuple\\) but train_data is from an earlier cell"):
+        ip.run_cell_magic("gputrain", "--max-steps 1 --quiet --no-track", arrays)
 
 
 def test_submodules_losses_and_data_parts_bound_in_the_cell_are_not_mistaken_for_new_ones(ip):

@@ -283,8 +283,13 @@ def _is_data(value) -> bool:
         return True
     if isinstance(value, torch.Tensor):
         return value.ndim > 0
-    return (isinstance(value, tuple) and len(value) > 1
-            and all(isinstance(v, torch.Tensor) and v.ndim > 0 for v in value))
+    return isinstance(value, tuple) and len(value) > 1 and all(_array_like(v) for v in value)
+
+
+def _array_like(value) -> bool:
+    """A tensor, NumPy array or table with a sample dimension (what `(x, y)` data holds)."""
+    shape = getattr(value, "shape", None)  # torch.Size is a tuple too
+    return isinstance(shape, tuple) and len(shape) > 0 and hasattr(value, "__array__")
 
 
 def _defined_by_cell(namespace, before) -> str:
