@@ -126,8 +126,11 @@ _THREE_WAYS = ("pass `loss_fn=` (e.g. `torch.nn.CrossEntropyLoss()`: gpunb then 
 
 def _call(model, batch):
     __tracebackhide__ = True  # noqa: F841
-    args, kwargs = ((), batch) if isinstance(batch, dict) else (
-        (tuple(batch), {}) if isinstance(batch, (list, tuple)) else ((batch,), {}))
+    args, kwargs = (batch,), {}
+    if isinstance(batch, dict):
+        args, kwargs = (), batch
+    elif isinstance(batch, (list, tuple)):
+        args = tuple(batch)
     try:
         return model(*args, **kwargs)
     except TypeError as error:
@@ -175,7 +178,7 @@ def _loss_in_tuple(output, source: str) -> torch.Tensor:
     scalars = [v for v in output if isinstance(v, torch.Tensor) and v.ndim == 0 and v.is_floating_point()]
     if len(scalars) == 1:
         return scalars[0]
-    shapes = ", ".join(tuple(v.shape).__repr__() if isinstance(v, torch.Tensor) else type(v).__name__
+    shapes = ", ".join(repr(tuple(v.shape)) if isinstance(v, torch.Tensor) else type(v).__name__
                        for v in output)
     raise GpunbError(f"{source} returned a {type(output).__name__} ({shapes}) holding "
                      f"{'no' if not scalars else len(scalars)} scalar tensors, so gpunb cannot tell "
