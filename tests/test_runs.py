@@ -265,8 +265,9 @@ def _recorded(registry: Registry, state) -> dict:
 
 
 def test_recorder_creates_the_row_at_fit_start(registry, clock):
-    state = _state()
-    RunRecorder(registry).on_fit_start(state)
+    state, rec = _state(), RunRecorder(registry)
+    rec.on_fit_start(state)
+    assert rec.flush(10)
     run = _recorded(registry, state)
     assert (run["name"], run["status"], run["device"], run["total_steps"]) == ("demo", "running", "cuda:0", 100)
     assert run["config"]["transforms"] == ["abs"] and run["config"]["batch_size"] == 64
@@ -282,11 +283,13 @@ def test_recorder_writes_at_most_once_a_second(registry, clock, monkeypatch):
         state.step = step
         rec.on_log(state, {"loss": 1.0 / step})
         clock.now += 0.01
+    assert rec.flush(10)
     assert len(writes) == 1 and writes[0]["step"] == 1  # the first log is always written
     assert [p["step"] for p in _recorded(registry, state)["history"]] == [1]
     clock.now += 1.0
     state.step = 51
     rec.on_log(state, {"loss": 0.01})
+    assert rec.flush(10)
     run = _recorded(registry, state)
     steps = [p["step"] for p in run["history"]]
     # Still one write a second, but the rows logged in between are kept (thinned), not lost.
@@ -302,6 +305,7 @@ def test_recorder_eta_is_measured_from_the_first_log(registry, clock):
     clock.now += 2.0
     state.step = 20
     rec.on_log(state, {"loss": 0.5})
+    assert rec.flush(10)
     assert _recorded(registry, state)["eta_s"] == pytest.approx((100 - 20) * 2.0 / 10)
 
 
@@ -310,11 +314,13 @@ def test_stop_request_round_trip(registry, clock):
     rec.on_fit_start(state)
     state.step = 1
     rec.on_log(state, {"loss": 1.0})
-    assert state.stop_reason is None
+    assert rec.flush(10) and state.stop_reason is None
     assert registry.request_stop(state.extras["run_id"]) is True
     clock.now += 1.5
     state.step = 2
-    rec.on_log(state, {"loss": 0.9})
+    rec.on_log(state, {"loss": 0.9})  # the write looks for stop requests too...
+    assert rec.flush(10)
+    rec.on_log(state, {"loss": 0.9})  # ...which the training loop sees at its next log
     assert state.stop_reason == "stopped from the sidebar"
     state.result = SimpleNamespace(interrupted=False, energy_j=99.0)
     rec.on_fit_end(state)
@@ -325,12 +331,16 @@ def test_stop_request_round_trip(registry, clock):
 def test_a_long_log_interval_still_gets_heartbeats_and_stop_checks(registry, clock):
     state, rec = _state(), RunRecorder(registry)
     rec.on_fit_start(state)
+    assert rec.flush(10)
     registry.request_stop(state.extras["run_id"])
     rec.on_train_batch_end(state)
-    assert state.stop_reason is None  # no registry call per step
+    assert rec.flush(10) and state.stop_reason is None  # no registry call per step
     clock.now += recorder.HEARTBEAT_S
     state.step = 7
     rec.on_train_batch_end(state)
+    assert rec.flush(10)
+    clock.now += recorder.HEARTBEAT_S
+    rec.on_train_batch_end(state)  # the stop request found by the last heartbeat is seen now
     assert state.stop_reason == "stopped from the sidebar" and _recorded(registry, state)["step"] == 7
 
 
@@ -379,34 +389,95 @@ def test_registry_failures_never_break_training(tmp_path, clock, caplog):
         rec.on_log(state, {"loss": 1.0})
         state.result = SimpleNamespace(interrupted=False, energy_j=None)
         rec.on_fit_end(state)
-    assert state.stop_reason is None and "run_id" not in state.extras
+    assert state.stop_reason is None and rec.writer.finished.is_set()  # gave up at the end
     assert len(caplog.records) == 1 and "could not write to the run registry" in caplog.text
 
 
-def test_a_locked_database_is_skipped_then_retried(home, clock, caplog, monkeypatch):
+def _hold_write_lock(path) -> sqlite3.Connection:
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # e.g. someone browsing the file with a write lock
+    return holder
+
+
+def test_a_locked_registry_never_delays_training_and_the_run_is_recorded_when_it_clears(home, caplog):
+    registry = Registry(timeout=0.05)
+    registry.list_runs()  # the file exists
+    holder = _hold_write_lock(registry.path)
+    state, rec = _state(), RunRecorder(registry)
+    with caplog.at_level(logging.WARNING, logger="gpunb.runs.recorder"):
+        started = time.perf_counter()
+        rec.on_fit_start(state)
+        state.step = 1
+        rec.on_log(state, {"loss": 1.0})
+        hooks_took = time.perf_counter() - started
+        assert not rec.flush(0.5)  # nothing could be written yet
+        assert registry.get_run(state.extras["run_id"]) is None
+        holder.execute("ROLLBACK")
+        holder.close()
+        assert rec.flush(10)
+    assert hooks_took < 0.2  # the hooks only hand data to the writer thread
+    run = registry.get_run(state.extras["run_id"])
+    assert (run["status"], run["step"], [p["step"] for p in run["history"]]) == ("running", 1, [1])
+    assert len(caplog.records) == 1 and "is locked by another process" in caplog.text
+
+
+def test_the_end_of_a_run_is_written_in_the_background_if_the_lock_outlasts_the_fit(home, caplog, monkeypatch):
+    monkeypatch.setattr(recorder, "FINISH_WAIT_S", 0.1)
     registry = Registry(timeout=0.05)
     state, rec = _state(), RunRecorder(registry)
     rec.on_fit_start(state)
-    run_id = state.extras["run_id"]
-    attempts = []
-    real_update = registry.update
-    monkeypatch.setattr(registry, "update", lambda *a, **k: (attempts.append(k["step"]), real_update(*a, **k)))
-    holder = sqlite3.connect(registry.path, isolation_level=None)
-    holder.execute("BEGIN EXCLUSIVE")  # e.g. someone browsing the file with a write lock
+    assert rec.flush(10)
+    holder = _hold_write_lock(registry.path)
+    state.step, state.result = 100, SimpleNamespace(interrupted=False, energy_j=None)
     with caplog.at_level(logging.WARNING, logger="gpunb.runs.recorder"):
-        for step, wait in ((1, 0), (2, 2), (3, recorder.RETRY_AFTER_S)):
-            clock.now += wait
-            state.step = step
-            rec.on_log(state, {"loss": 1.0 / step})  # fails after 0.05 s, never raises
+        rec.on_fit_end(state)  # returns after FINISH_WAIT_S
+        assert not rec.writer.finished.is_set()
+        assert registry.get_run(state.extras["run_id"])["status"] == "running"
+        holder.execute("ROLLBACK")
+        holder.close()
+        assert rec.writer.flush(10)
+    run = registry.get_run(state.extras["run_id"])
+    assert (run["status"], run["step"]) == ("completed", 100)
+    assert len(caplog.records) == 1 and "as soon as the registry is free" in caplog.text
+
+
+def test_a_damaged_registry_is_named_with_the_way_to_recover(home, clock, caplog):
+    from gpunb.runs import RegistryDamaged
+
+    home.mkdir()
+    path = home / "runs.sqlite"
+    path.write_bytes(b"this is not an SQLite file " * 100)
+    with pytest.raises(RegistryDamaged, match="run registry .*runs.sqlite is damaged") as error:
+        runs()
+    assert error.value.path == path and f"mv '{path}' '{path}.damaged'" in str(error.value)
+    state, rec = _state(), RunRecorder()  # training goes on with one warning
+    with caplog.at_level(logging.WARNING, logger="gpunb.runs.recorder"):
+        rec.on_fit_start(state)
+        rec.on_log(state, {"loss": 1.0})
+        state.result = SimpleNamespace(interrupted=False, energy_j=None)
+        rec.on_fit_end(state)
+    assert state.stop_reason is None and len(caplog.records) == 1 and "is damaged" in caplog.text
+    path.rename(home / "runs.sqlite.damaged")  # the recovery the message gives
+    assert repr(runs()) == "No runs recorded yet."
+
+
+def test_runs_read_under_a_held_write_lock_and_explain_a_lock_that_blocks_reads(home):
+    from gpunb.runs import RegistryLocked
+
+    registry = Registry(timeout=0.1)
+    run_id = registry.start_run("orphan", pid=2**22 + 12345)  # no such process: failed when read
+    holder = _hold_write_lock(registry.path)
+    (run,) = runs(registry=registry)  # WAL: readers go on; marking it failed waits for the next read
+    assert (run["id"], run["status"]) == (run_id, "failed")
+    holder.execute("ROLLBACK")
+    registry.close()
+    holder.execute("PRAGMA locking_mode=EXCLUSIVE")  # a holder that shuts readers out too
+    holder.execute("BEGIN EXCLUSIVE")
+    holder.execute("UPDATE runs SET step = 1")
+    with pytest.raises(RegistryLocked, match=r"(?s)runs.sqlite is locked: .*more than 0.1 s.*try again"):
+        runs(registry=registry)
     holder.execute("ROLLBACK")
     holder.close()
-    assert attempts == [1, 3]  # step 2 fell in the back-off and was not even tried
-    assert len(caplog.records) == 1 and "database is locked" in caplog.text  # warned once
-    assert registry.get_run(run_id)["step"] == 0
-    clock.now += recorder.RETRY_AFTER_S
-    state.step = 4
-    rec.on_log(state, {"loss": 0.25})
-    assert registry.get_run(run_id)["step"] == 4
 
 
 # ---------------------------------------------------------------------- views
@@ -498,8 +569,13 @@ def test_a_stop_request_is_seen_at_the_next_log_interval_even_between_writes(reg
     rec.on_fit_start(state)
     state.step = 1
     rec.on_log(state, {"loss": 1.0})  # the first log: written
+    assert rec.flush(10)
     registry.request_stop(rec.run_id)
     clock.now += 0.1  # well inside the one-second write throttle
     state.step = 2
-    rec.on_log(state, {"loss": 0.9})
+    rec.on_log(state, {"loss": 0.9})  # not written, but the writer looks for a stop request
+    assert rec.flush(10) and state.stop_reason is None
+    state.step = 3
+    rec.on_log(state, {"loss": 0.8})
     assert state.stop_reason == "stopped from the sidebar"
+    assert registry.get_run(rec.run_id)["step"] == 1  # still inside the throttle: no write

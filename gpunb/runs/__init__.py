@@ -10,11 +10,11 @@ import sys
 import types
 
 from gpunb.runs.recorder import RunRecorder
-from gpunb.runs.registry import STATUSES, Registry, default_path
+from gpunb.runs.registry import STATUSES, Registry, RegistryDamaged, RegistryLocked, default_path
 from gpunb.runs.views import RunComparison, RunTable, compare, runs
 
-__all__ = ["STATUSES", "Registry", "RunComparison", "RunRecorder", "RunTable", "compare",
-           "default_path", "runs"]
+__all__ = ["STATUSES", "Registry", "RegistryDamaged", "RegistryLocked", "RunComparison", "RunRecorder",
+           "RunTable", "compare", "default_path", "runs"]
 
 
 class _CallableModule(types.ModuleType):

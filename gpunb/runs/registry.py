@@ -1,11 +1,15 @@
 """The run registry: one SQLite file (WAL) shared by every kernel and the Jupyter server.
 
-Each operation opens its own short-lived connection. That costs well under a
-millisecond, is safe across threads and forks (a sqlite connection must never
-cross a fork), and writes happen at most once a second per run anyway. WAL lets
-the server read while kernels write; busy_timeout makes concurrent writers queue
-instead of failing with "database is locked"; write transactions start with
-BEGIN IMMEDIATE so a read-then-write never deadlocks on a lock upgrade.
+Connections are never shared between threads: with `keep_open=True` (the default)
+each thread keeps one of its own, opened on first use (closing the last connection
+checkpoints the WAL with an fsync, too slow to pay on every write); with
+`keep_open=False` every operation opens and closes its own (the server, whose
+requests must not queue behind each other). A connection never crosses a fork.
+WAL lets readers go on while a writer holds the lock; busy_timeout (`timeout`)
+makes writers queue, and a wait longer than that is a `RegistryLocked` error that
+says so; write transactions start with BEGIN IMMEDIATE so a read-then-write never
+deadlocks on a lock upgrade. A file that is not a readable SQLite database is a
+`RegistryDamaged` error that says how to recover.
 """
 
 from __future__ import annotations
@@ -56,6 +60,37 @@ _RUN_COLUMNS = ("id", "name", "notebook", "kernel_id", "pid", "host", "status", 
 _UPDATABLE = ("progress", "step", "total_steps", "epoch", "eta_s", "latest", "device", "energy_j")
 
 
+class RegistryLocked(GpunbError):
+    """Another process held the registry's write lock for longer than the wait allowed."""
+
+    def __init__(self, path: Path, timeout: float):
+        self.path = path
+        super().__init__(f"The run registry {path} is locked: another process held it for more than "
+                         f"{timeout:g} s.",
+                         "try again in a moment. If it stays locked, close whatever holds the file "
+                         "open for writing (an `sqlite3` shell or a database browser, for example).")
+
+
+class RegistryDamaged(GpunbError):
+    """The registry file is not a readable SQLite database."""
+
+    def __init__(self, path: Path, error: BaseException):
+        self.path = path
+        super().__init__(f"The run registry {path} is damaged and cannot be read ({error}).",
+                         f"move it aside, e.g. `mv '{path}' '{path}.damaged'`; gpunb starts a fresh "
+                         "registry on next use. Training does not need it.")
+
+
+def registry_error(error: BaseException, path: Path, timeout: float) -> GpunbError | None:
+    """The `RegistryLocked`/`RegistryDamaged` that a sqlite3 error means, or None for other errors."""
+    if isinstance(error, sqlite3.OperationalError):
+        text = str(error)
+        return RegistryLocked(path, timeout) if "locked" in text or "busy" in text else None
+    if type(error) is sqlite3.DatabaseError:  # "file is not a database", "disk image is malformed"
+        return RegistryDamaged(path, error)
+    return None
+
+
 def default_path() -> Path:
     """$GPUNB_HOME/runs.sqlite, else <Jupyter data dir>/gpunb/runs.sqlite."""
     home = os.environ.get("GPUNB_HOME")
@@ -93,19 +128,24 @@ def _dumps(value: Any) -> str:
 class Registry:
     """Runs and their metrics in `path` (default: `default_path()`), created on first use."""
 
-    def __init__(self, path: str | os.PathLike | None = None, timeout: float = 5.0):
+    def __init__(self, path: str | os.PathLike | None = None, timeout: float = 5.0, keep_open: bool = True):
         self.path = Path(path) if path is not None else default_path()
         self.timeout = timeout  # seconds a writer waits for another writer's lock
+        self.keep_open = keep_open  # one connection per thread (True) or per operation (False)
         self._ready = False
-        self._owner: tuple[int, threading.Lock, sqlite3.Connection] | None = None  # (pid, lock, connection)
+        self._local = threading.local()  # this thread's (pid, connection) when keep_open
 
     # ------------------------------------------------------------------ writes
     def start_run(self, name: str, *, config: dict | None = None, device: str | None = None,
                   total_steps: int | None = None, pid: int | None = None, host: str | None = None,
-                  notebook: str | None = None, kernel_id: str | None = None) -> str:
-        """Record a new running run; returns its id. pid/host/notebook/kernel_id default to this process's."""
-        run_id = uuid.uuid4().hex
-        now = time.time()
+                  notebook: str | None = None, kernel_id: str | None = None, run_id: str | None = None,
+                  started_at: float | None = None) -> str:
+        """Record a new running run; returns its id (`run_id`, else a new one).
+
+        pid/host/notebook/kernel_id default to this process's; `started_at` to now.
+        """
+        run_id = run_id or uuid.uuid4().hex
+        now = started_at or time.time()
         pid = os.getpid() if pid is None else pid
         row = {"id": run_id, "name": name, "notebook": notebook or os.environ.get("JPY_SESSION_NAME"),
                "kernel_id": kernel_id or _kernel_id(), "pid": pid, "pid_started": _process_start(pid),
@@ -217,11 +257,14 @@ class Registry:
         host, now = socket.gethostname(), time.time()
         dead = [run for run in runs if run["status"] == "running" and not _alive(run, host, now)]
         if dead:
-            with self._write() as db:
-                for run in dead:
-                    db.execute("UPDATE runs SET status = 'failed', error = ?, ended_at = ? "
-                               "WHERE id = ? AND status = 'running'",
-                               (PROCESS_DIED, run["updated_at"], run["id"]))
+            try:
+                with self._write() as db:
+                    for run in dead:
+                        db.execute("UPDATE runs SET status = 'failed', error = ?, ended_at = ? "
+                                   "WHERE id = ? AND status = 'running'",
+                                   (PROCESS_DIED, run["updated_at"], run["id"]))
+            except RegistryLocked:
+                pass  # a reader must not fail for this; the next read records it
             for run in dead:
                 run.update(status="failed", error=PROCESS_DIED, ended_at=run["updated_at"], eta_s=None)
         for run in runs:
@@ -236,37 +279,49 @@ class Registry:
 
     @contextlib.contextmanager
     def _transaction(self, write: bool) -> Iterator[sqlite3.Connection]:
-        lock, db = self._connection()
-        with lock:
-            db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+        try:
+            db = self._connection()
             try:
-                yield db
-                db.execute("COMMIT")
-            except BaseException:
-                if db.in_transaction:
-                    db.execute("ROLLBACK")
+                db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+                try:
+                    yield db
+                    db.execute("COMMIT")
+                except BaseException:
+                    if db.in_transaction:
+                        db.execute("ROLLBACK")
+                    raise
+            finally:
+                if not self.keep_open:
+                    db.close()
+        except sqlite3.DatabaseError as error:
+            translated = registry_error(error, self.path, self.timeout)
+            if translated is None:
                 raise
+            if isinstance(translated, RegistryDamaged):
+                self.close()  # reopen (maybe a fresh file) next time
+                self._ready = False
+            raise translated from error
 
-    def _connection(self) -> tuple[threading.Lock, sqlite3.Connection]:
-        # One connection per process, shared by its threads under a lock. Closing the
-        # last connection checkpoints the WAL with an fsync (~2 ms locally, far more on
-        # network disks), too slow to pay on every write from the training thread.
-        # A connection must never cross a fork, so a forked child opens its own.
-        if self._owner is None or self._owner[0] != os.getpid():
-            if not self._ready:
-                self._create()
-            # isolation_level=None: we issue BEGIN ourselves; timeout is SQLite's busy_timeout.
-            db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None,
-                                 check_same_thread=False)
-            db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: no fsync per commit, still crash-safe
-            self._owner = (os.getpid(), threading.Lock(), db)
-        return self._owner[1], self._owner[2]
+    def _connection(self) -> sqlite3.Connection:
+        if not self._ready:
+            self._create()
+        if self.keep_open:
+            owner = getattr(self._local, "owner", None)
+            if owner is not None and owner[0] == os.getpid():
+                return owner[1]
+        # isolation_level=None: we issue BEGIN ourselves; timeout is SQLite's busy_timeout.
+        db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None)
+        db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: no fsync per commit, still crash-safe
+        if self.keep_open:
+            self._local.owner = (os.getpid(), db)
+        return db
 
     def close(self) -> None:
-        """Close this process's connection (reopened on next use)."""
-        owner, self._owner = self._owner, None
+        """Close this thread's connection (reopened on next use)."""
+        owner = getattr(self._local, "owner", None)
+        self._local.owner = None
         if owner is not None and owner[0] == os.getpid():
-            owner[2].close()
+            owner[1].close()
 
     def _create(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
