@@ -5,7 +5,9 @@ NVML is faked at the pynvml function boundary, so these run on any machine.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sqlite3
 import threading
 import time
 from types import SimpleNamespace
@@ -23,6 +25,7 @@ pytest_plugins = ("pytest_jupyter.jupyter_server",)
 GIB = 1024**3
 TOKEN = "gpunb-test-token"
 RUN_ROUTES = [("GET", "runs/{}"), ("POST", "runs/{}/stop")]
+REGISTRY_WAIT_S = 1.5  # how long the server waits for a locked registry in these tests
 ALL_ROUTES = [("GET", "devices"), ("GET", "runs"), *RUN_ROUTES]
 
 
@@ -36,7 +39,8 @@ def gpunb_home(tmp_path, monkeypatch):
 @pytest.fixture
 def jp_server_config(jp_server_config):
     return {
-        "ServerApp": {"jpserver_extensions": {"gpunb": True}, "allow_unauthenticated_access": False},
+        "ServerApp": {"jpserver_extensions": {"gpunb": True}, "allow_unauthenticated_access": False,
+                      "tornado_settings": {"gpunb_registry_wait_s": REGISTRY_WAIT_S}},
         "IdentityProvider": {"token": TOKEN},
     }
 
@@ -245,6 +249,58 @@ async def test_blocking_work_runs_off_the_event_loop(jp_fetch, monkeypatch):
     monkeypatch.setattr("gpunb.telemetry.snapshot", snapshot)
     await fetch(jp_fetch, "GET", "devices")
     assert threads and threads[0] is not threading.main_thread()
+
+
+# --------------------------------------------------------------------- a locked or damaged registry
+def _hold_write_lock(registry) -> sqlite3.Connection:
+    registry.list_runs()  # the file exists
+    holder = sqlite3.connect(registry.path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # another process writing, or a database browser
+    return holder
+
+
+async def test_devices_answer_while_registry_requests_wait_on_its_lock(jp_fetch, registry, running_run,
+                                                                      monkeypatch):
+    no_nvml(monkeypatch)
+    holder = _hold_write_lock(registry)
+    try:
+        # More waiting writes than the registry's thread pool has threads.
+        stops = [asyncio.ensure_future(fetch(jp_fetch, "POST", "runs", running_run, "stop")) for _ in range(6)]
+        await asyncio.sleep(0)
+        code, body = await fetch_json(jp_fetch, "GET", "devices")
+        assert code == 200 and body["nvidia"] is False
+        assert not any(stop.done() for stop in stops)  # still waiting for the lock
+        code, body = await fetch_json(jp_fetch, "GET", "runs")  # WAL: reads go on meanwhile
+        assert code == 200 and [run["id"] for run in body["runs"]] == [running_run]
+        answers = await asyncio.gather(*stops, return_exceptions=True)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert {getattr(answer, "code", None) for answer in answers} == {503}
+
+
+async def test_a_locked_registry_answers_503_with_a_message(jp_fetch, registry, running_run):
+    holder = _hold_write_lock(registry)
+    try:
+        error = await expect_error(jp_fetch, 503, "POST", "runs", running_run, "stop")
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    body = json.loads(error.response.body)
+    assert body["reason"] == "Run registry locked"
+    assert f"The run registry {registry.path} is locked" in body["message"] and "try again" in body["message"]
+    assert not registry.stop_requested(running_run)
+
+
+@pytest.mark.parametrize("method,route", [("GET", "runs"), ("GET", "runs/{}"), ("POST", "runs/{}/stop")])
+async def test_a_damaged_registry_answers_500_saying_how_to_recover(jp_fetch, gpunb_home, method, route):
+    gpunb_home.mkdir()
+    path = gpunb_home / "runs.sqlite"
+    path.write_bytes(b"not a database " * 200)
+    error = await expect_error(jp_fetch, 500, method, *route.format("0" * 32).split("/"))
+    body = json.loads(error.response.body)
+    assert body["reason"] == "Run registry damaged" and "Unhandled" not in body["message"]
+    assert f"The run registry {path} is damaged" in body["message"] and f"mv '{path}'" in body["message"]
 
 
 def test_extension_points_name_the_server_module():
