@@ -19,12 +19,12 @@ import pytest
 
 from gpunb.config import TrainConfig
 from gpunb.errors import GpunbError
-from gpunb.runs import Registry, RunRecorder, compare, default_path, recorder, runs
+from gpunb.runs import Registry, RunRecorder, compare, default_path, prune, recorder, remove, runs
 from gpunb.runs import registry as registry_module
 
 RUN_KEYS = {"id", "name", "notebook", "kernel_id", "pid", "host", "status", "config", "started_at",
             "ended_at", "updated_at", "progress", "step", "total_steps", "epoch", "eta_s", "latest",
-            "device", "energy_j", "error", "stop_requested"}
+            "device", "energy_j", "error", "best", "stop_requested"}
 
 
 @pytest.fixture
@@ -579,3 +579,84 @@ def test_a_stop_request_is_seen_at_the_next_log_interval_even_between_writes(reg
     rec.on_log(state, {"loss": 0.8})
     assert state.stop_reason == "stopped from the sidebar"
     assert registry.get_run(rec.run_id)["step"] == 1  # still inside the throttle: no write
+
+
+# ---------------------------------------------------------------------- best values, series, removal
+def test_finish_records_each_validation_metrics_best_value(registry):
+    run_id = registry.start_run("val")
+    for step, loss, acc in [(1, 0.9, 0.5), (2, 0.4, 0.8), (3, 0.6, 0.7)]:
+        registry.add_metrics(run_id, step, {"loss": loss, "val_loss": loss, "val_acc": acc, "val_err": 1 - acc})
+    assert registry.get_run(run_id)["best"] == {}  # set at the end
+    registry.finish(run_id, "completed")
+    assert registry.get_run(run_id)["best"] == {"val_loss": 0.4, "val_acc": 0.8, "val_err": pytest.approx(0.2)}
+
+
+def test_an_older_registry_gains_the_new_column(home):
+    home.mkdir()
+    path = home / "runs.sqlite"
+    with sqlite3.connect(path) as db:  # the schema before `best`
+        db.execute("CREATE TABLE runs (id TEXT PRIMARY KEY, name TEXT, notebook TEXT, kernel_id TEXT, "
+                   "pid INTEGER, pid_started REAL, host TEXT, status TEXT NOT NULL, config TEXT, "
+                   "started_at REAL, ended_at REAL, updated_at REAL, progress REAL, step INTEGER, "
+                   "total_steps INTEGER, epoch INTEGER, eta_s REAL, latest TEXT, device TEXT, energy_j REAL, "
+                   "error TEXT, metric_seq INTEGER NOT NULL DEFAULT 0, metric_stride INTEGER NOT NULL DEFAULT 1)")
+        db.execute("INSERT INTO runs (id, name, status, started_at) VALUES ('a' , 'old', 'completed', 1.0)")
+    (run,) = Registry().list_runs()
+    assert (run["name"], run["best"]) == ("old", {})
+
+
+def test_list_runs_can_carry_the_newest_losses_of_running_runs(registry, monkeypatch):
+    monkeypatch.setattr(registry_module, "SERIES_POINTS", 3)
+    running = registry.start_run("running")
+    done = registry.start_run("done")
+    for step in range(5):
+        registry.add_metrics(running, step, {"loss": 1.0 / (step + 1)} if step != 3 else {"val_acc": 0.5})
+        registry.add_metrics(done, step, {"loss": 1.0})
+    registry.finish(done, "completed")
+    by_name = {run["name"]: run for run in registry.list_runs(series=True)}
+    assert by_name["running"]["losses"] == [[2, 1 / 3], [4, 0.2]]  # the newest 3 points, losses only
+    assert "losses" not in by_name["done"] and "losses" not in registry.list_runs()[0]
+
+
+def test_remove_deletes_finished_runs_by_name_or_id(registry):
+    base = registry.start_run("base")
+    registry.add_metrics(base, 1, {"loss": 1.0})
+    registry.finish(base, "completed")
+    live = registry.start_run("live")
+    with pytest.raises(GpunbError, match="Cannot remove 'live': still running.*\nHINT: stop it first"):
+        remove("live", registry=registry)
+    with pytest.raises(GpunbError, match="No run named 'nope'"):
+        remove("base", "nope", registry=registry)  # refused before anything is removed
+    assert registry.get_run(base) is not None
+    with pytest.raises(GpunbError, match="needs at least one run"):
+        remove(registry=registry)
+    assert remove("base", registry=registry) == 1
+    assert [run["id"] for run in registry.list_runs()] == [live]
+    with sqlite3.connect(registry.path) as db:
+        assert db.execute("SELECT COUNT(*) FROM metrics WHERE run_id = ?", (base,)).fetchone() == (0,)
+
+
+def test_prune_keeps_the_newest_and_the_recent_finished_runs_and_every_running_one(registry):
+    day = 86400
+    ids = {}
+    for name, age_days in [("a", 40), ("b", 20), ("c", 10), ("d", 1)]:
+        ids[name] = registry.start_run(name, started_at=time.time() - age_days * day)
+        registry.finish(ids[name], "completed")
+    ids["old-live"] = registry.start_run("old-live", started_at=time.time() - 50 * day)
+    names = lambda: sorted(run["name"] for run in registry.list_runs())  # noqa: E731
+    assert prune(older_than_days=30, registry=registry) == 1 and names() == ["b", "c", "d", "old-live"]
+    assert prune(keep=2, registry=registry) == 1 and names() == ["c", "d", "old-live"]
+    assert prune(keep=5, older_than_days=5, registry=registry) == 1 and names() == ["d", "old-live"]
+    with pytest.raises(GpunbError, match="needs `older_than_days`, `keep`, or both"):
+        prune(registry=registry)
+    with pytest.raises(GpunbError, match="must be >= 0"):
+        prune(keep=-1, registry=registry)
+
+
+def test_one_duration_format_for_progress_eta_and_the_run_table():
+    from gpunb.runtime.callbacks import format_duration as in_progress_line
+    from gpunb.units import format_duration
+
+    assert in_progress_line is format_duration
+    assert [format_duration(s) for s in (0, 4.6, 59.4, 65, 725, 3600, 3725.0, 90061)] == \
+        ["0s", "5s", "59s", "1m 05s", "12m 05s", "1h 00m", "1h 02m", "25h 01m"]

@@ -24,7 +24,7 @@ pytest_plugins = ("pytest_jupyter.jupyter_server",)
 
 GIB = 1024**3
 TOKEN = "gpunb-test-token"
-RUN_ROUTES = [("GET", "runs/{}"), ("POST", "runs/{}/stop")]
+RUN_ROUTES = [("GET", "runs/{}"), ("POST", "runs/{}/stop"), ("DELETE", "runs/{}")]
 REGISTRY_WAIT_S = 1.5  # how long the server waits for a locked registry in these tests
 ALL_ROUTES = [("GET", "devices"), ("GET", "runs"), *RUN_ROUTES]
 
@@ -183,6 +183,8 @@ async def test_runs_lists_recorded_runs(jp_fetch, registry, running_run):
     assert mnist["id"] == running_run and mnist["status"] == "running"
     assert mnist["progress"] == 0.3 and mnist["latest"] == {"loss": 0.7}
     assert mnist["notebook"] == "work/mnist.ipynb" and mnist["stop_requested"] is False
+    # Running runs carry their newest losses, so one request a poll draws every sparkline.
+    assert mnist["losses"] == [[10, 2.0], [20, 1.2], [30, 0.7]] and "losses" not in body["runs"][0]
 
 
 async def test_runs_is_empty_without_a_registry_file(jp_fetch, gpunb_home):
@@ -221,6 +223,22 @@ async def test_stop_finished_run_is_409(jp_fetch, registry):
     assert not registry.stop_requested(run_id)
 
 
+async def test_delete_removes_a_finished_run_and_its_metrics(jp_fetch, registry):
+    run_id = registry.start_run("done")
+    registry.add_metrics(run_id, 1, {"loss": 1.0})
+    registry.finish(run_id, "completed")
+    response = await fetch(jp_fetch, "DELETE", "runs", run_id)
+    assert response.code == 204
+    assert registry.get_run(run_id) is None and registry.list_runs() == []
+    await expect_error(jp_fetch, 404, "DELETE", "runs", run_id)
+
+
+async def test_delete_refuses_a_running_run(jp_fetch, registry, running_run):
+    error = await expect_error(jp_fetch, 409, "DELETE", "runs", running_run)
+    assert "stop it before removing it" in json.loads(error.response.body)["message"]
+    assert registry.get_run(running_run)["status"] == "running"
+
+
 # --------------------------------------------------------------------- bad input and auth
 BAD_IDS = ["not-a-run", "A" * 32, "0" * 31, "0" * 33, "..", "..%2F..%2Fetc%2Fpasswd", "0" * 31 + "g"]
 
@@ -236,7 +254,7 @@ async def test_malformed_run_ids_are_rejected(jp_fetch, method, route, bad_id):
 async def test_every_route_needs_credentials(jp_fetch, registry, running_run, method, route):
     parts = route.format(running_run).split("/")
     await expect_error(jp_fetch, 403, method, *parts, headers={"Authorization": ""})
-    assert not registry.stop_requested(running_run)
+    assert not registry.stop_requested(running_run) and registry.get_run(running_run) is not None
 
 
 async def test_blocking_work_runs_off_the_event_loop(jp_fetch, monkeypatch):
@@ -292,7 +310,7 @@ async def test_a_locked_registry_answers_503_with_a_message(jp_fetch, registry, 
     assert not registry.stop_requested(running_run)
 
 
-@pytest.mark.parametrize("method,route", [("GET", "runs"), ("GET", "runs/{}"), ("POST", "runs/{}/stop")])
+@pytest.mark.parametrize("method,route", [("GET", "runs"), *RUN_ROUTES])
 async def test_a_damaged_registry_answers_500_saying_how_to_recover(jp_fetch, gpunb_home, method, route):
     gpunb_home.mkdir()
     path = gpunb_home / "runs.sqlite"

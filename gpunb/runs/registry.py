@@ -36,6 +36,8 @@ STATUSES = ("running", "completed", "stopped", "interrupted", "failed")
 MAX_POINTS = 500  # metric points kept per run; older ones are thinned evenly
 STALE_AFTER_S = 300.0  # a run on another host that has not written for this long is dead
 PROCESS_DIED = "process died"
+SERIES_POINTS = 60  # the newest points of a running run's loss that `list_runs` includes
+_LOWER_IS_BETTER = ("loss", "err", "mse", "mae", "perplexity", "ppl")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -44,6 +46,7 @@ CREATE TABLE IF NOT EXISTS runs (
     started_at REAL, ended_at REAL, updated_at REAL,
     progress REAL, step INTEGER, total_steps INTEGER, epoch INTEGER, eta_s REAL,
     latest TEXT, device TEXT, energy_j REAL, error TEXT,
+    best TEXT,                                 -- each validation metric's best value, set at the end
     metric_seq INTEGER NOT NULL DEFAULT 0,     -- add_metrics calls so far
     metric_stride INTEGER NOT NULL DEFAULT 1   -- keep every stride-th point (doubles when full)
 );
@@ -56,7 +59,7 @@ CREATE TABLE IF NOT EXISTS stop_requests (run_id TEXT PRIMARY KEY, requested_at 
 """
 _RUN_COLUMNS = ("id", "name", "notebook", "kernel_id", "pid", "host", "status", "config",
                 "started_at", "ended_at", "updated_at", "progress", "step", "total_steps",
-                "epoch", "eta_s", "latest", "device", "energy_j", "error")
+                "epoch", "eta_s", "latest", "device", "energy_j", "error", "best")
 _UPDATABLE = ("progress", "step", "total_steps", "epoch", "eta_s", "latest", "device", "energy_j")
 
 
@@ -200,8 +203,10 @@ class Registry:
                              "use one of " + ", ".join(f"`{s}`" for s in STATUSES[1:]) + ".")
         self.update(run_id, eta_s=None, **fields)
         with self._write() as db:
-            db.execute("UPDATE runs SET status = ?, error = ?, ended_at = ? WHERE id = ?",
-                       (status, error, time.time(), run_id))
+            points = db.execute("SELECT data FROM metrics WHERE run_id = ?", (run_id,)).fetchall()
+            best = best_values(json.loads(data) for (data,) in points)
+            db.execute("UPDATE runs SET status = ?, error = ?, ended_at = ?, best = ? WHERE id = ?",
+                       (status, error, time.time(), _dumps(best), run_id))
             db.execute("DELETE FROM stop_requests WHERE run_id = ?", (run_id,))
 
     def request_stop(self, run_id: str) -> bool:
@@ -214,17 +219,37 @@ class Registry:
                                   (time.time(), run_id)).rowcount
         return inserted == 1
 
+    def remove(self, run_ids: list[str]) -> list[str]:
+        """Delete these runs and their metrics, except running ones; returns the ids removed."""
+        with self._write() as db:
+            removed = [run_id for run_id in run_ids if db.execute(
+                "DELETE FROM runs WHERE id = ? AND status != 'running'", (run_id,)).rowcount]
+            for run_id in removed:
+                db.execute("DELETE FROM metrics WHERE run_id = ?", (run_id,))
+        return removed
+
     # ------------------------------------------------------------------ reads
     def stop_requested(self, run_id: str) -> bool:
         with self._read() as db:
             return db.execute("SELECT 1 FROM stop_requests WHERE run_id = ?", (run_id,)).fetchone() is not None
 
-    def list_runs(self, limit: int = 100) -> list[dict]:
-        """The newest `limit` runs, newest first (runs whose process died are marked failed)."""
+    def list_runs(self, limit: int = 100, series: bool = False) -> list[dict]:
+        """The newest `limit` runs, newest first (runs whose process died are marked failed).
+
+        With `series`, each running run also gets `losses`: its newest SERIES_POINTS
+        (step, loss) pairs, so a poller needs no request per run.
+        """
         with self._read() as db:
             rows = db.execute(f"SELECT {self._select()} FROM runs ORDER BY started_at DESC, rowid DESC "
                               "LIMIT ?", (int(limit),)).fetchall()
-        return self._mark_dead([self._run_dict(row) for row in rows])
+            runs = [self._run_dict(row) for row in rows]
+            for run in runs if series else ():
+                if run["status"] == "running":
+                    points = db.execute("SELECT step, data FROM metrics WHERE run_id = ? ORDER BY seq DESC "
+                                        "LIMIT ?", (run["id"], SERIES_POINTS)).fetchall()
+                    run["losses"] = [[step, loss] for step, data in reversed(points)
+                                     if isinstance(loss := json.loads(data).get("loss"), (int, float))]
+        return self._mark_dead(runs)
 
     def get_run(self, run_id: str, with_history: bool = True) -> dict | None:
         with self._read() as db:
@@ -249,6 +274,7 @@ class Registry:
         run = dict(zip(_RUN_COLUMNS, row))
         run["config"] = json.loads(run["config"] or "{}")
         run["latest"] = json.loads(run["latest"] or "{}")
+        run["best"] = json.loads(run["best"] or "{}")
         run["stop_requested"] = bool(row[-1])
         run["_pid_started"] = row[-2]
         return run
@@ -329,6 +355,7 @@ class Registry:
         try:
             _enable_wal(db, self.timeout)
             db.executescript(_SCHEMA)
+            _add_missing_columns(db)
         finally:
             db.close()
         self._ready = True
@@ -350,6 +377,29 @@ def _enable_wal(db: sqlite3.Connection, timeout: float) -> None:
             if "locked" not in str(error) or time.monotonic() > deadline:
                 raise
             time.sleep(0.01)
+
+
+def _add_missing_columns(db: sqlite3.Connection) -> None:
+    """Bring a registry written by an older gpunb up to this schema (columns only ever get added)."""
+    if "best" not in {row[1] for row in db.execute("PRAGMA table_info(runs)")}:
+        try:
+            db.execute("ALTER TABLE runs ADD COLUMN best TEXT")
+        except sqlite3.OperationalError as error:
+            if "duplicate column" not in str(error):  # another process added it meanwhile
+                raise
+
+
+def best_values(points) -> dict:
+    """Each validation metric's best value over `points` (dicts): the lowest loss or error, else the highest."""
+    best: dict = {}
+    for point in points:
+        for name, value in point.items():
+            if not name.startswith("val_") or not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            lower = any(word in name for word in _LOWER_IS_BETTER)
+            if name not in best or (value < best[name] if lower else value > best[name]):
+                best[name] = value
+    return best
 
 
 def _point(t: float, step: int, data: str) -> dict:

@@ -1,4 +1,4 @@
-"""REST handlers under `<base_url>/gpunb/api/`: devices, runs, one run, stop a run.
+"""REST handlers under `<base_url>/gpunb/api/`: devices, runs, one run (read, delete), stop a run.
 
 NVML and SQLite calls block, so each one runs in a worker thread, never on the
 server's event loop, and the two kinds run in separate thread pools: a registry
@@ -73,7 +73,7 @@ class DevicesHandler(GpunbHandler):
 class RunsHandler(GpunbHandler):
     @web.authenticated
     async def get(self):
-        runs = await self.registry_call(Registry.list_runs)
+        runs = await self.registry_call(_list_runs)
         self.reply({"runs": runs})
 
 
@@ -85,6 +85,27 @@ class RunHandler(GpunbHandler):
         if run is None:
             raise web.HTTPError(404, f"No run with id {run_id}.")
         self.reply(run)
+
+    @web.authenticated
+    async def delete(self, run_id: str):
+        run_id = self.checked_run_id(run_id)
+        removed, run = await self.registry_call(_remove, run_id)
+        if removed:
+            self.set_status(204)
+            self.finish()
+        elif run is None:
+            raise web.HTTPError(404, f"No run with id {run_id}.")
+        else:
+            raise web.HTTPError(409, f"Run {run_id} is running; stop it before removing it.")
+
+
+def _list_runs(registry: Registry) -> list[dict]:
+    return registry.list_runs(series=True)  # running runs carry their newest losses: one request a poll
+
+
+def _remove(registry: Registry, run_id: str) -> tuple[bool, dict | None]:
+    run = registry.get_run(run_id, with_history=False)  # first marks it failed if its process died
+    return run is not None and bool(registry.remove([run_id])), run
 
 
 def _request_stop(registry: Registry, run_id: str) -> tuple[bool, dict | None]:
