@@ -117,3 +117,23 @@ def test_sidebar_shows_host_stats_stops_a_run_shows_it_and_removes_it(tmp_path):
         requests.clear()
         page.wait_for_timeout(4500)  # more than two poll intervals
         assert not [url for url in requests if "/gpunb/api/" in url]
+
+
+def test_sidebar_says_which_registry_file_is_damaged_and_how_to_recover(tmp_path):
+    require_browser()
+    if not (BUILT / "package.json").exists():
+        pytest.skip("the sidebar is not built: `pip install -e .` or `cd labextension && jlpm build`")
+    damaged = tmp_path / "gpunb" / "runs.sqlite"
+    damaged.parent.mkdir()
+    damaged.write_bytes(b"not an SQLite file " * 100)
+    with jupyter_lab(tmp_path) as url, chromium_page(url) as page:
+        page.locator(".jp-SideBar.jp-mod-left [data-id='gpunb-sidebar']").click()
+        panel = page.locator("#gpunb-sidebar")
+        error = panel.locator(".jp-gpunb-runs-error")
+        error.wait_for()
+        assert f"The run registry {damaged} is damaged" in error.inner_text()
+        assert f"mv '{damaged}' '{damaged}.damaged'" in error.inner_text()
+        assert panel.locator(".jp-gpunb-host").is_visible()  # the devices still show
+        damaged.rename(damaged.with_suffix(".sqlite.damaged"))  # the recovery it gives
+        panel.get_by_text("No training runs yet").wait_for()
+        assert error.count() == 0
