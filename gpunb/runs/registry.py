@@ -20,7 +20,6 @@ import math
 import os
 import socket
 import sqlite3
-import sys
 import threading
 import time
 import uuid
@@ -28,13 +27,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from gpunb.errors import GpunbError
+from gpunb.runs.errors import RegistryDamaged, RegistryLocked, registry_error
+from gpunb.runs.liveness import STALE_AFTER_S, alive, process_start  # noqa: F401 (STALE_AFTER_S re-exported)
+from gpunb.runs.liveness import kernel_id as current_kernel_id
 
 STATUSES = ("running", "completed", "stopped", "interrupted", "failed")
 MAX_POINTS = 500  # metric points kept per run; older ones are thinned evenly
-STALE_AFTER_S = 300.0  # a run on another host that has not written for this long is dead
 PROCESS_DIED = "process died"
 SERIES_POINTS = 60  # the newest points of a running run's loss that `list_runs` includes
 _LOWER_IS_BETTER = ("loss", "err", "mse", "mae", "perplexity", "ppl")
@@ -61,37 +60,6 @@ _RUN_COLUMNS = ("id", "name", "notebook", "kernel_id", "pid", "host", "status", 
                 "started_at", "ended_at", "updated_at", "progress", "step", "total_steps",
                 "epoch", "eta_s", "latest", "device", "energy_j", "error", "best")
 _UPDATABLE = ("progress", "step", "total_steps", "epoch", "eta_s", "latest", "device", "energy_j")
-
-
-class RegistryLocked(GpunbError):
-    """Another process held the registry's write lock for longer than the wait allowed."""
-
-    def __init__(self, path: Path, timeout: float):
-        self.path = path
-        super().__init__(f"The run registry {path} is locked: another process held it for more than "
-                         f"{timeout:g} s.",
-                         "try again in a moment. If it stays locked, close whatever holds the file "
-                         "open for writing (an `sqlite3` shell or a database browser, for example).")
-
-
-class RegistryDamaged(GpunbError):
-    """The registry file is not a readable SQLite database."""
-
-    def __init__(self, path: Path, error: BaseException):
-        self.path = path
-        super().__init__(f"The run registry {path} is damaged and cannot be read ({error}).",
-                         f"move it aside, e.g. `mv '{path}' '{path}.damaged'`; gpunb starts a fresh "
-                         "registry on next use. Training does not need it.")
-
-
-def registry_error(error: BaseException, path: Path, timeout: float) -> GpunbError | None:
-    """The `RegistryLocked`/`RegistryDamaged` that a sqlite3 error means, or None for other errors."""
-    if isinstance(error, sqlite3.OperationalError):
-        text = str(error)
-        return RegistryLocked(path, timeout) if "locked" in text or "busy" in text else None
-    if type(error) is sqlite3.DatabaseError:  # "file is not a database", "disk image is malformed"
-        return RegistryDamaged(path, error)
-    return None
 
 
 def default_path() -> Path:
@@ -151,7 +119,7 @@ class Registry:
         now = started_at or time.time()
         pid = os.getpid() if pid is None else pid
         row = {"id": run_id, "name": name, "notebook": notebook or os.environ.get("JPY_SESSION_NAME"),
-               "kernel_id": kernel_id or _kernel_id(), "pid": pid, "pid_started": _process_start(pid),
+               "kernel_id": kernel_id or current_kernel_id(), "pid": pid, "pid_started": process_start(pid),
                "host": host or socket.gethostname(), "status": "running", "config": _dumps(config or {}),
                "started_at": now, "updated_at": now, "total_steps": total_steps, "device": device,
                "latest": "{}", "step": 0}
@@ -281,7 +249,7 @@ class Registry:
 
     def _mark_dead(self, runs: list[dict]) -> list[dict]:
         host, now = socket.gethostname(), time.time()
-        dead = [run for run in runs if run["status"] == "running" and not _alive(run, host, now)]
+        dead = [run for run in runs if run["status"] == "running" and not alive(run, host, now)]
         if dead:
             try:
                 with self._write() as db:
@@ -406,39 +374,3 @@ def _point(t: float, step: int, data: str) -> dict:
     point = {"t": t, "step": step, **json.loads(data)}
     point["t"], point["step"] = t, step  # a metric named "t" or "step" must not hide the real ones
     return point
-
-
-def _kernel_id() -> str | None:
-    """This kernel's id (from its connection file kernel-<id>.json), or None outside a kernel."""
-    if "ipykernel" not in sys.modules:
-        return None  # not a kernel; importing ipykernel just to find out costs ~0.3 s
-    try:
-        from ipykernel.connect import get_connection_file
-
-        name = Path(get_connection_file()).name
-    except Exception:  # any failure just means "not a kernel we can identify"
-        return None
-    if name.startswith("kernel-") and name.endswith(".json"):
-        return name[len("kernel-"):-len(".json")]
-    return None
-
-
-def _process_start(pid: int) -> float | None:
-    """When process `pid` started; with the pid it names a process even after pid reuse."""
-    try:
-        return psutil.Process(pid).create_time()
-    except (psutil.Error, OSError):
-        return None
-
-
-def _alive(run: dict, this_host: str, now: float) -> bool:
-    if run["host"] != this_host:
-        return now - (run["updated_at"] or 0.0) < STALE_AFTER_S
-    pid = run["pid"]
-    if pid is None or not psutil.pid_exists(pid):
-        return False
-    started = run["_pid_started"]
-    if started is None:
-        return True
-    current = _process_start(pid)
-    return current is None or abs(current - started) < 1.0  # a different start time: the pid was reused
