@@ -318,9 +318,7 @@ def test_stop_request_round_trip(registry, clock):
     assert registry.request_stop(state.extras["run_id"]) is True
     clock.now += 1.5
     state.step = 2
-    rec.on_log(state, {"loss": 0.9})  # the write looks for stop requests too...
-    assert rec.flush(10)
-    rec.on_log(state, {"loss": 0.9})  # ...which the training loop sees at its next log
+    rec.on_log(state, {"loss": 0.9})
     assert state.stop_reason == "stopped from the sidebar"
     state.result = SimpleNamespace(interrupted=False, energy_j=99.0)
     rec.on_fit_end(state)
@@ -339,8 +337,6 @@ def test_a_long_log_interval_still_gets_heartbeats_and_stop_checks(registry, clo
     state.step = 7
     rec.on_train_batch_end(state)
     assert rec.flush(10)
-    clock.now += recorder.HEARTBEAT_S
-    rec.on_train_batch_end(state)  # the stop request found by the last heartbeat is seen now
     assert state.stop_reason == "stopped from the sidebar" and _recorded(registry, state)["step"] == 7
 
 
@@ -573,12 +569,9 @@ def test_a_stop_request_is_seen_at_the_next_log_interval_even_between_writes(reg
     registry.request_stop(rec.run_id)
     clock.now += 0.1  # well inside the one-second write throttle
     state.step = 2
-    rec.on_log(state, {"loss": 0.9})  # not written, but the writer looks for a stop request
-    assert rec.flush(10) and state.stop_reason is None
-    state.step = 3
-    rec.on_log(state, {"loss": 0.8})
+    rec.on_log(state, {"loss": 0.9})
     assert state.stop_reason == "stopped from the sidebar"
-    assert registry.get_run(rec.run_id)["step"] == 1  # still inside the throttle: no write
+    assert rec.flush(10) and registry.get_run(rec.run_id)["step"] == 1  # inside the throttle: no write
 
 
 # ---------------------------------------------------------------------- best values, series, removal
@@ -660,3 +653,29 @@ def test_one_duration_format_for_progress_eta_and_the_run_table():
     assert in_progress_line is format_duration
     assert [format_duration(s) for s in (0, 4.6, 59.4, 65, 725, 3600, 3725.0, 90061)] == \
         ["0s", "5s", "59s", "1m 05s", "12m 05s", "1h 00m", "1h 02m", "25h 01m"]
+
+
+def test_the_stop_check_never_waits_for_a_registry_that_shuts_readers_out(home, clock):
+    registry = Registry(timeout=0.05, keep_open=False)  # no connection stays open: the holder can lock all out
+    state, rec = _state(), RunRecorder(registry)
+    rec.on_fit_start(state)
+    assert rec.flush(10)
+    registry.request_stop(rec.run_id)
+    holder = sqlite3.connect(registry.path, isolation_level=None)
+    holder.execute("PRAGMA locking_mode=EXCLUSIVE")
+    holder.execute("BEGIN EXCLUSIVE")
+    holder.execute("UPDATE runs SET step = 1")
+    try:
+        started = time.perf_counter()
+        state.step = 1
+        rec.on_log(state, {"loss": 1.0})  # the write waits in the writer thread; the read fails at once
+        took = time.perf_counter() - started
+        assert state.stop_reason is None
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert took < 0.2
+    assert rec.flush(10)
+    clock.now += 0.1
+    rec.on_log(state, {"loss": 0.9})
+    assert state.stop_reason == "stopped from the sidebar"

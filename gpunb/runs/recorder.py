@@ -1,11 +1,13 @@
 """RunRecorder: the callback that keeps a run's row in the registry up to date.
 
 A plain callback (see gpunb/runtime/events.py). It hands data to a `RunWriter`
-(a daemon thread) at most once a second (always on the first log), asks it at every
-log interval whether the sidebar requested a stop, and never touches SQLite itself:
-a locked, full or damaged registry can neither slow nor break the training loop.
+(a daemon thread) at most once a second (always on the first log), and at every log
+interval looks for a stop request from the sidebar with one read that never waits
+(WAL readers do not wait for writers, and busy_timeout is 0 for it): a locked, full
+or damaged registry can neither slow nor break the training loop.
 The first problem is logged once; a locked registry is written once it is free.
-At fit end the final status is flushed with a bounded wait, then left to the thread.
+Fit start waits START_WAIT_S at most for the run's row, fit end FINISH_WAIT_S at
+most for the final status; what is not written by then is left to the thread.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ log = logging.getLogger(__name__)
 WRITE_EVERY_S = 1.0  # the registry's promise: at most one write per second per run
 POINTS_PER_WRITE = 25  # log rows kept per write (evenly thinned): curves survive short runs
 HEARTBEAT_S = 30.0  # without logs, still touch the row this often (others judge liveness by it)
+START_WAIT_S = 0.05  # at fit start, give the writer this long at most to create the run's row
 FINISH_WAIT_S = 2.0  # at fit end, wait this long at most for the final status to be written
 _now = time.monotonic  # the clock for throttling (tests replace it)
 
@@ -32,6 +35,7 @@ class RunRecorder:
     def __init__(self, registry: Registry | None = None):
         self.registry = registry
         self.writer: RunWriter | None = None
+        self._reader: Registry | None = None  # the training thread's own, never waiting
         self._reset()
 
     def _reset(self) -> None:
@@ -58,6 +62,9 @@ class RunRecorder:
         start = {"name": state.run_name, "config": json_safe(config), "device": str(state.device),
                  "total_steps": state.total_steps, "started_at": time.time()}
         self.writer = RunWriter(self.registry, self.run_id, start, self._warn_once)
+        self._reader = Registry(self.registry.path, timeout=0.0)
+        # Usually a few ms: then the run is listed, and can be stopped, from its first step on.
+        self.writer.recorded.wait(START_WAIT_S)
         state.extras["run_id"] = self.run_id
         self._last_write = _now()
 
@@ -127,10 +134,16 @@ class RunRecorder:
             fields = {"step": state.step, "epoch": state.epoch, "progress": state.progress,
                       "eta_s": self._eta(state, now), "latest": dict(self._latest)}
             self.writer.submit(fields, self._take_rows(POINTS_PER_WRITE))
-        else:  # no write yet, but a stop request is still looked for at this log interval
-            self.writer.submit(check_stop=True)
-        if self.writer.stop_requested:  # as of the writer's last look
+        if self.writer.stop_requested or self._stop_requested_now():
             state.request_stop("stopped from the sidebar")
+
+    def _stop_requested_now(self) -> bool:
+        if not self.writer.recorded.is_set():
+            return False  # no row yet, so no request either
+        try:
+            return self._reader.stop_requested(self.run_id)
+        except Exception:  # locked out or damaged: the writer thread reports it
+            return False
 
     def _finish(self, state, status: str, **fields) -> None:
         fields.update(step=state.step, epoch=state.epoch, progress=state.progress, latest=dict(self._latest))

@@ -29,21 +29,20 @@ class RunWriter:
 
     def __init__(self, registry: Registry, run_id: str, start: dict, warn: Callable[[Exception], None]):
         self.registry, self.run_id, self._warn = registry, run_id, warn
-        self.stop_requested = False
+        self.stop_requested = False  # as of this thread's last write
+        self.recorded = threading.Event()  # the run's row exists
         self.finished = threading.Event()  # the final status is written, or given up
         self._changed = threading.Condition()
         self._start: dict | None = start  # start_run's arguments until the row exists
         self._fields: dict = {}  # newest `Registry.update` fields not yet written
         self._rows: list = []  # (step, metrics) not yet written
         self._finish: dict | None = None  # `Registry.finish` arguments
-        self._check_stop = False
         self._busy = False  # this thread holds work taken from the pending state
         self._ending = threading.Event()  # the final status was submitted: cut any back-off short
         threading.Thread(target=self._loop, name=f"gpunb-run-{run_id[:8]}", daemon=True).start()
 
     # ------------------------------------------------------------------ training thread
-    def submit(self, fields: dict | None = None, rows: list | None = None, finish: dict | None = None,
-               check_stop: bool = False) -> None:
+    def submit(self, fields: dict | None = None, rows: list | None = None, finish: dict | None = None) -> None:
         with self._changed:
             self._fields.update(fields or {})
             self._rows.extend(rows or ())
@@ -52,7 +51,6 @@ class RunWriter:
             if finish is not None:
                 self._finish = finish
                 self._ending.set()
-            self._check_stop = self._check_stop or check_stop
             self._changed.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -63,7 +61,7 @@ class RunWriter:
 
     # ------------------------------------------------------------------ writer thread
     def _pending(self) -> bool:
-        return bool(self._start or self._fields or self._rows or self._finish or self._check_stop)
+        return bool(self._start or self._fields or self._rows or self._finish)
 
     def _loop(self) -> None:
         while not self.finished.is_set():
@@ -91,10 +89,11 @@ class RunWriter:
         if self._start is not None:
             registry.start_run(run_id=self.run_id, **self._start)
             self._start = None
+            self.recorded.set()
         with self._changed:
             fields, self._fields = self._fields, {}
             rows, self._rows = self._rows, []
-            finish, self._check_stop = self._finish, False
+            finish = self._finish
         try:
             if fields:
                 registry.update(self.run_id, **fields)
