@@ -74,8 +74,9 @@ def test_the_dashboard_shows_an_epoch_table_and_elapsed_time(watched):
     assert header == ["epoch", "train_loss", "val_loss", "val_acc", "time"]
     first = re.findall(r"<td[^>]*>([^<]*)</td>", table)[:5]
     assert first[:2] == ["1", f"{result.epochs[0]['train_loss']:.4g}"]
-    assert re.fullmatch(r"\d+:\d\d", first[4])
-    assert re.search(r"elapsed \d+:\d\d", dashboard.status.value)
+    duration = r"(\d+s|\d+m \d\ds|\d+h \d\dm)"  # gpunb.units.format_duration
+    assert re.fullmatch(duration, first[4])
+    assert re.search(rf"elapsed {duration}", dashboard.status.value)
     assert "epoch" in result._repr_html_() and "gpunb-epochs" in result._repr_html_()
 
 

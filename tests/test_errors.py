@@ -108,3 +108,88 @@ def test_loss_fn_with_a_dict_batch():
 def test_error_message_itself_renders():
     error = GpunbError("what happened", "the fix")
     assert str(error) == "what happened\nHINT: the fix"
+
+
+class _ImageOnly(nn.Module):
+    """A classifier whose forward takes the inputs only, as most do."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(10, 3)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_no_loss_fn_and_a_forward_that_takes_only_the_inputs():
+    with pytest.raises(GpunbError) as error:
+        fit(model=_ImageOnly(), max_steps=1)
+    text = str(error.value)
+    assert "called `model(*batch)` with 2 positional arguments because no `loss_fn` or `step`" in text
+    assert "takes 2 positional arguments but 3 were given" in text
+    assert "`loss_fn=`" in text and "`step(model, batch)`" in text and "`.loss`" in text
+
+
+def test_no_loss_fn_and_a_dict_batch_the_forward_does_not_take():
+    class Items(torch.utils.data.Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            return {"image": torch.randn(10), "label": i % 3}
+
+    with pytest.raises(GpunbError) as error:
+        fit(model=_ImageOnly(), data=Items(), max_steps=1, batch_size=4)
+    assert "`model(**batch)` with keys 'image', 'label'" in str(error.value)
+    assert "unexpected keyword argument 'image'" in str(error.value)
+
+
+def test_a_type_error_inside_forward_is_the_users_own():
+    class Buggy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(10, 3)
+
+        def forward(self, x, y):
+            return len(5)
+
+    with pytest.raises(TypeError, match="has no len"):
+        fit(model=Buggy(), max_steps=1)
+
+
+class _NanoGPTLike(nn.Module):
+    """Returns (logits, loss) like nanoGPT's GPT.forward(idx, targets)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(10, 3)
+
+    def forward(self, x, targets=None):
+        logits = self.fc(x)
+        loss = None if targets is None else nn.functional.cross_entropy(logits, targets)
+        return logits, loss
+
+
+def test_a_model_returning_logits_and_loss_trains_on_the_loss():
+    result = fit(model=_NanoGPTLike(), max_steps=3, batch_size=32)
+    assert result.steps == 3 and result.final_metrics["train_loss"] > 0
+
+
+def test_a_tuple_without_one_scalar_names_the_fix():
+    class TwoOutputs(_ImageOnly):
+        def forward(self, x, y):
+            return self.fc(x), self.fc(x)
+
+    with pytest.raises(GpunbError, match=r"returned a tuple \(\(32, 3\), \(32, 3\)\) holding no scalar") as error:
+        fit(model=TwoOutputs(), max_steps=1, batch_size=32)
+    assert "step(model, batch)" in str(error.value)
+
+
+def test_a_tuple_output_with_loss_fn_names_the_fix():
+    class TupleOut(_ImageOnly):
+        def forward(self, x):
+            return self.fc(x), x
+
+    with pytest.raises(GpunbError, match="The model returned a tuple of 2, and `loss_fn` cannot take it") as error:
+        fit(model=TupleOut(), loss_fn=nn.CrossEntropyLoss(), max_steps=1)
+    assert "model(x)[0]" in str(error.value)

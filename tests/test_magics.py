@@ -84,6 +84,10 @@ callbacks = [Spy()]
     ("--batch-size 0", CELL, "--batch-size 64"),
     ("--epochs two", CELL, "invalid int value"),
     ("--no-such-option", CELL, "unrecognized arguments"),
+    ("--epoch 3", CELL, "did you mean `--epochs` (for `--epoch`)?"),
+    ("--num-epochs 3", CELL, "did you mean `--epochs` (for `--num-epochs`)?"),
+    ("--epoch=3", CELL, "did you mean `--epochs`"),
+    ("--batch 8", CELL, "unrecognized arguments: --batch 8"),
     ("", "train_data = (x, y)\nnet = nn.Linear(10, 2)", "needs a variable `model`"),
     ("", "model = nn.Linear(10, 2)", "needs a variable `train_data`"),
     ("", "model = 'a string'\ntrain_data = (x, y)", "not a torch.nn.Module"),
@@ -135,6 +139,7 @@ def test_gpustatus_without_a_gpu_says_so_and_shows_the_host(ip):
 def test_help_is_useful(ip):
     doc = ip.find_cell_magic("gputrain").__doc__
     assert "train_data" in doc and "--batch-size" in doc and "--find-lr" in doc
+    assert "  %%gputrain [--epochs EPOCHS]" in doc  # a cell magic's usage line
     assert "NVML" in ip.find_line_magic("gpustatus").__doc__
 
 
@@ -162,6 +167,83 @@ def test_a_step_left_from_an_earlier_cell_does_not_clash_with_this_cells_loss_fn
     ip.run_cell("def step(model, batch):\n    return model(batch[0]).sum()")
     ip.run_cell_magic("gputrain", "--max-steps 2 --quiet --no-track", CELL)  # CELL binds loss_fn
     assert ip.user_ns["gputrain_result"].steps == 2
+
+
+def test_a_model_bound_under_another_name_is_not_silently_ignored(ip):
+    ip.run_cell(CELL)  # model and train_data from an earlier cell
+    cell = "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(10, 2)\n" \
+           "    def forward(self, x):\n        return self.fc(x)\nnet = Net()\ncriterion = nn.CrossEntropyLoss()"
+    with pytest.raises(UsageError) as error:
+        ip.run_cell_magic("gputrain", "--max-steps 1 --quiet --no-track", cell)
+    text = str(error.value)
+    assert "defined net (Net) but model is from an earlier cell" in text
+    assert "`--model net`" in text and "gputrain_result" not in ip.user_ns
+
+
+def test_naming_the_model_on_the_line_keeps_the_earlier_one(ip):
+    ip.run_cell(CELL)
+    ip.run_cell_magic("gputrain", "--model model --max-steps 1 --quiet --no-track", "net = nn.Linear(10, 2)")
+    assert ip.user_ns["gputrain_result"].steps == 1
+
+
+def test_new_data_bound_under_another_name_is_not_silently_ignored(ip):
+    ip.run_cell(CELL)
+    cell = CELL.replace("train_data = (x[:200], y[:200])", "data = (x[:100], y[:100])")
+    with pytest.raises(UsageError) as error:
+        ip.run_cell_magic("gputrain", "--max-steps 1 --quiet --no-track", cell)
+    assert "defined data (tuple) but train_data is from an earlier cell" in str(error.value)
+    assert "`--train-data data`" in str(error.value)
+    arrays = CELL.replace("train_data = (x[:200], y[:200])", "arrays = (x[:100].numpy(), y[:100].numpy())")
+    with pytest.raises(UsageError, match="defined arrays \\(tuple\\) but train_data is from an earlier cell"):
+        ip.run_cell_magic("gputrain", "--max-steps 1 --quiet --no-track", arrays)
+
+
+def test_submodules_losses_and_data_parts_bound_in_the_cell_are_not_mistaken_for_new_ones(ip):
+    ip.run_cell(CELL)
+    cell = "head = nn.Linear(2, 2)\nmodel = nn.Sequential(nn.Linear(10, 2), head)\ncriterion = nn.MSELoss()\n" \
+           "xv, yv = x[200:], y[200:]\nval_data = (xv, yv)"
+    ip.run_cell_magic("gputrain", "--max-steps 1 --quiet --no-track", cell)
+    assert ip.user_ns["gputrain_result"].steps == 1
+
+
+def test_an_error_in_the_users_forward_shows_their_frames_not_gpunbs(ip, capsys):
+    cell = "%%gputrain --max-steps 1 --quiet --no-track\n" + CELL + """
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(10, 2)
+    def forward(self, x):
+        raise ValueError("a bug in forward")
+model = Net()
+"""
+    ip.run_cell(cell)
+    out = capsys.readouterr()
+    shown = out.out + out.err
+    assert "a bug in forward" in shown and "raise ValueError" in shown
+    assert "gpunb/runtime" not in shown and "gpunb/notebook" not in shown
+    assert "gputrain_result" not in ip.user_ns
+
+
+def test_a_data_mistake_is_one_usage_error_with_the_fix(ip):
+    cell = CELL.replace("train_data = (x[:200], y[:200])", "train_data = (x[:200], y[:200].float())")
+    with pytest.raises(UsageError) as error:
+        ip.run_cell_magic("gputrain", "--max-steps 1 --quiet --no-track", cell)
+    assert "`y.long()`" in str(error.value) and "float32 (" in str(error.value)
+
+
+def test_an_option_prefix_is_not_taken_for_the_option(ip):
+    with pytest.raises(UsageError, match="unrecognized arguments: --max 3"):
+        ip.run_cell_magic("gputrain", "--max 3 --quiet --no-track", CELL)
+    assert "gputrain_result" not in ip.user_ns
+
+
+def test_gpuprofile_and_gpustatus_options_are_strict_too(ip):
+    with pytest.raises(UsageError, match="did you mean `--steps`"):
+        ip.run_line_magic("gpuprofile", "--step 3 x = 1")
+    with pytest.raises(UsageError, match="did you mean `--json`"):
+        ip.run_line_magic("gpustatus", "--jsn")
+    with pytest.raises(UsageError, match="unrecognized arguments: --warm"):
+        ip.run_line_magic("gpuprofile", "--warm 1 x = 1")
 
 
 def test_log_every_is_auto_by_default_and_takes_a_number_or_auto(ip):

@@ -19,12 +19,12 @@ import pytest
 
 from gpunb.config import TrainConfig
 from gpunb.errors import GpunbError
-from gpunb.runs import Registry, RunRecorder, compare, default_path, recorder, runs
+from gpunb.runs import Registry, RunRecorder, compare, default_path, prune, recorder, remove, runs
 from gpunb.runs import registry as registry_module
 
 RUN_KEYS = {"id", "name", "notebook", "kernel_id", "pid", "host", "status", "config", "started_at",
             "ended_at", "updated_at", "progress", "step", "total_steps", "epoch", "eta_s", "latest",
-            "device", "energy_j", "error", "stop_requested"}
+            "device", "energy_j", "error", "best", "stop_requested"}
 
 
 @pytest.fixture
@@ -265,8 +265,9 @@ def _recorded(registry: Registry, state) -> dict:
 
 
 def test_recorder_creates_the_row_at_fit_start(registry, clock):
-    state = _state()
-    RunRecorder(registry).on_fit_start(state)
+    state, rec = _state(), RunRecorder(registry)
+    rec.on_fit_start(state)
+    assert rec.flush(10)
     run = _recorded(registry, state)
     assert (run["name"], run["status"], run["device"], run["total_steps"]) == ("demo", "running", "cuda:0", 100)
     assert run["config"]["transforms"] == ["abs"] and run["config"]["batch_size"] == 64
@@ -282,11 +283,13 @@ def test_recorder_writes_at_most_once_a_second(registry, clock, monkeypatch):
         state.step = step
         rec.on_log(state, {"loss": 1.0 / step})
         clock.now += 0.01
+    assert rec.flush(10)
     assert len(writes) == 1 and writes[0]["step"] == 1  # the first log is always written
     assert [p["step"] for p in _recorded(registry, state)["history"]] == [1]
     clock.now += 1.0
     state.step = 51
     rec.on_log(state, {"loss": 0.01})
+    assert rec.flush(10)
     run = _recorded(registry, state)
     steps = [p["step"] for p in run["history"]]
     # Still one write a second, but the rows logged in between are kept (thinned), not lost.
@@ -302,6 +305,7 @@ def test_recorder_eta_is_measured_from_the_first_log(registry, clock):
     clock.now += 2.0
     state.step = 20
     rec.on_log(state, {"loss": 0.5})
+    assert rec.flush(10)
     assert _recorded(registry, state)["eta_s"] == pytest.approx((100 - 20) * 2.0 / 10)
 
 
@@ -310,7 +314,7 @@ def test_stop_request_round_trip(registry, clock):
     rec.on_fit_start(state)
     state.step = 1
     rec.on_log(state, {"loss": 1.0})
-    assert state.stop_reason is None
+    assert rec.flush(10) and state.stop_reason is None
     assert registry.request_stop(state.extras["run_id"]) is True
     clock.now += 1.5
     state.step = 2
@@ -325,12 +329,14 @@ def test_stop_request_round_trip(registry, clock):
 def test_a_long_log_interval_still_gets_heartbeats_and_stop_checks(registry, clock):
     state, rec = _state(), RunRecorder(registry)
     rec.on_fit_start(state)
+    assert rec.flush(10)
     registry.request_stop(state.extras["run_id"])
     rec.on_train_batch_end(state)
-    assert state.stop_reason is None  # no registry call per step
+    assert rec.flush(10) and state.stop_reason is None  # no registry call per step
     clock.now += recorder.HEARTBEAT_S
     state.step = 7
     rec.on_train_batch_end(state)
+    assert rec.flush(10)
     assert state.stop_reason == "stopped from the sidebar" and _recorded(registry, state)["step"] == 7
 
 
@@ -379,34 +385,95 @@ def test_registry_failures_never_break_training(tmp_path, clock, caplog):
         rec.on_log(state, {"loss": 1.0})
         state.result = SimpleNamespace(interrupted=False, energy_j=None)
         rec.on_fit_end(state)
-    assert state.stop_reason is None and "run_id" not in state.extras
+    assert state.stop_reason is None and rec.writer.finished.is_set()  # gave up at the end
     assert len(caplog.records) == 1 and "could not write to the run registry" in caplog.text
 
 
-def test_a_locked_database_is_skipped_then_retried(home, clock, caplog, monkeypatch):
+def _hold_write_lock(path) -> sqlite3.Connection:
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # e.g. someone browsing the file with a write lock
+    return holder
+
+
+def test_a_locked_registry_never_delays_training_and_the_run_is_recorded_when_it_clears(home, caplog):
+    registry = Registry(timeout=0.05)
+    registry.list_runs()  # the file exists
+    holder = _hold_write_lock(registry.path)
+    state, rec = _state(), RunRecorder(registry)
+    with caplog.at_level(logging.WARNING, logger="gpunb.runs.recorder"):
+        started = time.perf_counter()
+        rec.on_fit_start(state)
+        state.step = 1
+        rec.on_log(state, {"loss": 1.0})
+        hooks_took = time.perf_counter() - started
+        assert not rec.flush(0.5)  # nothing could be written yet
+        assert registry.get_run(state.extras["run_id"]) is None
+        holder.execute("ROLLBACK")
+        holder.close()
+        assert rec.flush(10)
+    assert hooks_took < 0.2  # the hooks only hand data to the writer thread
+    run = registry.get_run(state.extras["run_id"])
+    assert (run["status"], run["step"], [p["step"] for p in run["history"]]) == ("running", 1, [1])
+    assert len(caplog.records) == 1 and "is locked by another process" in caplog.text
+
+
+def test_the_end_of_a_run_is_written_in_the_background_if_the_lock_outlasts_the_fit(home, caplog, monkeypatch):
+    monkeypatch.setattr(recorder, "FINISH_WAIT_S", 0.1)
     registry = Registry(timeout=0.05)
     state, rec = _state(), RunRecorder(registry)
     rec.on_fit_start(state)
-    run_id = state.extras["run_id"]
-    attempts = []
-    real_update = registry.update
-    monkeypatch.setattr(registry, "update", lambda *a, **k: (attempts.append(k["step"]), real_update(*a, **k)))
-    holder = sqlite3.connect(registry.path, isolation_level=None)
-    holder.execute("BEGIN EXCLUSIVE")  # e.g. someone browsing the file with a write lock
+    assert rec.flush(10)
+    holder = _hold_write_lock(registry.path)
+    state.step, state.result = 100, SimpleNamespace(interrupted=False, energy_j=None)
     with caplog.at_level(logging.WARNING, logger="gpunb.runs.recorder"):
-        for step, wait in ((1, 0), (2, 2), (3, recorder.RETRY_AFTER_S)):
-            clock.now += wait
-            state.step = step
-            rec.on_log(state, {"loss": 1.0 / step})  # fails after 0.05 s, never raises
+        rec.on_fit_end(state)  # returns after FINISH_WAIT_S
+        assert not rec.writer.finished.is_set()
+        assert registry.get_run(state.extras["run_id"])["status"] == "running"
+        holder.execute("ROLLBACK")
+        holder.close()
+        assert rec.writer.flush(10)
+    run = registry.get_run(state.extras["run_id"])
+    assert (run["status"], run["step"]) == ("completed", 100)
+    assert len(caplog.records) == 1 and "as soon as the registry is free" in caplog.text
+
+
+def test_a_damaged_registry_is_named_with_the_way_to_recover(home, clock, caplog):
+    from gpunb.runs import RegistryDamaged
+
+    home.mkdir()
+    path = home / "runs.sqlite"
+    path.write_bytes(b"this is not an SQLite file " * 100)
+    with pytest.raises(RegistryDamaged, match="run registry .*runs.sqlite is damaged") as error:
+        runs()
+    assert error.value.path == path and f"mv '{path}' '{path}.damaged'" in str(error.value)
+    state, rec = _state(), RunRecorder()  # training goes on with one warning
+    with caplog.at_level(logging.WARNING, logger="gpunb.runs.recorder"):
+        rec.on_fit_start(state)
+        rec.on_log(state, {"loss": 1.0})
+        state.result = SimpleNamespace(interrupted=False, energy_j=None)
+        rec.on_fit_end(state)
+    assert state.stop_reason is None and len(caplog.records) == 1 and "is damaged" in caplog.text
+    path.rename(home / "runs.sqlite.damaged")  # the recovery the message gives
+    assert repr(runs()) == "No runs recorded yet."
+
+
+def test_runs_read_under_a_held_write_lock_and_explain_a_lock_that_blocks_reads(home):
+    from gpunb.runs import RegistryLocked
+
+    registry = Registry(timeout=0.1)
+    run_id = registry.start_run("orphan", pid=2**22 + 12345)  # no such process: failed when read
+    holder = _hold_write_lock(registry.path)
+    (run,) = runs(registry=registry)  # WAL: readers go on; marking it failed waits for the next read
+    assert (run["id"], run["status"]) == (run_id, "failed")
+    holder.execute("ROLLBACK")
+    registry.close()
+    holder.execute("PRAGMA locking_mode=EXCLUSIVE")  # a holder that shuts readers out too
+    holder.execute("BEGIN EXCLUSIVE")
+    holder.execute("UPDATE runs SET step = 1")
+    with pytest.raises(RegistryLocked, match=r"(?s)runs.sqlite is locked: .*more than 0.1 s.*try again"):
+        runs(registry=registry)
     holder.execute("ROLLBACK")
     holder.close()
-    assert attempts == [1, 3]  # step 2 fell in the back-off and was not even tried
-    assert len(caplog.records) == 1 and "database is locked" in caplog.text  # warned once
-    assert registry.get_run(run_id)["step"] == 0
-    clock.now += recorder.RETRY_AFTER_S
-    state.step = 4
-    rec.on_log(state, {"loss": 0.25})
-    assert registry.get_run(run_id)["step"] == 4
 
 
 # ---------------------------------------------------------------------- views
@@ -498,8 +565,117 @@ def test_a_stop_request_is_seen_at_the_next_log_interval_even_between_writes(reg
     rec.on_fit_start(state)
     state.step = 1
     rec.on_log(state, {"loss": 1.0})  # the first log: written
+    assert rec.flush(10)
     registry.request_stop(rec.run_id)
     clock.now += 0.1  # well inside the one-second write throttle
     state.step = 2
+    rec.on_log(state, {"loss": 0.9})
+    assert state.stop_reason == "stopped from the sidebar"
+    assert rec.flush(10) and registry.get_run(rec.run_id)["step"] == 1  # inside the throttle: no write
+
+
+# ---------------------------------------------------------------------- best values, series, removal
+def test_finish_records_each_validation_metrics_best_value(registry):
+    run_id = registry.start_run("val")
+    for step, loss, acc in [(1, 0.9, 0.5), (2, 0.4, 0.8), (3, 0.6, 0.7)]:
+        registry.add_metrics(run_id, step, {"loss": loss, "val_loss": loss, "val_acc": acc, "val_err": 1 - acc})
+    assert registry.get_run(run_id)["best"] == {}  # set at the end
+    registry.finish(run_id, "completed")
+    assert registry.get_run(run_id)["best"] == {"val_loss": 0.4, "val_acc": 0.8, "val_err": pytest.approx(0.2)}
+
+
+def test_an_older_registry_gains_the_new_column(home):
+    home.mkdir()
+    path = home / "runs.sqlite"
+    with sqlite3.connect(path) as db:  # the schema before `best`
+        db.execute("CREATE TABLE runs (id TEXT PRIMARY KEY, name TEXT, notebook TEXT, kernel_id TEXT, "
+                   "pid INTEGER, pid_started REAL, host TEXT, status TEXT NOT NULL, config TEXT, "
+                   "started_at REAL, ended_at REAL, updated_at REAL, progress REAL, step INTEGER, "
+                   "total_steps INTEGER, epoch INTEGER, eta_s REAL, latest TEXT, device TEXT, energy_j REAL, "
+                   "error TEXT, metric_seq INTEGER NOT NULL DEFAULT 0, metric_stride INTEGER NOT NULL DEFAULT 1)")
+        db.execute("INSERT INTO runs (id, name, status, started_at) VALUES ('a' , 'old', 'completed', 1.0)")
+    (run,) = Registry().list_runs()
+    assert (run["name"], run["best"]) == ("old", {})
+
+
+def test_list_runs_can_carry_the_newest_losses_of_running_runs(registry, monkeypatch):
+    monkeypatch.setattr(registry_module, "SERIES_POINTS", 3)
+    running = registry.start_run("running")
+    done = registry.start_run("done")
+    for step in range(5):
+        registry.add_metrics(running, step, {"loss": 1.0 / (step + 1)} if step != 3 else {"val_acc": 0.5})
+        registry.add_metrics(done, step, {"loss": 1.0})
+    registry.finish(done, "completed")
+    by_name = {run["name"]: run for run in registry.list_runs(series=True)}
+    assert by_name["running"]["losses"] == [[2, 1 / 3], [4, 0.2]]  # the newest 3 points, losses only
+    assert "losses" not in by_name["done"] and "losses" not in registry.list_runs()[0]
+
+
+def test_remove_deletes_finished_runs_by_name_or_id(registry):
+    base = registry.start_run("base")
+    registry.add_metrics(base, 1, {"loss": 1.0})
+    registry.finish(base, "completed")
+    live = registry.start_run("live")
+    with pytest.raises(GpunbError, match="Cannot remove 'live': still running.*\nHINT: stop it first"):
+        remove("live", registry=registry)
+    with pytest.raises(GpunbError, match="No run named 'nope'"):
+        remove("base", "nope", registry=registry)  # refused before anything is removed
+    assert registry.get_run(base) is not None
+    with pytest.raises(GpunbError, match="needs at least one run"):
+        remove(registry=registry)
+    assert remove("base", registry=registry) == 1
+    assert [run["id"] for run in registry.list_runs()] == [live]
+    with sqlite3.connect(registry.path) as db:
+        assert db.execute("SELECT COUNT(*) FROM metrics WHERE run_id = ?", (base,)).fetchone() == (0,)
+
+
+def test_prune_keeps_the_newest_and_the_recent_finished_runs_and_every_running_one(registry):
+    day = 86400
+    ids = {}
+    for name, age_days in [("a", 40), ("b", 20), ("c", 10), ("d", 1)]:
+        ids[name] = registry.start_run(name, started_at=time.time() - age_days * day)
+        registry.finish(ids[name], "completed")
+    ids["old-live"] = registry.start_run("old-live", started_at=time.time() - 50 * day)
+    names = lambda: sorted(run["name"] for run in registry.list_runs())  # noqa: E731
+    assert prune(older_than_days=30, registry=registry) == 1 and names() == ["b", "c", "d", "old-live"]
+    assert prune(keep=2, registry=registry) == 1 and names() == ["c", "d", "old-live"]
+    assert prune(keep=5, older_than_days=5, registry=registry) == 1 and names() == ["d", "old-live"]
+    with pytest.raises(GpunbError, match="needs `older_than_days`, `keep`, or both"):
+        prune(registry=registry)
+    with pytest.raises(GpunbError, match="must be >= 0"):
+        prune(keep=-1, registry=registry)
+
+
+def test_one_duration_format_for_progress_eta_and_the_run_table():
+    from gpunb.runtime.callbacks import format_duration as in_progress_line
+    from gpunb.units import format_duration
+
+    assert in_progress_line is format_duration
+    assert [format_duration(s) for s in (0, 4.6, 59.4, 65, 725, 3600, 3725.0, 90061)] == \
+        ["0s", "5s", "59s", "1m 05s", "12m 05s", "1h 00m", "1h 02m", "25h 01m"]
+
+
+def test_the_stop_check_never_waits_for_a_registry_that_shuts_readers_out(home, clock):
+    registry = Registry(timeout=0.05, keep_open=False)  # no connection stays open: the holder can lock all out
+    state, rec = _state(), RunRecorder(registry)
+    rec.on_fit_start(state)
+    assert rec.flush(10)
+    registry.request_stop(rec.run_id)
+    holder = sqlite3.connect(registry.path, isolation_level=None)
+    holder.execute("PRAGMA locking_mode=EXCLUSIVE")
+    holder.execute("BEGIN EXCLUSIVE")
+    holder.execute("UPDATE runs SET step = 1")
+    try:
+        started = time.perf_counter()
+        state.step = 1
+        rec.on_log(state, {"loss": 1.0})  # the write waits in the writer thread; the read fails at once
+        took = time.perf_counter() - started
+        assert state.stop_reason is None
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert took < 0.2
+    assert rec.flush(10)
+    clock.now += 0.1
     rec.on_log(state, {"loss": 0.9})
     assert state.stop_reason == "stopped from the sidebar"

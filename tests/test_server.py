@@ -5,7 +5,9 @@ NVML is faked at the pynvml function boundary, so these run on any machine.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sqlite3
 import threading
 import time
 from types import SimpleNamespace
@@ -22,7 +24,8 @@ pytest_plugins = ("pytest_jupyter.jupyter_server",)
 
 GIB = 1024**3
 TOKEN = "gpunb-test-token"
-RUN_ROUTES = [("GET", "runs/{}"), ("POST", "runs/{}/stop")]
+RUN_ROUTES = [("GET", "runs/{}"), ("POST", "runs/{}/stop"), ("DELETE", "runs/{}")]
+REGISTRY_WAIT_S = 1.5  # how long the server waits for a locked registry in these tests
 ALL_ROUTES = [("GET", "devices"), ("GET", "runs"), *RUN_ROUTES]
 
 
@@ -36,7 +39,8 @@ def gpunb_home(tmp_path, monkeypatch):
 @pytest.fixture
 def jp_server_config(jp_server_config):
     return {
-        "ServerApp": {"jpserver_extensions": {"gpunb": True}, "allow_unauthenticated_access": False},
+        "ServerApp": {"jpserver_extensions": {"gpunb": True}, "allow_unauthenticated_access": False,
+                      "tornado_settings": {"gpunb_registry_wait_s": REGISTRY_WAIT_S}},
         "IdentityProvider": {"token": TOKEN},
     }
 
@@ -179,6 +183,8 @@ async def test_runs_lists_recorded_runs(jp_fetch, registry, running_run):
     assert mnist["id"] == running_run and mnist["status"] == "running"
     assert mnist["progress"] == 0.3 and mnist["latest"] == {"loss": 0.7}
     assert mnist["notebook"] == "work/mnist.ipynb" and mnist["stop_requested"] is False
+    # Running runs carry their newest losses, so one request a poll draws every sparkline.
+    assert mnist["losses"] == [[10, 2.0], [20, 1.2], [30, 0.7]] and "losses" not in body["runs"][0]
 
 
 async def test_runs_is_empty_without_a_registry_file(jp_fetch, gpunb_home):
@@ -217,6 +223,22 @@ async def test_stop_finished_run_is_409(jp_fetch, registry):
     assert not registry.stop_requested(run_id)
 
 
+async def test_delete_removes_a_finished_run_and_its_metrics(jp_fetch, registry):
+    run_id = registry.start_run("done")
+    registry.add_metrics(run_id, 1, {"loss": 1.0})
+    registry.finish(run_id, "completed")
+    response = await fetch(jp_fetch, "DELETE", "runs", run_id)
+    assert response.code == 204
+    assert registry.get_run(run_id) is None and registry.list_runs() == []
+    await expect_error(jp_fetch, 404, "DELETE", "runs", run_id)
+
+
+async def test_delete_refuses_a_running_run(jp_fetch, registry, running_run):
+    error = await expect_error(jp_fetch, 409, "DELETE", "runs", running_run)
+    assert "stop it before removing it" in json.loads(error.response.body)["message"]
+    assert registry.get_run(running_run)["status"] == "running"
+
+
 # --------------------------------------------------------------------- bad input and auth
 BAD_IDS = ["not-a-run", "A" * 32, "0" * 31, "0" * 33, "..", "..%2F..%2Fetc%2Fpasswd", "0" * 31 + "g"]
 
@@ -232,7 +254,7 @@ async def test_malformed_run_ids_are_rejected(jp_fetch, method, route, bad_id):
 async def test_every_route_needs_credentials(jp_fetch, registry, running_run, method, route):
     parts = route.format(running_run).split("/")
     await expect_error(jp_fetch, 403, method, *parts, headers={"Authorization": ""})
-    assert not registry.stop_requested(running_run)
+    assert not registry.stop_requested(running_run) and registry.get_run(running_run) is not None
 
 
 async def test_blocking_work_runs_off_the_event_loop(jp_fetch, monkeypatch):
@@ -245,6 +267,58 @@ async def test_blocking_work_runs_off_the_event_loop(jp_fetch, monkeypatch):
     monkeypatch.setattr("gpunb.telemetry.snapshot", snapshot)
     await fetch(jp_fetch, "GET", "devices")
     assert threads and threads[0] is not threading.main_thread()
+
+
+# --------------------------------------------------------------------- a locked or damaged registry
+def _hold_write_lock(registry) -> sqlite3.Connection:
+    registry.list_runs()  # the file exists
+    holder = sqlite3.connect(registry.path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # another process writing, or a database browser
+    return holder
+
+
+async def test_devices_answer_while_registry_requests_wait_on_its_lock(jp_fetch, registry, running_run,
+                                                                      monkeypatch):
+    no_nvml(monkeypatch)
+    holder = _hold_write_lock(registry)
+    try:
+        # More waiting writes than the registry's thread pool has threads.
+        stops = [asyncio.ensure_future(fetch(jp_fetch, "POST", "runs", running_run, "stop")) for _ in range(6)]
+        await asyncio.sleep(0)
+        code, body = await fetch_json(jp_fetch, "GET", "devices")
+        assert code == 200 and body["nvidia"] is False
+        assert not any(stop.done() for stop in stops)  # still waiting for the lock
+        code, body = await fetch_json(jp_fetch, "GET", "runs")  # WAL: reads go on meanwhile
+        assert code == 200 and [run["id"] for run in body["runs"]] == [running_run]
+        answers = await asyncio.gather(*stops, return_exceptions=True)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert {getattr(answer, "code", None) for answer in answers} == {503}
+
+
+async def test_a_locked_registry_answers_503_with_a_message(jp_fetch, registry, running_run):
+    holder = _hold_write_lock(registry)
+    try:
+        error = await expect_error(jp_fetch, 503, "POST", "runs", running_run, "stop")
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    body = json.loads(error.response.body)
+    assert body["reason"] == "Run registry locked"
+    assert f"The run registry {registry.path} is locked" in body["message"] and "try again" in body["message"]
+    assert not registry.stop_requested(running_run)
+
+
+@pytest.mark.parametrize("method,route", [("GET", "runs"), *RUN_ROUTES])
+async def test_a_damaged_registry_answers_500_saying_how_to_recover(jp_fetch, gpunb_home, method, route):
+    gpunb_home.mkdir()
+    path = gpunb_home / "runs.sqlite"
+    path.write_bytes(b"not a database " * 200)
+    error = await expect_error(jp_fetch, 500, method, *route.format("0" * 32).split("/"))
+    body = json.loads(error.response.body)
+    assert body["reason"] == "Run registry damaged" and "Unhandled" not in body["message"]
+    assert f"The run registry {path} is damaged" in body["message"] and f"mv '{path}'" in body["message"]
 
 
 def test_extension_points_name_the_server_module():

@@ -232,7 +232,9 @@ def test_exception_reaches_callbacks_and_the_caller():
             self.layer = nn.Linear(10, 3)
 
         def forward(self, x, y):
-            raise RuntimeError("user bug")
+            if torch.is_grad_enabled():  # in the loop, not in the no-grad check before it
+                raise RuntimeError("user bug")
+            return self.layer(x).sum()
 
     class Watcher:
         def on_exception(self, state, error):

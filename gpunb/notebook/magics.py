@@ -7,6 +7,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from gpunb.errors import GpunbError
+from gpunb.notebook.options import make_strict
 
 # The names a %%gputrain cell may define, and the option that renames each.
 ROLES = ("model", "train_data", "val_data", "optimizer", "loss_fn", "step", "metrics", "callbacks")
@@ -68,6 +69,7 @@ class GpuMagics(Magics):
             train_data = (x, y)
             loss_fn = nn.CrossEntropyLoss()
         """
+        __tracebackhide__ = True  # noqa: F841 (errors from the user's model show their own frames)
         args = parse_argstring(self.gputrain, line)
         config = _config(args)
         if args.export:
@@ -76,7 +78,7 @@ class GpuMagics(Magics):
         outcome = self.shell.run_cell(cell, store_history=False)
         if not outcome.success:
             return None  # the user's own traceback has been shown; nothing to train
-        found = _collect(self.shell.user_ns, args, before)
+        found = _collect(self.shell.user_ns, args, before, _named_options(line))
         if args.find_lr:
             return _find_lr(found, config)
         from gpunb.notebook import session
@@ -86,6 +88,7 @@ class GpuMagics(Magics):
         return self._train(config, found, args)
 
     def _train(self, config, found, args):
+        __tracebackhide__ = True  # noqa: F841
         from IPython.display import display
 
         from gpunb.notebook.busy import kernel_stays_busy
@@ -134,6 +137,10 @@ class GpuMagics(Magics):
         return status
 
 
+make_strict(GpuMagics.gputrain, prog="%gputrain")  # the usage line then reads %%gputrain
+make_strict(GpuMagics.gpustatus)
+
+
 def _config(args):
     """A TrainConfig from the options given (unset options keep TrainConfig's defaults)."""
     from gpunb.config import TrainConfig
@@ -173,8 +180,11 @@ def _as_option_hint(message: str) -> str:
                   f"{m.group(2).strip(chr(39))}`", message)
 
 
-def _collect(namespace, args, before) -> dict:
-    """The objects the cell defined for each role, type-checked; UsageError names the fix."""
+def _collect(namespace, args, before, named=frozenset()) -> dict:
+    """The objects the cell defined for each role, type-checked; UsageError names the fix.
+
+    `named`: the roles whose variable the magic line names explicitly (`--model net`).
+    """
     import torch
 
     found = {}
@@ -194,6 +204,7 @@ def _collect(namespace, args, before) -> dict:
                              f"and the namespace has none.\n{_defined_by_cell(namespace, before)}\n"
                              f"HINT: name it `{name}` in the cell, or pass "
                              f"`--{role.replace('_', '-')} <variable>`.")
+    _refuse_stale(namespace, args, before, found, named)
     if not isinstance(found["model"], torch.nn.Module):
         raise UsageError(f"`{args.model_name}` is a {type(found['model']).__name__}, not a torch.nn.Module.\n"
                          "HINT: assign the module itself, e.g. `model = Net()`, or pass `--model <variable>`.")
@@ -212,6 +223,75 @@ def _collect(namespace, args, before) -> dict:
         callbacks = [callbacks]
     found["callbacks"] = list(callbacks)
     return found
+
+
+def _named_options(line: str) -> frozenset:
+    """Roles whose variable the line names (`--model net`): the user chose it, stale or not."""
+    tokens = {token.split("=")[0] for token in line.split()}
+    return frozenset(role for role in ROLES if f"--{role.replace('_', '-')}" in tokens)
+
+
+def _refuse_stale(namespace, args, before, found, named) -> None:
+    """A cell that left `model` (or `train_data`) alone but bound a new one under another name.
+
+    Training would silently use the object from an earlier cell; the new one is almost always
+    what the user meant. Naming the variable on the line (`--model model`) keeps the old one.
+    """
+    roles = {id(found[role]) for role in ROLES if found[role] is not None}
+    parts = _parts_of(found)
+    for role, looks_like in (("model", _is_module), ("train_data", _is_data)):
+        name = getattr(args, f"{role}_name")
+        if role in named or found[role] is None or before.get(name) != id(found[role]):
+            continue  # the cell bound it, or the line chose it
+        fresh = [other for other, value in namespace.items()
+                 if not other.startswith("_") and before.get(other) != id(value) and looks_like(value)
+                 and id(value) not in roles and id(value) not in parts]
+        if fresh:
+            other = fresh[0]
+            option = f"--{role.replace('_', '-')}"
+            raise UsageError(
+                f"The cell defined {other} ({type(namespace[other]).__name__}) but {name} is from an "
+                f"earlier cell: %%gputrain would train that older {name}.\n"
+                f"HINT: name it {name} (`{name} = {other}`) or pass `{option} {other}` "
+                f"(`{option} {name}` keeps the earlier one).")
+
+
+def _parts_of(found) -> set:
+    """Ids of the objects inside the collected ones (the model's submodules, the data's tensors)."""
+    import torch
+
+    parts = set()
+    model = found["model"]
+    if isinstance(model, torch.nn.Module):
+        parts.update(id(m) for m in model.modules())
+    for role in ("train_data", "val_data"):
+        if isinstance(found[role], (list, tuple)):
+            parts.update(id(item) for item in found[role])
+    return parts
+
+
+def _is_module(value) -> bool:
+    import torch
+
+    # A loss module bound beside the model (`criterion = nn.CrossEntropyLoss()`) is not a model.
+    return isinstance(value, torch.nn.Module) and not isinstance(value, torch.nn.modules.loss._Loss)
+
+
+def _is_data(value) -> bool:
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    if isinstance(value, (Dataset, DataLoader)):
+        return True
+    if isinstance(value, torch.Tensor):
+        return value.ndim > 0
+    return isinstance(value, tuple) and len(value) > 1 and all(_array_like(v) for v in value)
+
+
+def _array_like(value) -> bool:
+    """A tensor, NumPy array or table with a sample dimension (what `(x, y)` data holds)."""
+    shape = getattr(value, "shape", None)  # torch.Size is a tuple too
+    return isinstance(shape, tuple) and len(shape) > 0 and hasattr(value, "__array__")
 
 
 def _defined_by_cell(namespace, before) -> str:

@@ -12,6 +12,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from gpunb.notebook.options import make_strict
+
 # A token of the magic line: runs of non-blanks, quoted parts kept whole ("my dir").
 _TOKEN = re.compile(r"""(?:"[^"]*"|'[^']*'|\S)+""")
 _TAKES_VALUE = ("--steps", "--warmup", "--save")
@@ -76,6 +78,9 @@ class ProfileMagics(Magics):
         namespace = self.shell.user_ns
         # Errors in the user's code propagate with their own traceback.
         return api.profile(lambda: exec(compiled, namespace), steps=steps, warmup=args.warmup, save=args.save)
+
+
+make_strict(ProfileMagics.gpuprofile)
 
 
 def register(ipython) -> None:

@@ -2,6 +2,12 @@
 
     gpunb.runs()                            recent runs as a table
     gpunb.compare("a", "b")                 their loss curves overlaid
+    gpunb.runs.remove("a")                  delete finished runs by name or id
+    gpunb.runs.prune(keep=20)               keep the 20 newest finished runs
+    gpunb.runs.prune(older_than_days=30)    delete finished runs started over 30 days ago
+
+A registry file that another process keeps locked raises `RegistryLocked`; one
+that is damaged raises `RegistryDamaged`, whose message says how to start afresh.
 
 Nothing touches the disk at import; the file is created on first use.
 """
@@ -10,11 +16,11 @@ import sys
 import types
 
 from gpunb.runs.recorder import RunRecorder
-from gpunb.runs.registry import STATUSES, Registry, default_path
-from gpunb.runs.views import RunComparison, RunTable, compare, runs
+from gpunb.runs.registry import STATUSES, Registry, RegistryDamaged, RegistryLocked, default_path
+from gpunb.runs.views import RunComparison, RunTable, compare, prune, remove, runs
 
-__all__ = ["STATUSES", "Registry", "RunComparison", "RunRecorder", "RunTable", "compare",
-           "default_path", "runs"]
+__all__ = ["STATUSES", "Registry", "RegistryDamaged", "RegistryLocked", "RunComparison", "RunRecorder",
+           "RunTable", "compare", "default_path", "prune", "remove", "runs"]
 
 
 class _CallableModule(types.ModuleType):

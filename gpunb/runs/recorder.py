@@ -1,25 +1,31 @@
 """RunRecorder: the callback that keeps a run's row in the registry up to date.
 
-A plain callback (see gpunb/runtime/events.py). It writes at most once a second
-(always on the first log), answers stop requests from the sidebar at every log
-interval (a single read between writes), and never lets a
-registry problem (disk full, locked or corrupt file) reach the training loop: it
-warns once and carries on without recording.
+A plain callback (see gpunb/runtime/events.py). It hands data to a `RunWriter`
+(a daemon thread) at most once a second (always on the first log), and at every log
+interval looks for a stop request from the sidebar with one read that never waits
+(WAL readers do not wait for writers, and busy_timeout is 0 for it): a locked, full
+or damaged registry can neither slow nor break the training loop.
+The first problem is logged once; a locked registry is written once it is free.
+Fit start waits START_WAIT_S at most for the run's row, fit end FINISH_WAIT_S at
+most for the final status; what is not written by then is left to the thread.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 
-from gpunb.runs.registry import Registry, json_safe
+from gpunb.runs.registry import Registry, RegistryLocked, json_safe
+from gpunb.runs.writer import RunWriter
 
 log = logging.getLogger(__name__)
 
 WRITE_EVERY_S = 1.0  # the registry's promise: at most one write per second per run
 POINTS_PER_WRITE = 25  # log rows kept per write (evenly thinned): curves survive short runs
 HEARTBEAT_S = 30.0  # without logs, still touch the row this often (others judge liveness by it)
-RETRY_AFTER_S = 30.0  # after a failed write, leave the registry alone this long
+START_WAIT_S = 0.05  # at fit start, give the writer this long at most to create the run's row
+FINISH_WAIT_S = 2.0  # at fit end, wait this long at most for the final status to be written
 _now = time.monotonic  # the clock for throttling (tests replace it)
 
 
@@ -28,16 +34,21 @@ class RunRecorder:
 
     def __init__(self, registry: Registry | None = None):
         self.registry = registry
-        self._warned = False
+        self.writer: RunWriter | None = None
+        self._reader: Registry | None = None  # the training thread's own, never waiting
         self._reset()
 
     def _reset(self) -> None:
         self.run_id: str | None = None
+        self._warned = False
         self._rows: list = []  # (step, metrics) logged since the last write
         self._latest: dict = {}  # every metric's newest value
         self._last_write = 0.0  # monotonic time of the last write
-        self._paused_until = 0.0  # after a failure, no registry calls before this
         self._first_log: tuple[float, int] | None = None  # (monotonic, step), for the ETA
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until what was handed to the writer is in the registry; False on timeout."""
+        return self.writer is None or self.writer.flush(timeout)
 
     # ------------------------------------------------------------------ events
     def on_fit_start(self, state) -> None:
@@ -45,12 +56,17 @@ class RunRecorder:
         if state.rank != 0 or not getattr(state.config, "track", True):
             return
         config = state.config.to_dict() if hasattr(state.config, "to_dict") else state.config
-        self.run_id = self._safely(lambda: self._registry().start_run(
-            state.run_name, config=json_safe(config), device=str(state.device),
-            total_steps=state.total_steps))
-        if self.run_id is not None:
-            state.extras["run_id"] = self.run_id
-            self._last_write = _now()
+        if self.registry is None:
+            self.registry = Registry()  # only a path: no disk access here
+        self.run_id = uuid.uuid4().hex
+        start = {"name": state.run_name, "config": json_safe(config), "device": str(state.device),
+                 "total_steps": state.total_steps, "started_at": time.time()}
+        self.writer = RunWriter(self.registry, self.run_id, start, self._warn_once)
+        self._reader = Registry(self.registry.path, timeout=0.0)
+        # Usually a few ms: then the run is listed, and can be stopped, from its first step on.
+        self.writer.recorded.wait(START_WAIT_S)
+        state.extras["run_id"] = self.run_id
+        self._last_write = _now()
 
     def on_train_batch_end(self, state) -> None:
         # Only a clock read per step; a long log interval still gets a heartbeat and stop checks.
@@ -96,11 +112,6 @@ class RunRecorder:
         self._finish(state, "failed", error=summary[:500])
 
     # ------------------------------------------------------------------ internals
-    def _registry(self) -> Registry:
-        if self.registry is None:
-            self.registry = Registry()
-        return self.registry
-
     def _collect(self, step: int, metrics: dict) -> None:
         metrics = json_safe(metrics)
         self._latest.update(metrics)
@@ -109,42 +120,39 @@ class RunRecorder:
         else:
             self._rows.append((step, dict(metrics)))
 
-    def _flush_rows(self, registry: Registry, limit: int) -> None:
+    def _take_rows(self, limit: int) -> list:
         rows, self._rows = self._rows, []
         if len(rows) > limit:  # evenly spread, always keeping the newest
             stride = len(rows) / limit
             rows = [rows[int(i * stride)] for i in range(limit - 1)] + [rows[-1]]
-        for step, metrics in rows:
-            registry.add_metrics(self.run_id, step, metrics)
+        return rows
 
     def _write(self, state, force: bool = False) -> None:
         now = _now()
-        if not force and now - self._last_write < WRITE_EVERY_S:
-            # No write yet, but a stop request is still answered at this log interval (one read).
-            if self._safely(lambda: self._registry().stop_requested(self.run_id)):
-                state.request_stop("stopped from the sidebar")
-            return
-        self._last_write = now
-
-        def write() -> bool:
-            registry = self._registry()
-            registry.update(self.run_id, step=state.step, epoch=state.epoch, progress=state.progress,
-                            eta_s=self._eta(state, now), latest=self._latest)
-            self._flush_rows(registry, POINTS_PER_WRITE)
-            return registry.stop_requested(self.run_id)
-
-        if self._safely(write):
+        if force or now - self._last_write >= WRITE_EVERY_S:
+            self._last_write = now
+            fields = {"step": state.step, "epoch": state.epoch, "progress": state.progress,
+                      "eta_s": self._eta(state, now), "latest": dict(self._latest)}
+            self.writer.submit(fields, self._take_rows(POINTS_PER_WRITE))
+        if self.writer.stop_requested or self._stop_requested_now():
             state.request_stop("stopped from the sidebar")
 
-    def _finish(self, state, status: str, **fields) -> None:
-        def finish() -> None:
-            registry = self._registry()
-            self._flush_rows(registry, 10 * POINTS_PER_WRITE)
-            registry.finish(self.run_id, status, step=state.step, epoch=state.epoch,
-                            progress=state.progress, latest=self._latest, **fields)
+    def _stop_requested_now(self) -> bool:
+        if not self.writer.recorded.is_set():
+            return False  # no row yet, so no request either
+        try:
+            return self._reader.stop_requested(self.run_id)
+        except Exception:  # locked out or damaged: the writer thread reports it
+            return False
 
-        self._paused_until = 0.0  # the final status is worth one more try
-        self._safely(finish)
+    def _finish(self, state, status: str, **fields) -> None:
+        fields.update(step=state.step, epoch=state.epoch, progress=state.progress, latest=dict(self._latest))
+        self.writer.submit(rows=self._take_rows(10 * POINTS_PER_WRITE),
+                           finish={"status": status, **fields})
+        if not self.writer.flush(FINISH_WAIT_S) and not self._warned:
+            self._warned = True
+            log.warning("gpunb: the end of this run is not in the run registry %s yet; it is written "
+                        "in the background as soon as the registry is free.", self.registry.path)
         self.run_id = None
 
     def _eta(self, state, now: float) -> float | None:
@@ -156,16 +164,14 @@ class RunRecorder:
             return None
         return max(0.0, (state.total_steps - state.step) * (now - started) / done)
 
-    def _safely(self, action):
-        if _now() < self._paused_until:
-            return None
-        try:
-            return action()
-        except Exception as error:  # any registry failure: training matters more than the record
-            self._paused_until = _now() + RETRY_AFTER_S
-            if not self._warned:
-                self._warned = True
-                log.warning("gpunb: could not write to the run registry (%s): %s. Training goes on; "
-                            "this run may be missing from gpunb.runs() and the sidebar.",
-                            self.registry.path if self.registry else "?", error)
-            return None
+    def _warn_once(self, error: Exception) -> None:  # called from the writer thread
+        if self._warned:
+            return
+        self._warned = True
+        if isinstance(error, RegistryLocked):
+            log.warning("gpunb: the run registry %s is locked by another process. Training goes on; "
+                        "this run is recorded as soon as the registry is free.", self.registry.path)
+        else:
+            log.warning("gpunb: could not write to the run registry (%s): %s. Training goes on; "
+                        "this run may be missing from gpunb.runs() and the sidebar.",
+                        self.registry.path, error)

@@ -1,11 +1,15 @@
 """The run registry: one SQLite file (WAL) shared by every kernel and the Jupyter server.
 
-Each operation opens its own short-lived connection. That costs well under a
-millisecond, is safe across threads and forks (a sqlite connection must never
-cross a fork), and writes happen at most once a second per run anyway. WAL lets
-the server read while kernels write; busy_timeout makes concurrent writers queue
-instead of failing with "database is locked"; write transactions start with
-BEGIN IMMEDIATE so a read-then-write never deadlocks on a lock upgrade.
+Connections are never shared between threads: with `keep_open=True` (the default)
+each thread keeps one of its own, opened on first use (closing the last connection
+checkpoints the WAL with an fsync, too slow to pay on every write); with
+`keep_open=False` every operation opens and closes its own (the server, whose
+requests must not queue behind each other). A connection never crosses a fork.
+WAL lets readers go on while a writer holds the lock; busy_timeout (`timeout`)
+makes writers queue, and a wait longer than that is a `RegistryLocked` error that
+says so; write transactions start with BEGIN IMMEDIATE so a read-then-write never
+deadlocks on a lock upgrade. A file that is not a readable SQLite database is a
+`RegistryDamaged` error that says how to recover.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import math
 import os
 import socket
 import sqlite3
-import sys
 import threading
 import time
 import uuid
@@ -24,14 +27,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from gpunb.errors import GpunbError
+from gpunb.runs.errors import RegistryDamaged, RegistryLocked, registry_error
+from gpunb.runs.liveness import STALE_AFTER_S, alive, process_start  # noqa: F401 (STALE_AFTER_S re-exported)
+from gpunb.runs.liveness import kernel_id as current_kernel_id
 
 STATUSES = ("running", "completed", "stopped", "interrupted", "failed")
 MAX_POINTS = 500  # metric points kept per run; older ones are thinned evenly
-STALE_AFTER_S = 300.0  # a run on another host that has not written for this long is dead
 PROCESS_DIED = "process died"
+SERIES_POINTS = 60  # the newest points of a running run's loss that `list_runs` includes
+_LOWER_IS_BETTER = ("loss", "err", "mse", "mae", "perplexity", "ppl")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -40,6 +45,7 @@ CREATE TABLE IF NOT EXISTS runs (
     started_at REAL, ended_at REAL, updated_at REAL,
     progress REAL, step INTEGER, total_steps INTEGER, epoch INTEGER, eta_s REAL,
     latest TEXT, device TEXT, energy_j REAL, error TEXT,
+    best TEXT,                                 -- each validation metric's best value, set at the end
     metric_seq INTEGER NOT NULL DEFAULT 0,     -- add_metrics calls so far
     metric_stride INTEGER NOT NULL DEFAULT 1   -- keep every stride-th point (doubles when full)
 );
@@ -52,7 +58,7 @@ CREATE TABLE IF NOT EXISTS stop_requests (run_id TEXT PRIMARY KEY, requested_at 
 """
 _RUN_COLUMNS = ("id", "name", "notebook", "kernel_id", "pid", "host", "status", "config",
                 "started_at", "ended_at", "updated_at", "progress", "step", "total_steps",
-                "epoch", "eta_s", "latest", "device", "energy_j", "error")
+                "epoch", "eta_s", "latest", "device", "energy_j", "error", "best")
 _UPDATABLE = ("progress", "step", "total_steps", "epoch", "eta_s", "latest", "device", "energy_j")
 
 
@@ -93,22 +99,27 @@ def _dumps(value: Any) -> str:
 class Registry:
     """Runs and their metrics in `path` (default: `default_path()`), created on first use."""
 
-    def __init__(self, path: str | os.PathLike | None = None, timeout: float = 5.0):
+    def __init__(self, path: str | os.PathLike | None = None, timeout: float = 5.0, keep_open: bool = True):
         self.path = Path(path) if path is not None else default_path()
         self.timeout = timeout  # seconds a writer waits for another writer's lock
+        self.keep_open = keep_open  # one connection per thread (True) or per operation (False)
         self._ready = False
-        self._owner: tuple[int, threading.Lock, sqlite3.Connection] | None = None  # (pid, lock, connection)
+        self._local = threading.local()  # this thread's (pid, connection) when keep_open
 
     # ------------------------------------------------------------------ writes
     def start_run(self, name: str, *, config: dict | None = None, device: str | None = None,
                   total_steps: int | None = None, pid: int | None = None, host: str | None = None,
-                  notebook: str | None = None, kernel_id: str | None = None) -> str:
-        """Record a new running run; returns its id. pid/host/notebook/kernel_id default to this process's."""
-        run_id = uuid.uuid4().hex
-        now = time.time()
+                  notebook: str | None = None, kernel_id: str | None = None, run_id: str | None = None,
+                  started_at: float | None = None) -> str:
+        """Record a new running run; returns its id (`run_id`, else a new one).
+
+        pid/host/notebook/kernel_id default to this process's; `started_at` to now.
+        """
+        run_id = run_id or uuid.uuid4().hex
+        now = started_at or time.time()
         pid = os.getpid() if pid is None else pid
         row = {"id": run_id, "name": name, "notebook": notebook or os.environ.get("JPY_SESSION_NAME"),
-               "kernel_id": kernel_id or _kernel_id(), "pid": pid, "pid_started": _process_start(pid),
+               "kernel_id": kernel_id or current_kernel_id(), "pid": pid, "pid_started": process_start(pid),
                "host": host or socket.gethostname(), "status": "running", "config": _dumps(config or {}),
                "started_at": now, "updated_at": now, "total_steps": total_steps, "device": device,
                "latest": "{}", "step": 0}
@@ -160,8 +171,10 @@ class Registry:
                              "use one of " + ", ".join(f"`{s}`" for s in STATUSES[1:]) + ".")
         self.update(run_id, eta_s=None, **fields)
         with self._write() as db:
-            db.execute("UPDATE runs SET status = ?, error = ?, ended_at = ? WHERE id = ?",
-                       (status, error, time.time(), run_id))
+            points = db.execute("SELECT data FROM metrics WHERE run_id = ?", (run_id,)).fetchall()
+            best = best_values(json.loads(data) for (data,) in points)
+            db.execute("UPDATE runs SET status = ?, error = ?, ended_at = ?, best = ? WHERE id = ?",
+                       (status, error, time.time(), _dumps(best), run_id))
             db.execute("DELETE FROM stop_requests WHERE run_id = ?", (run_id,))
 
     def request_stop(self, run_id: str) -> bool:
@@ -174,17 +187,37 @@ class Registry:
                                   (time.time(), run_id)).rowcount
         return inserted == 1
 
+    def remove(self, run_ids: list[str]) -> list[str]:
+        """Delete these runs and their metrics, except running ones; returns the ids removed."""
+        with self._write() as db:
+            removed = [run_id for run_id in run_ids if db.execute(
+                "DELETE FROM runs WHERE id = ? AND status != 'running'", (run_id,)).rowcount]
+            for run_id in removed:
+                db.execute("DELETE FROM metrics WHERE run_id = ?", (run_id,))
+        return removed
+
     # ------------------------------------------------------------------ reads
     def stop_requested(self, run_id: str) -> bool:
         with self._read() as db:
             return db.execute("SELECT 1 FROM stop_requests WHERE run_id = ?", (run_id,)).fetchone() is not None
 
-    def list_runs(self, limit: int = 100) -> list[dict]:
-        """The newest `limit` runs, newest first (runs whose process died are marked failed)."""
+    def list_runs(self, limit: int = 100, series: bool = False) -> list[dict]:
+        """The newest `limit` runs, newest first (runs whose process died are marked failed).
+
+        With `series`, each running run also gets `losses`: its newest SERIES_POINTS
+        (step, loss) pairs, so a poller needs no request per run.
+        """
         with self._read() as db:
             rows = db.execute(f"SELECT {self._select()} FROM runs ORDER BY started_at DESC, rowid DESC "
                               "LIMIT ?", (int(limit),)).fetchall()
-        return self._mark_dead([self._run_dict(row) for row in rows])
+            runs = [self._run_dict(row) for row in rows]
+            for run in runs if series else ():
+                if run["status"] == "running":
+                    points = db.execute("SELECT step, data FROM metrics WHERE run_id = ? ORDER BY seq DESC "
+                                        "LIMIT ?", (run["id"], SERIES_POINTS)).fetchall()
+                    run["losses"] = [[step, loss] for step, data in reversed(points)
+                                     if isinstance(loss := json.loads(data).get("loss"), (int, float))]
+        return self._mark_dead(runs)
 
     def get_run(self, run_id: str, with_history: bool = True) -> dict | None:
         with self._read() as db:
@@ -209,19 +242,23 @@ class Registry:
         run = dict(zip(_RUN_COLUMNS, row))
         run["config"] = json.loads(run["config"] or "{}")
         run["latest"] = json.loads(run["latest"] or "{}")
+        run["best"] = json.loads(run["best"] or "{}")
         run["stop_requested"] = bool(row[-1])
         run["_pid_started"] = row[-2]
         return run
 
     def _mark_dead(self, runs: list[dict]) -> list[dict]:
         host, now = socket.gethostname(), time.time()
-        dead = [run for run in runs if run["status"] == "running" and not _alive(run, host, now)]
+        dead = [run for run in runs if run["status"] == "running" and not alive(run, host, now)]
         if dead:
-            with self._write() as db:
-                for run in dead:
-                    db.execute("UPDATE runs SET status = 'failed', error = ?, ended_at = ? "
-                               "WHERE id = ? AND status = 'running'",
-                               (PROCESS_DIED, run["updated_at"], run["id"]))
+            try:
+                with self._write() as db:
+                    for run in dead:
+                        db.execute("UPDATE runs SET status = 'failed', error = ?, ended_at = ? "
+                                   "WHERE id = ? AND status = 'running'",
+                                   (PROCESS_DIED, run["updated_at"], run["id"]))
+            except RegistryLocked:
+                pass  # a reader must not fail for this; the next read records it
             for run in dead:
                 run.update(status="failed", error=PROCESS_DIED, ended_at=run["updated_at"], eta_s=None)
         for run in runs:
@@ -236,37 +273,49 @@ class Registry:
 
     @contextlib.contextmanager
     def _transaction(self, write: bool) -> Iterator[sqlite3.Connection]:
-        lock, db = self._connection()
-        with lock:
-            db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+        try:
+            db = self._connection()
             try:
-                yield db
-                db.execute("COMMIT")
-            except BaseException:
-                if db.in_transaction:
-                    db.execute("ROLLBACK")
+                db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+                try:
+                    yield db
+                    db.execute("COMMIT")
+                except BaseException:
+                    if db.in_transaction:
+                        db.execute("ROLLBACK")
+                    raise
+            finally:
+                if not self.keep_open:
+                    db.close()
+        except sqlite3.DatabaseError as error:
+            translated = registry_error(error, self.path, self.timeout)
+            if translated is None:
                 raise
+            if isinstance(translated, RegistryDamaged):
+                self.close()  # reopen (maybe a fresh file) next time
+                self._ready = False
+            raise translated from error
 
-    def _connection(self) -> tuple[threading.Lock, sqlite3.Connection]:
-        # One connection per process, shared by its threads under a lock. Closing the
-        # last connection checkpoints the WAL with an fsync (~2 ms locally, far more on
-        # network disks), too slow to pay on every write from the training thread.
-        # A connection must never cross a fork, so a forked child opens its own.
-        if self._owner is None or self._owner[0] != os.getpid():
-            if not self._ready:
-                self._create()
-            # isolation_level=None: we issue BEGIN ourselves; timeout is SQLite's busy_timeout.
-            db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None,
-                                 check_same_thread=False)
-            db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: no fsync per commit, still crash-safe
-            self._owner = (os.getpid(), threading.Lock(), db)
-        return self._owner[1], self._owner[2]
+    def _connection(self) -> sqlite3.Connection:
+        if not self._ready:
+            self._create()
+        if self.keep_open:
+            owner = getattr(self._local, "owner", None)
+            if owner is not None and owner[0] == os.getpid():
+                return owner[1]
+        # isolation_level=None: we issue BEGIN ourselves; timeout is SQLite's busy_timeout.
+        db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None)
+        db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: no fsync per commit, still crash-safe
+        if self.keep_open:
+            self._local.owner = (os.getpid(), db)
+        return db
 
     def close(self) -> None:
-        """Close this process's connection (reopened on next use)."""
-        owner, self._owner = self._owner, None
+        """Close this thread's connection (reopened on next use)."""
+        owner = getattr(self._local, "owner", None)
+        self._local.owner = None
         if owner is not None and owner[0] == os.getpid():
-            owner[2].close()
+            owner[1].close()
 
     def _create(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -274,6 +323,7 @@ class Registry:
         try:
             _enable_wal(db, self.timeout)
             db.executescript(_SCHEMA)
+            _add_missing_columns(db)
         finally:
             db.close()
         self._ready = True
@@ -297,43 +347,30 @@ def _enable_wal(db: sqlite3.Connection, timeout: float) -> None:
             time.sleep(0.01)
 
 
+def _add_missing_columns(db: sqlite3.Connection) -> None:
+    """Bring a registry written by an older gpunb up to this schema (columns only ever get added)."""
+    if "best" not in {row[1] for row in db.execute("PRAGMA table_info(runs)")}:
+        try:
+            db.execute("ALTER TABLE runs ADD COLUMN best TEXT")
+        except sqlite3.OperationalError as error:
+            if "duplicate column" not in str(error):  # another process added it meanwhile
+                raise
+
+
+def best_values(points) -> dict:
+    """Each validation metric's best value over `points` (dicts): the lowest loss or error, else the highest."""
+    best: dict = {}
+    for point in points:
+        for name, value in point.items():
+            if not name.startswith("val_") or not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            lower = any(word in name for word in _LOWER_IS_BETTER)
+            if name not in best or (value < best[name] if lower else value > best[name]):
+                best[name] = value
+    return best
+
+
 def _point(t: float, step: int, data: str) -> dict:
     point = {"t": t, "step": step, **json.loads(data)}
     point["t"], point["step"] = t, step  # a metric named "t" or "step" must not hide the real ones
     return point
-
-
-def _kernel_id() -> str | None:
-    """This kernel's id (from its connection file kernel-<id>.json), or None outside a kernel."""
-    if "ipykernel" not in sys.modules:
-        return None  # not a kernel; importing ipykernel just to find out costs ~0.3 s
-    try:
-        from ipykernel.connect import get_connection_file
-
-        name = Path(get_connection_file()).name
-    except Exception:  # any failure just means "not a kernel we can identify"
-        return None
-    if name.startswith("kernel-") and name.endswith(".json"):
-        return name[len("kernel-"):-len(".json")]
-    return None
-
-
-def _process_start(pid: int) -> float | None:
-    """When process `pid` started; with the pid it names a process even after pid reuse."""
-    try:
-        return psutil.Process(pid).create_time()
-    except (psutil.Error, OSError):
-        return None
-
-
-def _alive(run: dict, this_host: str, now: float) -> bool:
-    if run["host"] != this_host:
-        return now - (run["updated_at"] or 0.0) < STALE_AFTER_S
-    pid = run["pid"]
-    if pid is None or not psutil.pid_exists(pid):
-        return False
-    started = run["_pid_started"]
-    if started is None:
-        return True
-    current = _process_start(pid)
-    return current is None or abs(current - started) < 1.0  # a different start time: the pid was reused

@@ -1,4 +1,4 @@
-"""`runs()` and `compare()`: the registry as a notebook table and overlaid metric curves.
+"""`runs()`, `compare()`, `remove()`, `prune()`: the registry from a notebook.
 
 Both return small objects with `_repr_html_` (the curves are an inline SVG from
 gpunb.charts, so no plotting library is needed) and a plain-text `__repr__` that depends
@@ -13,6 +13,7 @@ import time
 from gpunb.charts import line_chart
 from gpunb.errors import GpunbError
 from gpunb.runs.registry import Registry
+from gpunb.units import format_duration
 
 _COLUMNS = ("name", "status", "started", "duration", "steps", "last loss", "device")
 _STATUS_COLOURS = {"running": "#1f77b4", "completed": "#2ca02c", "stopped": "#ff7f0e",
@@ -34,12 +35,52 @@ def compare(*names_or_ids: str, metric: str = "loss", registry: Registry | None 
     return RunComparison([_resolve(registry, key) for key in names_or_ids], metric)
 
 
-def _resolve(registry: Registry, key: str) -> dict:
-    run = registry.get_run(key)
+def remove(*names_or_ids: str, registry: Registry | None = None) -> int:
+    """Delete finished runs (by name, newest first, or by id) and their metrics; returns how many.
+
+    A running run is refused: stop it first (the sidebar's Stop button, or interrupt its cell).
+    """
+    registry = registry or Registry()
+    if not names_or_ids:
+        raise GpunbError("remove() needs at least one run name or id.",
+                         "pass names, e.g. `gpunb.runs.remove('baseline')`; `gpunb.runs()` lists them.")
+    found = [_resolve(registry, key, with_history=False) for key in names_or_ids]
+    running = [run["name"] or run["id"] for run in found if run["status"] == "running"]
+    if running:
+        raise GpunbError(f"Cannot remove {', '.join(map(repr, running))}: still running.",
+                         "stop it first (the sidebar's Stop button, or interrupt its cell), then remove it.")
+    return len(registry.remove([run["id"] for run in found]))
+
+
+def prune(*, older_than_days: float | None = None, keep: int | None = None,
+          registry: Registry | None = None) -> int:
+    """Delete finished runs that started more than `older_than_days` ago, and/or all but the
+    newest `keep` finished runs; returns how many were removed. Running runs always stay.
+
+        gpunb.runs.prune(keep=20)              # the 20 newest finished runs stay
+        gpunb.runs.prune(older_than_days=30)   # a month of history stays
+    """
+    if older_than_days is None and keep is None:
+        raise GpunbError("prune() needs `older_than_days`, `keep`, or both.",
+                         "e.g. `gpunb.runs.prune(keep=20)` keeps the 20 newest finished runs.")
+    if (older_than_days is not None and older_than_days < 0) or (keep is not None and keep < 0):
+        raise GpunbError(f"prune() got older_than_days={older_than_days!r}, keep={keep!r}; both must be >= 0.",
+                         "e.g. `gpunb.runs.prune(older_than_days=30)`.")
+    registry = registry or Registry()
+    finished = [run for run in registry.list_runs(limit=1_000_000) if run["status"] != "running"]
+    cutoff = None if older_than_days is None else time.time() - older_than_days * 86400
+    doomed = [run["id"] for index, run in enumerate(finished)  # newest first
+              if (keep is not None and index >= keep)
+              or (cutoff is not None and (run["started_at"] or 0) < cutoff)]
+    return len(registry.remove(doomed)) if doomed else 0
+
+
+def _resolve(registry: Registry, key: str, with_history: bool = True) -> dict:
+    run = registry.get_run(key, with_history)
     if run is None:
         for candidate in registry.list_runs(limit=10_000):
             if candidate["name"] == key or (len(key) >= 6 and candidate["id"].startswith(key)):
-                run = registry.get_run(candidate["id"])
+                run = registry.get_run(candidate["id"], with_history)
                 break
     if run is None:
         raise GpunbError(f"No run named {key!r} (or with that id) in the run registry at {registry.path}.",
@@ -129,12 +170,7 @@ def _duration(run: dict) -> str:
     end = run["ended_at"] or run["updated_at"]
     if not end or not run["started_at"]:
         return "-"
-    seconds = max(0.0, end - run["started_at"])
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    minutes, seconds = divmod(round(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {seconds:02d}s"
+    return format_duration(end - run["started_at"])
 
 
 def _steps(run: dict) -> str:

@@ -6,6 +6,8 @@ import math
 import sys
 import time
 
+from gpunb.units import format_duration
+
 
 class EarlyStopping:
     """Stop when `monitor` has not improved by `min_delta` for `patience` validations."""
@@ -70,7 +72,7 @@ class ProgressPrinter:
 
 
 def progress_line(state) -> str:
-    """`step 120/450 (27%)  epoch 1/3  loss 0.412  3,210 samples/s  elapsed 0:04  ETA 0:12`"""
+    """`step 120/450 (27%)  epoch 1/3  loss 0.412  3,210 samples/s  elapsed 4s  ETA 12s`"""
     return "  ".join(progress_parts(state, with_loss=True))
 
 
@@ -101,10 +103,3 @@ def eta_seconds(state) -> float | None:
     if not state.total_steps or not state.step or "step_time_ms" not in state.latest:
         return None
     return (state.total_steps - state.step) * state.latest["step_time_ms"] / 1000
-
-
-def format_duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"

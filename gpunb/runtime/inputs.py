@@ -22,13 +22,46 @@ def as_tensor(array: Any, what: str) -> torch.Tensor:
     if isinstance(array, torch.Tensor):
         return array
     if isinstance(array, np.ndarray):
-        return torch.from_numpy(array)
+        return _from_numpy(array, what)
+    if hasattr(array, "to_numpy") and not hasattr(array, "__dlpack__"):  # pandas DataFrame/Series, polars
+        return _from_numpy(_table_values(array, what), what)
     if hasattr(array, "__dlpack__"):
         return torch.from_dlpack(array)
     if hasattr(array, "__array_interface__") or hasattr(array, "__array__"):
-        return torch.from_numpy(np.asarray(array))
+        return _from_numpy(np.asarray(array), what)
     raise GpunbError(f"{what} holds a {type(array).__name__}, which gpunb cannot batch.",
                      f"pass {_SUPPORTED}.")
+
+
+def _from_numpy(array: np.ndarray, what: str) -> torch.Tensor:
+    if array.dtype == object or array.dtype.kind in "USM":
+        raise GpunbError(f"{what} holds a NumPy array of dtype {array.dtype}, which is not numeric.",
+                         "convert it to numbers first, e.g. `x.astype('float32')`, or encode text "
+                         "and categories as integers.")
+    if not array.flags.writeable:
+        array = array.copy()  # torch warns on (and may not write through) read-only memory
+    return torch.from_numpy(array)
+
+
+def _table_values(table, what: str) -> np.ndarray:
+    """A pandas (or similar) table's values; gpunb never imports pandas: it asks `to_numpy`."""
+    values = table.to_numpy()
+    if values.dtype == object:
+        dtypes = getattr(table, "dtypes", None)
+        columns = ([str(name) for name, dtype in dtypes.items() if not _numeric(dtype)]
+                   if hasattr(dtypes, "items") else [])
+        which = f" (non-numeric columns: {', '.join(columns[:8])})" if columns else ""
+        raise GpunbError(f"{what} is a {type(table).__name__} whose values are not all numbers{which}.",
+                         "drop or encode those columns first (e.g. `pd.get_dummies(df)` or "
+                         "`df[col].cat.codes`), then pass `df.to_numpy(dtype='float32')`.")
+    return values
+
+
+def _numeric(dtype) -> bool:
+    try:
+        return np.dtype(dtype).kind in "biuf"
+    except TypeError:  # pandas' own dtypes (category, string, nullable)
+        return False
 
 
 def adapt_data(data: Any, what: str = "train_data") -> tuple[torch.Tensor, ...] | Dataset | DataLoader:

@@ -5,7 +5,8 @@ Three ways, checked in this order:
 - `loss_fn(output, target)`: batch is (inputs..., target) and output = model(*inputs);
   a single-tensor batch x gives loss_fn(model(x), x) (reconstruction);
 - neither: the model computes its own loss from model(*batch) / model(**batch) and
-  returns a scalar, or an object with a `.loss` (Hugging Face style).
+  returns a scalar, an object with a `.loss` (Hugging Face style), or a tuple holding
+  exactly one scalar such as nanoGPT's `(logits, loss)`.
 """
 
 from __future__ import annotations
@@ -32,30 +33,51 @@ class Objective:
 
     def loss(self, model, batch) -> torch.Tensor:
         """The scalar training loss of `batch`."""
+        __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
         if self.step_fn is not None:
             return _scalar(self.step_fn(model, batch), "step(model, batch)")
         if self.loss_fn is not None:
             output, target = self._forward(model, batch)
-            return _scalar(self.loss_fn(output, target), "loss_fn(output, target)")
-        return _scalar(_call(model, batch), "the model's forward")
+            return _scalar(self._apply_loss(output, target), "loss_fn(output, target)")
+        return _scalar(_call(model, batch), "the model's forward", tuples=True)
 
     def evaluate(self, model, batch) -> dict[str, torch.Tensor]:
         """Device-side sums for validation: loss and each metric, weighted by batch size."""
+        __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
         n = batch_size_of(batch)
         if self.loss_fn is None:
             return {"val_loss": self.loss(model, batch).float() * n}
         output, target = self._forward(model, batch)
-        sums = {"val_loss": _scalar(self.loss_fn(output, target), "loss_fn").float() * n}
+        sums = {"val_loss": _scalar(self._apply_loss(output, target), "loss_fn").float() * n}
         metrics = self.metrics or _default_metrics(output, target)
         for name, fn in metrics.items():
             sums[f"val_{name}"] = torch.as_tensor(fn(output, target), device=output.device).float() * n
         return sums
 
+    def _apply_loss(self, output, target):
+        __tracebackhide__ = True  # noqa: F841
+        try:
+            return self.loss_fn(output, target)
+        except (TypeError, AttributeError) as error:
+            if not isinstance(output, (list, tuple)):
+                raise
+            raise GpunbError(f"The model returned a {type(output).__name__} of {len(output)}, and "
+                             f"`loss_fn` cannot take it: {type(error).__name__}: {error}",
+                             "return only the output the loss needs from forward, or pass a "
+                             "`step(model, batch)` that picks it, e.g. `def step(model, batch): "
+                             "x, y = batch; return loss_fn(model(x)[0], y)`.") from error
+
     def _forward(self, model, batch):
+        __tracebackhide__ = True  # noqa: F841
         if isinstance(batch, torch.Tensor):
             return model(batch), batch
         if isinstance(batch, (list, tuple)) and len(batch) >= 2:
             return model(*batch[:-1]), batch[-1]
+        if isinstance(batch, (list, tuple)) and len(batch) == 1:
+            raise GpunbError(f"With `loss_fn`, a batch must be (inputs, target); this one is a "
+                             f"{_describe(batch)}, so the data holds no labels for `loss_fn`.",
+                             "pass features and labels apart, e.g. `train_data = (x, y)` or "
+                             "`(df.drop(columns='label'), df['label'])`; or use `step(model, batch)`.")
         raise GpunbError(f"With `loss_fn`, a batch must be (inputs, target); got a {_describe(batch)}.",
                          "yield (x, y) pairs from the data, or use `step(model, batch)` for "
                          "other layouts.")
@@ -96,19 +118,50 @@ def _metric_functions(metrics) -> dict:
     return resolved
 
 
+_THREE_WAYS = ("pass `loss_fn=` (e.g. `torch.nn.CrossEntropyLoss()`: gpunb then calls `model(inputs)` "
+               "and `loss_fn(output, target)`), a `step(model, batch)` function that returns the loss, "
+               "or a model whose forward takes the whole batch and returns the loss (or an object "
+               "with `.loss`, or a tuple such as `(logits, loss)`).")
+
+
 def _call(model, batch):
+    __tracebackhide__ = True  # noqa: F841
+    args, kwargs = (batch,), {}
     if isinstance(batch, dict):
-        return model(**batch)
-    if isinstance(batch, (list, tuple)):
-        return model(*batch)
-    return model(batch)
+        args, kwargs = (), batch
+    elif isinstance(batch, (list, tuple)):
+        args = tuple(batch)
+    try:
+        return model(*args, **kwargs)
+    except TypeError as error:
+        if not _forward_never_ran(error):
+            raise  # a TypeError inside the user's forward: their traceback says it best
+        given = (f"`model(**batch)` with keys {', '.join(map(repr, kwargs))}" if kwargs
+                 else f"`model(*batch)` with {len(args)} positional argument{'s' * (len(args) != 1)}")
+        raise GpunbError(f"gpunb called {given} because no `loss_fn` or `step` was given, and the "
+                         f"model's forward does not take that: {error}", _THREE_WAYS) from error
 
 
-def _scalar(loss: Any, source: str) -> torch.Tensor:
+def _forward_never_ran(error: TypeError) -> bool:
+    """Whether the TypeError came from binding the call's arguments, before forward's first line.
+
+    Python raises that error in the caller's frame, so the innermost traceback frame is
+    torch's Module.__call__ (or this module), never the user's forward.
+    """
+    tb = error.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    filename = tb.tb_frame.f_code.co_filename.replace("\\", "/")
+    return filename.endswith(("torch/nn/modules/module.py", "gpunb/runtime/objective.py"))
+
+
+def _scalar(loss: Any, source: str, tuples: bool = False) -> torch.Tensor:
     if hasattr(loss, "loss") and not isinstance(loss, torch.Tensor):
         loss = loss.loss
     elif isinstance(loss, dict) and "loss" in loss:
         loss = loss["loss"]
+    elif tuples and isinstance(loss, (list, tuple)):
+        loss = _loss_in_tuple(loss, source)
     if not isinstance(loss, torch.Tensor):
         raise GpunbError(f"{source} returned a {type(loss).__name__}, not a loss tensor.",
                          "return a scalar tensor, or pass `loss_fn=` (e.g. "
@@ -118,6 +171,20 @@ def _scalar(loss: Any, source: str) -> torch.Tensor:
                          "reduce it (`.mean()`, or a loss with reduction='mean'), or if these are "
                          "model outputs pass `loss_fn=` (e.g. `torch.nn.CrossEntropyLoss()`).")
     return loss
+
+
+def _loss_in_tuple(output, source: str) -> torch.Tensor:
+    """The one scalar in a tuple output: nanoGPT's `(logits, loss)`, or `(loss, logits)`."""
+    scalars = [v for v in output if isinstance(v, torch.Tensor) and v.ndim == 0 and v.is_floating_point()]
+    if len(scalars) == 1:
+        return scalars[0]
+    shapes = ", ".join(repr(tuple(v.shape)) if isinstance(v, torch.Tensor) else type(v).__name__
+                       for v in output)
+    raise GpunbError(f"{source} returned a {type(output).__name__} ({shapes}) holding "
+                     f"{'no' if not scalars else len(scalars)} scalar tensors, so gpunb cannot tell "
+                     "which is the loss.",
+                     "return the loss alone (or an object with `.loss`), or pass a `step(model, batch)` "
+                     "that picks it, e.g. `def step(model, batch): return model(*batch)[1]`.")
 
 
 def _describe(batch) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -34,6 +35,19 @@ def check_optimizer(optimizer, model: torch.nn.Module) -> None:
                          "for an earlier instance of the model).",
                          "create the optimizer after the model: "
                          "`optimizer = torch.optim.AdamW(model.parameters())`.")
+    if optimized and not any(p.requires_grad for p in optimized):
+        raise GpunbError("Every parameter the optimizer holds is frozen (`requires_grad=False`), so "
+                         "there is nothing to train and backward would fail.",
+                         "unfreeze what should train (`p.requires_grad_(True)`) before creating the "
+                         "optimizer, e.g. `torch.optim.AdamW(p for p in model.parameters() if p.requires_grad)`.")
+    held = {id(p) for p in optimized}
+    left_out = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if optimized and left_out:
+        listed = ", ".join(left_out[:5]) + (f" and {len(left_out) - 5} more" if len(left_out) > 5 else "")
+        warnings.warn(f"The optimizer holds only some of the model's trainable parameters: {listed} "
+                      "get gradients but are never updated. Pass `model.parameters()` to the "
+                      "optimizer, or freeze those (`requires_grad_(False)`) to skip their gradients.",
+                      UserWarning, stacklevel=2)
 
 
 def make_scheduler(optimizer, kind: str, total_steps: int | None, warmup_steps: int):

@@ -6,7 +6,7 @@ import html
 from dataclasses import dataclass, field
 
 from gpunb.charts import loss_chart
-from gpunb.runtime.callbacks import format_duration
+from gpunb.units import format_duration
 
 
 @dataclass

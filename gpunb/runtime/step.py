@@ -31,6 +31,7 @@ class Stepper:
 
     def accumulate(self, batch, last_in_step: bool) -> None:
         """Forward and backward of one loaded batch (in `splits` pieces)."""
+        __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
         self.pending.append(batch)
         todo = [batch]
         while True:
@@ -61,6 +62,7 @@ class Stepper:
         return -(-batch_size // self.splits)
 
     def _backward(self, batch, sync: bool) -> None:
+        __tracebackhide__ = True  # noqa: F841
         size = batch_size_of(batch)
         pieces = split_batch(batch, self.splits)
         for i, piece in enumerate(pieces):

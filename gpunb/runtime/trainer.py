@@ -26,6 +26,7 @@ from gpunb.runtime.interrupt import InterruptFlag
 from gpunb.runtime.objective import Objective
 from gpunb.runtime.optim import check_optimizer, default_optimizer, make_scheduler
 from gpunb.runtime.precision import Precision, resolve_precision
+from gpunb.runtime.preflight import preflight
 from gpunb.runtime.result import TrainResult, epoch_mean_loss, last_epoch_train_loss
 from gpunb.runtime.saving import Checkpointer, resume
 from gpunb.runtime.step import Stepper
@@ -53,6 +54,7 @@ class Trainer:
     def fit(self, model, train_data, val_data=None, *, optimizer=None, loss_fn=None, step=None,
             metrics=None, callbacks=()) -> TrainResult:
         """Train `model` on `train_data`; returns a TrainResult. The model is trained in place."""
+        __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
         if not isinstance(model, torch.nn.Module):
             raise GpunbError(f"`model` must be a torch.nn.Module, got a {type(model).__name__}.",
                              "pass the module itself, e.g. `model = nn.Sequential(...)`.")
@@ -106,6 +108,7 @@ class _Run:
 
 
 def _prepare(config, dist, model, train_data, val_data, optimizer, objective, user_callbacks) -> _Run:
+    __tracebackhide__ = True  # noqa: F841
     device = devices.select_device(config.accelerator, dist.local_rank)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
@@ -118,6 +121,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
     if optimizer is None:
         optimizer = default_optimizer(model, config.lr, device)
     check_optimizer(optimizer, model)
+    train, val = preflight(model, train, val, objective, precision, device, config)  # one batch, before any work
 
     batch_size = config.batch_size
     if batch_size == "auto":
@@ -158,6 +162,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
 
 def _train(run: _Run) -> TrainResult:
     """The loop: epochs of optimizer steps, logging at intervals, validation per epoch."""
+    __tracebackhide__ = True  # noqa: F841
     config, state, callbacks, stepper = run.config, run.state, run.callbacks, run.stepper
     timer = _Timer()
     interrupt = InterruptFlag()
@@ -307,6 +312,7 @@ def _end_epoch(run: _Run, logged: list, timer) -> None:
 
 @torch.no_grad()
 def _validate(run: _Run) -> dict:
+    __tracebackhide__ = True  # noqa: F841
     run.train_model.eval()
     sums, count = {}, 0
     for batch in run.val_feed.epoch(0):

@@ -1,8 +1,11 @@
-"""REST handlers under `<base_url>/gpunb/api/`: devices, runs, one run, stop a run.
+"""REST handlers under `<base_url>/gpunb/api/`: devices, runs, one run (read, delete), stop a run.
 
 NVML and SQLite calls block, so each one runs in a worker thread, never on the
-server's event loop. Every verb requires an authenticated user. One `Registry` serves
-the whole server: it opens a short-lived connection per call, so threads may share it.
+server's event loop, and the two kinds run in separate thread pools: a registry
+locked by another process never delays `GET devices`. Every request opens its own
+short-lived registry connection and waits `REGISTRY_WAIT_S` at most for a lock. A
+locked registry answers 503, a damaged one 500, each with a JSON message that says
+what is wrong and what to do. Every verb requires an authenticated user.
 """
 
 from __future__ import annotations
@@ -10,23 +13,40 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
 
 from gpunb import telemetry
-from gpunb.runs import Registry
+from gpunb.runs import Registry, RegistryDamaged, RegistryLocked, default_path
 
 from .kernels import annotate_processes, kernel_notebooks, kernel_root_pids, with_children
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")
+REGISTRY_WAIT_S = 2.0  # a request waits this long at most for another process's write lock
 
 
 class GpunbHandler(APIHandler):
     @property
     def registry(self) -> Registry:
-        return self.settings["gpunb_registry"]
+        # A fresh object per request: its operations open and close their own connections.
+        return Registry(self.settings["gpunb_registry_path"], timeout=self.settings["gpunb_registry_wait_s"],
+                        keep_open=False)
+
+    async def in_thread(self, pool: str, function, *args):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.settings["gpunb_pools"][pool], function, *args)
+
+    async def registry_call(self, function, *args):
+        """`function(registry, *args)` in the registry pool; registry errors become JSON answers."""
+        try:
+            return await self.in_thread("registry", function, self.registry, *args)
+        except RegistryLocked as error:
+            raise web.HTTPError(503, str(error), reason="Run registry locked") from error
+        except RegistryDamaged as error:
+            raise web.HTTPError(500, str(error), reason="Run registry damaged") from error
 
     def reply(self, body, status: int = 200) -> None:
         self.set_status(status)
@@ -47,13 +67,13 @@ class DevicesHandler(GpunbHandler):
     async def get(self):
         roots = kernel_root_pids(self.kernel_manager)
         notebooks = await kernel_notebooks(self.session_manager)
-        self.reply(await asyncio.to_thread(_devices, roots, notebooks))
+        self.reply(await self.in_thread("nvml", _devices, roots, notebooks))
 
 
 class RunsHandler(GpunbHandler):
     @web.authenticated
     async def get(self):
-        runs = await asyncio.to_thread(self.registry.list_runs)
+        runs = await self.registry_call(_list_runs)
         self.reply({"runs": runs})
 
 
@@ -61,10 +81,31 @@ class RunHandler(GpunbHandler):
     @web.authenticated
     async def get(self, run_id: str):
         run_id = self.checked_run_id(run_id)
-        run = await asyncio.to_thread(self.registry.get_run, run_id, with_history=True)
+        run = await self.registry_call(Registry.get_run, run_id)
         if run is None:
             raise web.HTTPError(404, f"No run with id {run_id}.")
         self.reply(run)
+
+    @web.authenticated
+    async def delete(self, run_id: str):
+        run_id = self.checked_run_id(run_id)
+        removed, run = await self.registry_call(_remove, run_id)
+        if removed:
+            self.set_status(204)
+            self.finish()
+        elif run is None:
+            raise web.HTTPError(404, f"No run with id {run_id}.")
+        else:
+            raise web.HTTPError(409, f"Run {run_id} is running; stop it before removing it.")
+
+
+def _list_runs(registry: Registry) -> list[dict]:
+    return registry.list_runs(series=True)  # running runs carry their newest losses: one request a poll
+
+
+def _remove(registry: Registry, run_id: str) -> tuple[bool, dict | None]:
+    run = registry.get_run(run_id, with_history=False)  # first marks it failed if its process died
+    return run is not None and bool(registry.remove([run_id])), run
 
 
 def _request_stop(registry: Registry, run_id: str) -> tuple[bool, dict | None]:
@@ -77,7 +118,7 @@ class StopHandler(GpunbHandler):
     @web.authenticated
     async def post(self, run_id: str):
         run_id = self.checked_run_id(run_id)
-        accepted, run = await asyncio.to_thread(_request_stop, self.registry, run_id)
+        accepted, run = await self.registry_call(_request_stop, run_id)
         if accepted:
             self.reply({"id": run_id, "stop_requested": True}, status=202)
         elif run is None:
@@ -87,7 +128,12 @@ class StopHandler(GpunbHandler):
 
 
 def setup_handlers(web_app) -> None:
-    web_app.settings["gpunb_registry"] = Registry()  # $GPUNB_HOME/runs.sqlite, opened on first use
+    settings = web_app.settings
+    settings["gpunb_registry_path"] = default_path()  # $GPUNB_HOME/runs.sqlite, created on first use
+    settings.setdefault("gpunb_registry_wait_s", REGISTRY_WAIT_S)
+    # Separate pools: requests stuck on a locked registry never hold up NVML snapshots.
+    settings["gpunb_pools"] = {"nvml": ThreadPoolExecutor(2, thread_name_prefix="gpunb-nvml"),
+                               "registry": ThreadPoolExecutor(4, thread_name_prefix="gpunb-registry")}
     api = url_path_join(web_app.settings["base_url"], "gpunb", "api")
     web_app.add_handlers(
         ".*$",

@@ -67,12 +67,24 @@ export interface IRun {
   device?: string | null;
   error?: string | null;
   stop_requested?: boolean;
-  started_at?: number;
+  started_at?: number | null;
+  ended_at?: number | null;
+  updated_at?: number | null;
+  best?: { [metric: string]: number }; // each validation metric's best value, once finished
+  losses?: [number, number][]; // running runs: the newest (step, loss) pairs
+  config?: { [key: string]: unknown };
+}
+
+/** One logged point: step, time and whatever metrics were logged there. */
+export interface IPoint {
+  step: number;
+  t: number;
+  [metric: string]: number | null;
 }
 
 /** GET gpunb/api/runs/<id>: the run and its logged metrics. */
 export interface IRunDetail extends IRun {
-  history: { step: number; loss?: number | null }[];
+  history: IPoint[];
 }
 
 /**

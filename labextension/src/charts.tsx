@@ -56,3 +56,77 @@ export function Sparkline(props: {
     </svg>
   );
 }
+
+/** One named line of (x, y) points. */
+export interface ISeries {
+  name: string;
+  points: [number, number][];
+}
+
+/**
+ * Lines against step with the y range and the first and last step written at the
+ * edges: the detail view's curves. Colours come from the theme (see base.css).
+ */
+export function LineChart(props: {
+  title: string;
+  series: ISeries[];
+}): JSX.Element | null {
+  const series = props.series
+    .map(s => ({
+      name: s.name,
+      points: s.points.filter(([x, y]) => isFinite(x) && isFinite(y))
+    }))
+    .filter(s => s.points.length > 0);
+  if (series.length === 0) {
+    return null;
+  }
+  const all = series.flatMap(s => s.points);
+  const [x0, x1] = [Math.min(...all.map(p => p[0])), Math.max(...all.map(p => p[0]))];
+  const [y0, y1] = [Math.min(...all.map(p => p[1])), Math.max(...all.map(p => p[1]))];
+  // A loss that falls by orders of magnitude reads better on a log scale (as gpunb.charts does).
+  const log = y0 > 0 && y1 / y0 > 100;
+  const f = (y: number) => (log ? Math.log10(y) : y);
+  const [f0, f1] = [f(y0), f(y1)];
+  const [w, h, left, top] = [200, 70, 2, 4];
+  const sx = (x: number) => left + ((x - x0) / (x1 - x0 || 1)) * (w - 2 * left);
+  const sy = (y: number) => top + (1 - (f(y) - f0) / (f1 - f0 || 1)) * (h - 2 * top);
+  const label = (v: number) => String(Number(v.toPrecision(3)));
+  return (
+    <figure className="jp-gpunb-chart" data-metric={props.title}>
+      <figcaption className="jp-gpunb-chart-caption">
+        <span>{props.title}</span>
+        <span className="jp-gpunb-muted">
+          {label(y0)} – {label(y1)}
+          {log ? ' (log)' : ''}
+        </span>
+      </figcaption>
+      <svg viewBox={`0 0 ${w} ${h}`} preserveAspectRatio="none" role="img">
+        <title>{`${props.title} by step`}</title>
+        <rect className="jp-gpunb-chart-frame" x={0} y={0} width={w} height={h} />
+        {series.map((s, i) => (
+          <polyline
+            key={s.name}
+            className={`jp-gpunb-series-${i % 3}`}
+            points={s.points
+              .map(([x, y]) => `${sx(x).toFixed(1)},${sy(y).toFixed(1)}`)
+              .join(' ')}
+          />
+        ))}
+      </svg>
+      <div className="jp-gpunb-chart-axis jp-gpunb-muted">
+        <span>step {x0}</span>
+        <span>
+          {series.length > 1
+            ? series.map((s, i) => (
+                <span key={s.name} className={`jp-gpunb-legend-${i % 3}`}>
+                  {' '}
+                  ● {s.name}
+                </span>
+              ))
+            : null}
+        </span>
+        <span>{x1}</span>
+      </div>
+    </figure>
+  );
+}

@@ -39,7 +39,7 @@ function GpuCard(props: { gpu: IGpu; history: number[] }): JSX.Element {
       <Sparkline
         values={props.history}
         max={100}
-        title="GPU utilisation, last 60 seconds"
+        title="GPU utilisation, last 60 samples"
       />
       <ProcessList gpu={gpu} />
     </div>
@@ -63,7 +63,10 @@ function ProcessList(props: { gpu: IGpu }): JSX.Element {
   );
 }
 
-export function HostStats(props: { host: IHost }): JSX.Element {
+/** The history key of the host's CPU utilisation (GPUs are keyed by `gpuKey`). */
+export const HOST_KEY = 'host-cpu';
+
+export function HostStats(props: { host: IHost; history: number[] }): JSX.Element {
   const { host } = props;
   return (
     <div className="jp-gpunb-card jp-gpunb-host">
@@ -82,6 +85,11 @@ export function HostStats(props: { host: IHost }): JSX.Element {
         label="RAM"
         percent={host.ram_percent}
         detail={`${gib(host.ram_used_mb)} / ${gib(host.ram_total_mb)} GiB`}
+      />
+      <Sparkline
+        values={props.history}
+        max={100}
+        title="CPU utilisation, last 60 samples"
       />
     </div>
   );
@@ -121,7 +129,10 @@ export function Devices(props: {
           </div>
         </div>
       )}
-      <HostStats host={devices.host} />
+      <HostStats
+        host={devices.host}
+        history={props.history.get(HOST_KEY) ?? []}
+      />
     </section>
   );
 }

@@ -9,17 +9,19 @@ import { Poll } from '@lumino/polling';
 import * as React from 'react';
 
 import { gpuKey, IDevices, IRun, IRunDetail, requestAPI } from './api';
-import { Devices } from './gpus';
+import { RunDetail } from './detail';
+import { Devices, HOST_KEY } from './gpus';
 import { gpuIcon } from './icon';
-import { Runs } from './runs';
+import { IRunActions, Runs } from './runs';
 
 const POLL_MS = 2000;
-const HISTORY_MS = 60_000;
+const HISTORY_SAMPLES = 60; // kept per GPU and for the host CPU, like nvdashboard
 
 /**
- * The sidebar: polls the server every 2 s while it is visible and draws the GPUs
- * (with a 60 s utilisation history kept here) and the runs (with the loss
- * history of the running ones).
+ * The sidebar: polls the server every 2 s while it is visible (one request for the
+ * devices, one for the runs, which carries the running runs' losses) and draws the
+ * GPUs and the host (with the last 60 samples kept here), the runs, or one run's
+ * curves and configuration.
  */
 export class GpunbPanel extends ReactWidget {
   constructor() {
@@ -48,12 +50,6 @@ export class GpunbPanel extends ReactWidget {
   }
 
   protected render(): JSX.Element {
-    const utilisation = new Map(
-      [...this._utilisation].map(([key, samples]) => [
-        key,
-        samples.map(s => s.value)
-      ])
-    );
     return (
       <div className="jp-gpunb-body">
         {this._error ? (
@@ -64,71 +60,85 @@ export class GpunbPanel extends ReactWidget {
           </div>
         ) : null}
         {this._devices ? (
-          <Devices devices={this._devices} history={utilisation} />
+          <Devices devices={this._devices} history={this._history} />
         ) : this._error ? null : (
           <div className="jp-gpunb-muted">Loading…</div>
         )}
-        <Runs
-          runs={this._runs}
-          losses={this._losses}
-          onStop={run => void this._stop(run)}
-        />
+        {this._detail ? (
+          <RunDetail
+            run={this._detail}
+            actions={this._actions}
+            onClose={() => this._close()}
+          />
+        ) : (
+          <Runs
+            runs={this._runs}
+            losses={this._losses}
+            error={this._runsError}
+            actions={this._actions}
+          />
+        )}
       </div>
     );
   }
 
   private async _refresh(): Promise<void> {
-    try {
-      const [devices, { runs }] = await Promise.all([
-        requestAPI<IDevices>('devices'),
-        requestAPI<{ runs: IRun[] }>('runs')
-      ]);
-      this._devices = devices;
-      this._runs = runs;
-      this._recordUtilisation(devices);
-      await this._fetchLosses(runs);
+    const [devices, runs] = await Promise.allSettled([
+      requestAPI<IDevices>('devices'),
+      requestAPI<{ runs: IRun[] }>('runs')
+    ]);
+    if (devices.status === 'fulfilled') {
+      this._devices = devices.value;
+      this._record(devices.value);
       this._error = null;
-    } catch (error) {
-      this._error = (error as Error).message;
-      throw error; // lets the poll back off while the server is unreachable
-    } finally {
-      this.update();
+    } else {
+      this._error = (devices.reason as Error).message;
+    }
+    if (runs.status === 'fulfilled') {
+      this._runs = runs.value.runs;
+      this._recordLosses(this._runs);
+      this._runsError = null;
+    } else {
+      // The server's message: e.g. which registry file is locked or damaged, and what to do.
+      this._runsError = (runs.reason as Error).message;
+    }
+    const open = this._runs.find(run => run.id === this._detail?.id);
+    if (open?.status === 'running' || open?.status !== this._detail?.status) {
+      await this._load(open ?? null);
+    }
+    this.update();
+    if (devices.status === 'rejected') {
+      throw devices.reason; // lets the poll back off while the server is unreachable
     }
   }
 
-  private _recordUtilisation(devices: IDevices): void {
-    const now = Date.now();
-    const seen = new Set<string>();
-    for (const gpu of devices.gpus) {
-      const key = gpuKey(gpu);
-      seen.add(key);
-      const samples = (this._utilisation.get(key) ?? []).filter(
-        s => now - s.time <= HISTORY_MS
-      );
-      if (gpu.utilization_gpu !== undefined) {
-        samples.push({ time: now, value: gpu.utilization_gpu });
-      }
-      this._utilisation.set(key, samples);
-    }
-    for (const key of [...this._utilisation.keys()]) {
-      if (!seen.has(key)) {
-        this._utilisation.delete(key);
-      }
-    }
-  }
-
-  /** Loss histories: fetched for running runs only; a finished run keeps its last one. */
-  private async _fetchLosses(runs: IRun[]): Promise<void> {
-    const running = runs.filter(run => run.status === 'running');
-    const details = await Promise.allSettled(
-      running.map(run => requestAPI<IRunDetail>(`runs/${run.id}`))
+  private _record(devices: IDevices): void {
+    const samples = new Map<string, number | undefined>(
+      devices.gpus.map(gpu => [gpuKey(gpu), gpu.utilization_gpu])
     );
-    for (const detail of details) {
-      if (detail.status === 'fulfilled') {
-        const losses = detail.value.history
-          .map(row => row.loss)
-          .filter((loss): loss is number => typeof loss === 'number');
-        this._losses.set(detail.value.id, losses);
+    samples.set(HOST_KEY, devices.host.cpu_percent);
+    for (const key of [...this._history.keys()]) {
+      if (!samples.has(key)) {
+        this._history.delete(key); // a GPU that went away
+      }
+    }
+    for (const [key, value] of samples) {
+      const history = this._history.get(key) ?? [];
+      if (value !== undefined && value !== null) {
+        history.push(value);
+      }
+      this._history.set(key, history.slice(-HISTORY_SAMPLES));
+    }
+  }
+
+  /** Running runs bring their newest losses; a finished run keeps the last ones seen. */
+  private _recordLosses(runs: IRun[]): void {
+    for (const run of runs) {
+      if (run.losses) {
+        this._losses.set(
+          run.id,
+          run.losses.map(([, loss]) => loss)
+        );
       }
     }
     const listed = new Set(runs.map(run => run.id));
@@ -137,6 +147,30 @@ export class GpunbPanel extends ReactWidget {
         this._losses.delete(id);
       }
     }
+  }
+
+  /** Fetch one run's full history for the detail view (null closes it). */
+  private async _load(run: IRun | null): Promise<void> {
+    if (run === null) {
+      this._detail = null;
+      return;
+    }
+    try {
+      this._detail = await requestAPI<IRunDetail>(`runs/${run.id}`);
+    } catch (error) {
+      this._detail = null;
+      this._runsError = (error as Error).message;
+    }
+  }
+
+  private async _open(run: IRun): Promise<void> {
+    await this._load(run);
+    this.update();
+  }
+
+  private _close(): void {
+    this._detail = null;
+    this.update();
   }
 
   private async _stop(run: IRun): Promise<void> {
@@ -159,10 +193,42 @@ export class GpunbPanel extends ReactWidget {
     void this._poll.refresh();
   }
 
+  private async _remove(run: IRun): Promise<void> {
+    const result = await showDialog({
+      title: 'Remove run?',
+      body: `"${run.name}" and its metrics are deleted from the run registry. Checkpoints on disk stay.`,
+      buttons: [
+        Dialog.cancelButton(),
+        Dialog.warnButton({ label: 'Remove run' })
+      ]
+    });
+    if (!result.button.accept) {
+      return;
+    }
+    try {
+      await requestAPI(`runs/${run.id}`, { method: 'DELETE' });
+      this._runs = this._runs.filter(other => other.id !== run.id);
+      if (this._detail?.id === run.id) {
+        this._detail = null;
+      }
+      this.update();
+    } catch (error) {
+      void showErrorMessage('Could not remove the run', error as Error);
+    }
+    void this._poll.refresh();
+  }
+
   private _poll: Poll;
   private _devices: IDevices | null = null;
   private _runs: IRun[] = [];
+  private _detail: IRunDetail | null = null;
   private _error: string | null = null;
-  private _utilisation = new Map<string, { time: number; value: number }[]>();
+  private _runsError: string | null = null;
+  private _history = new Map<string, number[]>();
   private _losses = new Map<string, number[]>();
+  private _actions: IRunActions = {
+    onStop: run => void this._stop(run),
+    onRemove: run => void this._remove(run),
+    onOpen: run => void this._open(run)
+  };
 }

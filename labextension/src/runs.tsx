@@ -2,26 +2,83 @@ import * as React from 'react';
 
 import { IRun } from './api';
 import { Bar, Sparkline } from './charts';
-import { basename, duration } from './format';
+import { ago, basename, duration, metric } from './format';
+
+export interface IRunActions {
+  onStop: (run: IRun) => void;
+  onRemove: (run: IRun) => void;
+  onOpen: (run: IRun) => void;
+}
+
+/** The validation metric a finished card shows: an accuracy-like one first, else a loss. */
+export function bestMetric(run: IRun): [string, number] | null {
+  const entries = Object.entries(run.best ?? {});
+  const notLoss = entries.find(([name]) => !/loss|err/.test(name));
+  return notLoss ?? entries[0] ?? null;
+}
+
+/** `1m 05s · 1,125 steps · best val_acc 0.953 · 5 min ago` */
+export function finishedSummary(run: IRun): string {
+  const parts: string[] = [];
+  if (run.started_at && run.ended_at) {
+    parts.push(duration(run.ended_at - run.started_at));
+  }
+  parts.push(`${(run.step ?? 0).toLocaleString('en-US')} steps`);
+  const best = bestMetric(run);
+  if (best) {
+    parts.push(`best ${best[0]} ${metric(best[1])}`);
+  }
+  const when = ago(run.ended_at ?? run.updated_at);
+  if (when) {
+    parts.push(when);
+  }
+  return parts.join(' · ');
+}
 
 function RunRow(props: {
   run: IRun;
   losses: number[];
-  onStop: (run: IRun) => void;
+  actions: IRunActions;
 }): JSX.Element {
-  const { run } = props;
+  const { run, actions } = props;
   const running = run.status === 'running';
   const stopping = running && run.stop_requested;
   const loss = run.latest?.loss;
   const steps = run.total_steps
     ? `step ${run.step ?? 0} / ${run.total_steps}`
     : `step ${run.step ?? 0}`;
+  const button = (
+    label: string,
+    className: string,
+    title: string,
+    action: (run: IRun) => void,
+    disabled = false
+  ) => (
+    <button
+      className={`${className} jp-mod-styled`}
+      disabled={disabled}
+      title={title}
+      onClick={event => {
+        event.stopPropagation(); // not also a click on the card
+        action(run);
+      }}
+    >
+      {label}
+    </button>
+  );
   return (
-    <li className="jp-gpunb-run" data-run-id={run.id} data-status={run.status}>
+    <li
+      className="jp-gpunb-run"
+      data-run-id={run.id}
+      data-status={run.status}
+      role="button"
+      tabIndex={0}
+      title="Show this run's curves and configuration"
+      onClick={() => actions.onOpen(run)}
+      onKeyDown={event => event.key === 'Enter' && actions.onOpen(run)}
+    >
       <div className="jp-gpunb-card-title">
-        <span className="jp-gpunb-ellipsis" title={run.id}>
-          {run.name}
-        </span>
+        <span className="jp-gpunb-ellipsis">{run.name}</span>
         <span className={`jp-gpunb-status jp-gpunb-status-${run.status}`}>
           {stopping ? 'stopping…' : run.status}
         </span>
@@ -43,22 +100,28 @@ function RunRow(props: {
                 (run.eta_s ? ` · ETA ${duration(run.eta_s)}` : '')
           }
         />
-      ) : null}
+      ) : (
+        <div className="jp-gpunb-run-summary">{finishedSummary(run)}</div>
+      )}
       <Sparkline values={props.losses} title="Training loss" />
       <div className="jp-gpunb-run-footer">
         <span className="jp-gpunb-muted">
-          {typeof loss === 'number' ? `loss ${loss.toPrecision(4)}` : ''}
+          {typeof loss === 'number' ? `loss ${metric(loss)}` : ''}
         </span>
-        {running ? (
-          <button
-            className="jp-gpunb-stop jp-mod-styled jp-mod-warn"
-            disabled={stopping}
-            onClick={() => props.onStop(run)}
-            title="Stop this run cleanly at its next log interval"
-          >
-            Stop
-          </button>
-        ) : null}
+        {running
+          ? button(
+              'Stop',
+              'jp-gpunb-stop jp-mod-warn',
+              'Stop this run cleanly at its next log interval',
+              actions.onStop,
+              stopping
+            )
+          : button(
+              'Remove',
+              'jp-gpunb-remove',
+              'Remove this run and its metrics from the registry',
+              actions.onRemove
+            )}
       </div>
       {run.error ? <div className="jp-gpunb-error">{run.error}</div> : null}
     </li>
@@ -69,7 +132,8 @@ function RunRow(props: {
 export function Runs(props: {
   runs: IRun[];
   losses: Map<string, number[]>;
-  onStop: (run: IRun) => void;
+  error: string | null;
+  actions: IRunActions;
 }): JSX.Element {
   const runs = [...props.runs].sort(
     (a, b) =>
@@ -79,7 +143,10 @@ export function Runs(props: {
   return (
     <section className="jp-gpunb-section">
       <h3 className="jp-gpunb-heading">Runs</h3>
-      {runs.length === 0 ? (
+      {props.error ? (
+        <div className="jp-gpunb-error jp-gpunb-runs-error">{props.error}</div>
+      ) : null}
+      {runs.length === 0 && !props.error ? (
         <div className="jp-gpunb-muted">
           No training runs yet. Runs started with %%gputrain or gpunb.Trainer
           appear here.
@@ -91,7 +158,7 @@ export function Runs(props: {
               key={run.id}
               run={run}
               losses={props.losses.get(run.id) ?? []}
-              onStop={props.onStop}
+              actions={props.actions}
             />
           ))}
         </ul>

@@ -1,0 +1,113 @@
+"""RunWriter: one run's registry writes, done by a daemon thread off the training loop.
+
+The training thread only hands over data (`submit`), which takes a lock for a few
+microseconds; every SQLite call, and every wait on another process's lock, happens
+here. What could not be written yet stays pending and is merged with newer data
+(newest fields win, metric rows accumulate, thinned when many), so a run that could
+not be recorded at start is recorded in full once the lock clears.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from gpunb.runs.registry import Registry, RegistryLocked
+
+LOCKED_RETRY_S = 0.25  # pause between tries while another process holds the lock
+RETRY_AFTER_S = 30.0  # after any other failure (disk full, damaged file), leave the registry alone this long
+MAX_PENDING_ROWS = 1000  # metric rows kept while the registry is unavailable (thinned evenly beyond)
+
+
+class RunWriter:
+    """Writes run `run_id` to `registry`, starting with `start_run(**start)`.
+
+    `warn(error)` is called (from this thread) after a failed write; `stop_requested`
+    turns True once the registry holds a stop request for the run.
+    """
+
+    def __init__(self, registry: Registry, run_id: str, start: dict, warn: Callable[[Exception], None]):
+        self.registry, self.run_id, self._warn = registry, run_id, warn
+        self.stop_requested = False  # as of this thread's last write
+        self.recorded = threading.Event()  # the run's row exists
+        self.finished = threading.Event()  # the final status is written, or given up
+        self._changed = threading.Condition()
+        self._start: dict | None = start  # start_run's arguments until the row exists
+        self._fields: dict = {}  # newest `Registry.update` fields not yet written
+        self._rows: list = []  # (step, metrics) not yet written
+        self._finish: dict | None = None  # `Registry.finish` arguments
+        self._busy = False  # this thread holds work taken from the pending state
+        self._ending = threading.Event()  # the final status was submitted: cut any back-off short
+        threading.Thread(target=self._loop, name=f"gpunb-run-{run_id[:8]}", daemon=True).start()
+
+    # ------------------------------------------------------------------ training thread
+    def submit(self, fields: dict | None = None, rows: list | None = None, finish: dict | None = None) -> None:
+        with self._changed:
+            self._fields.update(fields or {})
+            self._rows.extend(rows or ())
+            if len(self._rows) > MAX_PENDING_ROWS:  # keep every other row, and the newest
+                self._rows = self._rows[:-1:2] + self._rows[-1:]
+            if finish is not None:
+                self._finish = finish
+                self._ending.set()
+            self._changed.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything submitted so far is written; False if `timeout` ran out first."""
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._pending() and not self._busy
+                                          or self.finished.is_set(), timeout)
+
+    # ------------------------------------------------------------------ writer thread
+    def _pending(self) -> bool:
+        return bool(self._start or self._fields or self._rows or self._finish)
+
+    def _loop(self) -> None:
+        while not self.finished.is_set():
+            with self._changed:
+                self._changed.wait_for(self._pending)
+                self._busy = True
+            error = None
+            try:
+                self._write_pending()
+            except Exception as caught:  # kept pending; training matters more than the record
+                error = caught
+                self._warn(error)
+                if not isinstance(error, RegistryLocked) and self._finish is not None:
+                    self.finished.set()  # the run is over and the registry is broken: give up
+            with self._changed:
+                self._busy = False
+                self._changed.notify_all()
+            if isinstance(error, RegistryLocked):
+                time.sleep(LOCKED_RETRY_S)
+            elif error is not None:
+                self._ending.wait(RETRY_AFTER_S)  # the run's end is worth one more try at once
+
+    def _write_pending(self) -> None:
+        registry = self.registry
+        if self._start is not None:
+            registry.start_run(run_id=self.run_id, **self._start)
+            self._start = None
+            self.recorded.set()
+        with self._changed:
+            fields, self._fields = self._fields, {}
+            rows, self._rows = self._rows, []
+            finish = self._finish
+        try:
+            if fields:
+                registry.update(self.run_id, **fields)
+                fields = {}
+            while rows:
+                registry.add_metrics(self.run_id, *rows[0])
+                rows.pop(0)
+            if finish is not None:
+                registry.finish(self.run_id, **finish)
+                self.finished.set()
+                return
+            self.stop_requested = registry.stop_requested(self.run_id)
+        except Exception:
+            with self._changed:  # put back what was not written, under anything newer
+                self._fields = fields | self._fields
+                self._rows = rows + self._rows
+            raise
