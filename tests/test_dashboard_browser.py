@@ -98,6 +98,8 @@ def test_live_dashboard_then_static_summary(tmp_path):
                 assert bar.bounding_box()["width"] > first_width
                 assert curve.count() >= 1 and len(curve.first.get_attribute("points").split()) >= 3
                 assert cell.locator(".jp-InputPrompt").inner_text().strip() == "[*]:"  # still running
+                # ... and the kernel reads Busy, though the widgets' comms subshell was opened meanwhile.
+                assert page.locator(".jp-StatusBar-Item", has_text="Python 3 (ipykernel) | Busy").count() == 1
                 cell.screenshot(path=DOCS / "dashboard-live.png")
 
                 # The end: the widget's place now holds the static summary (table and curve).
