@@ -23,6 +23,7 @@ from gpunb.runtime.data import build_feed
 from gpunb.runtime.events import Callbacks, FitState
 from gpunb.runtime.inputs import adapt_data, batch_size_of
 from gpunb.runtime.interrupt import InterruptFlag
+from gpunb.runtime.nan_guard import NanGuard
 from gpunb.runtime.objective import Objective
 from gpunb.runtime.optim import check_optimizer, default_optimizer, make_scheduler
 from gpunb.runtime.precision import Precision, resolve_precision
@@ -103,6 +104,7 @@ class _Run:
     unwrap: object  # undoes wrap_model's changes to the user's module
     start_epoch: int = 0
     skip_batches: int = 0
+    nan_guard: NanGuard | None = None  # first non-finite step loss (detect_nan or checkpoints)
 
 
 def _prepare(config, dist, model, train_data, val_data, optimizer, objective, user_callbacks) -> _Run:
@@ -148,6 +150,8 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
     callbacks = Callbacks([*_default_callbacks(config, dist), *user_callbacks])
     run = _Run(config, dist, state, callbacks, model, train_model, objective, precision, reason,
                feed, val_feed, stepper, batch_size, unwrap)
+    if config.detect_nan or config.checkpoint_dir:
+        run.nan_guard = NanGuard()
     if config.checkpoint_dir:
         callbacks.callbacks.insert(0, Checkpointer(run))  # saved before others hear of the step
     if config.resume:
@@ -180,6 +184,8 @@ def _train(run: _Run) -> TrainResult:
                     if not last_in_step:
                         continue
                     step_loss = stepper.update()  # stays on the device: no sync here
+                    if run.nan_guard is not None:
+                        run.nan_guard.observe(step_loss, state.step)  # device ops only
                     state.step += 1
                     interval_loss = step_loss if interval_loss is None else interval_loss + step_loss
                     interval_steps += 1
@@ -266,11 +272,7 @@ def _log(run: _Run, mean_loss: torch.Tensor, steps: int, timer) -> None:
     state = run.state
     loss = run.dist.reduce_loss(mean_loss, state)  # the interval's one sync (ranks: + stop vote)
     if run.config.detect_nan and not math.isfinite(loss):
-        raise GpunbError(
-            f"The training loss became {loss} at step {state.step} (epoch {state.epoch}).",
-            "lower the learning rate (`lr=`), clip gradients (`clip_grad_norm=1.0`), check the "
-            "data for NaN/inf values, or use bf16 instead of fp16 (`precision='bf16-mixed'`). "
-            "Set `detect_nan=False` to train on regardless.")
+        run.nan_guard.fail(run, loss)  # raises, with the last good weights back in the model
     seconds = timer.lap()
     samples = steps * run.batch_size * run.config.grad_accum * state.world_size
     row = {"step": state.step, "epoch": state.epoch, "loss": loss, "steps": steps,
@@ -341,6 +343,7 @@ def _result(run: _Run, timer) -> TrainResult:
         compute_s=max(0.0, timer.elapsed() - timer.data_wait - timer.validation),
         peak_memory_mb=peak, oom_recoveries=run.stepper.oom_recoveries,
         skipped_steps=run.precision.skipped_steps, checkpoint_path=state.extras.get("checkpoint_path"),
+        resumed_from=state.extras.get("resumed"),
         interrupted=state.stop_reason == "interrupted", stop_reason=state.stop_reason)
 
 
