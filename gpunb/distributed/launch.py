@@ -5,7 +5,8 @@ Trainer.fit calls `fit` here when devices > 1 and no process group exists yet.
 - Start: fork while CUDA is untouched in this process (fast: nothing is pickled);
   once CUDA is initialised a forked process cannot use it, so spawn, with fit's
   arguments cloudpickled (shipping.py). torch.multiprocessing starts and joins the
-  processes; a TCPStore on a free localhost port is the rendezvous.
+  processes; a TCPStore listening on a free port of 127.0.0.1 only is the rendezvous,
+  and the ranks' own gloo/NCCL sockets are kept on the loopback interface too.
 - While they train: rank 0 streams its events over a queue (on_train_batch_end as a
   progress update at most 4 times a second); here they update a FitState that mirrors
   rank 0's and go to the caller's callbacks (the dashboard) and the run registry,
@@ -47,6 +48,26 @@ from gpunb.runtime.result import TrainResult
 INTERRUPT_GRACE_S = 4.0  # after a Ctrl-C, how long ranks get to reach a log interval and stop
 FAILURE_GRACE_S = 1.0  # after a rank fails, how long the others get to exit before SIGTERM/SIGKILL
 POLL_S = 0.05
+
+
+def _loopback_store():
+    """The rendezvous store, listening on 127.0.0.1 only.
+
+    TCPStore's own server listens on every interface; given a socket already bound
+    to the loopback address (master_listen_fd), it listens there instead.
+    """
+    import socket
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((worker.HOST, 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+    except BaseException:
+        listener.close()
+        raise
+    return torch.distributed.TCPStore(worker.HOST, port, is_master=True, wait_for_workers=False,
+                                      timeout=timedelta(seconds=60), master_listen_fd=listener.detach())
 
 
 class RankFailed(GpunbError):
@@ -132,8 +153,7 @@ class _Launch:
         payload = self.args if method == "fork" else ship(self.args)  # names what does not pickle
         context = mp.get_context(method)
         queue, stop = context.Queue(), context.Value("i", worker.RUN, lock=False)
-        store = torch.distributed.TCPStore(worker.HOST, 0, is_master=True, wait_for_workers=False,
-                                           timeout=timedelta(seconds=60))
+        store = _loopback_store()
         scratch = tempfile.TemporaryDirectory(prefix="gpunb-launch-")
         plan = worker.Plan(world_size=self.count, port=store.port, method=method,
                            accelerator=self.config.accelerator, threads=_threads_per_rank(self.count),
