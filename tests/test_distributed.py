@@ -494,3 +494,24 @@ def test_a_launched_run_listens_on_loopback_only():
     assert len(sockets.found) >= 3
     exposed = [s for s in sockets.found if not s[1].startswith("127.")]
     assert not exposed, f"listening beyond the loopback interface: {exposed}"
+
+
+def _killed_on_rank_1(model, batch):
+    x, y = batch
+    if dist.get_rank() == 1 and model.training:
+        _killed_on_rank_1.calls += 1
+        if _killed_on_rank_1.calls == 3:
+            os.kill(os.getpid(), signal.SIGKILL)  # what the kernel's OOM killer does
+    return nn.functional.cross_entropy(model(x), y)
+
+
+_killed_on_rank_1.calls = 0
+
+
+def test_a_killed_rank_is_reported_not_the_lost_peer_error_of_rank_0():
+    x, y = classification_data(n=512)
+    with pytest.raises(GpunbError) as raised:
+        Trainer(batch_size=16, log_every=1, **CPU2).fit(mlp(), (x, y), step=_killed_on_rank_1)
+    message = str(raised.value)
+    assert message.startswith("Rank 1 of 2 died (killed by SIGKILL)"), message
+    assert "out of memory" in message and "Connection" not in message
