@@ -181,3 +181,45 @@ def test_checkpoint_of_another_model_names_the_fix(tmp_path):
     with pytest.raises(GpunbError, match="does not fit this model"):
         Trainer(track=False, checkpoint_dir=tmp_path, resume="last").fit(
             other, (x, y), loss_fn=nn.CrossEntropyLoss())
+
+
+class InterruptedWhileMoved(nn.Sequential):
+    """Ctrl-C pressed `presses` times while fit sets up (moving the model is part of set-up)."""
+
+    def __init__(self, presses):
+        super().__init__(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3))
+        self.presses = presses
+
+    def to(self, *args, **kwargs):
+        presses, self.presses = self.presses, 0  # only at the first move (fit's own)
+        for _ in range(presses):
+            os.kill(os.getpid(), signal.SIGINT)
+        return super().to(*args, **kwargs)
+
+
+def test_an_interrupt_during_set_up_is_deferred_and_the_run_stops_before_its_first_step():
+    x, y = classification_data(n=64)
+    try:
+        result = Trainer(epochs=1, batch_size=16, track=False).fit(
+            InterruptedWhileMoved(1), (x, y), loss_fn=nn.CrossEntropyLoss())
+    except KeyboardInterrupt:
+        pytest.fail("a Ctrl-C during set-up escaped fit")
+    assert result.interrupted and result.steps == 0
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_interrupt_during_set_up_is_raised_and_never_masked_by_cleanup(monkeypatch):
+    from gpunb.runtime import device
+
+    def broken_restore(saved):
+        raise AttributeError("module 'sympy' has no attribute 'core'")
+
+    monkeypatch.setattr(device, "restore_globals", broken_restore)
+    torch.set_float32_matmul_precision("highest")
+    x, y = classification_data(n=64)
+    with pytest.warns(RuntimeWarning, match="Cleaning up after the failed run also failed"):
+        with pytest.raises(KeyboardInterrupt):
+            Trainer(epochs=1, batch_size=16, track=False).fit(
+                InterruptedWhileMoved(2), (x, y), loss_fn=nn.CrossEntropyLoss())
+    assert torch.get_float32_matmul_precision() == "highest"  # the other clean-up steps still ran
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

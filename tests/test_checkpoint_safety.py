@@ -114,13 +114,15 @@ def test_an_unwritable_checkpoint_dir_is_refused_before_training(tmp_path):
         assert torch.equal(value, before[name])
 
 
-def test_checkpoints_follow_the_umask(tmp_path):
-    old = os.umask(0o022)
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_checkpoints_and_the_registry_follow_the_umask(tmp_path, gpunb_home, umask, mode):
+    old = os.umask(umask)
     try:
-        result = train(dropout_mlp(), 1, checkpoint_dir=tmp_path)
+        result = train(dropout_mlp(), 1, checkpoint_dir=tmp_path / "ckpt", track=True)
     finally:
         os.umask(old)
-    assert stat.S_IMODE(os.stat(result.checkpoint_path).st_mode) == 0o644
+    assert stat.S_IMODE(os.stat(result.checkpoint_path).st_mode) == mode
+    assert stat.S_IMODE(os.stat(gpunb_home / "runs.sqlite").st_mode) == mode
 
 
 def test_leftover_temp_files_are_removed_at_the_next_save_and_at_resume(tmp_path):

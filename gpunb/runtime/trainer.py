@@ -30,6 +30,7 @@ from gpunb.runtime.precision import Precision, resolve_precision
 from gpunb.runtime.result import TrainResult
 from gpunb.runtime.saving import Checkpointer, resume
 from gpunb.runtime.step import Stepper
+from gpunb.runtime.teardown import Teardown
 from gpunb.runtime.wrap import wrap_model
 
 
@@ -65,23 +66,24 @@ class Trainer:
                               loss_fn=loss_fn, step=step, metrics=metrics, callbacks=callbacks)
         from gpunb.distributed.context import current_context
 
-        dist = current_context(self.config)
-        saved_globals = devices.seed_everything(self.config.seed, self.config.deterministic)
-        previous_matmul_precision = torch.get_float32_matmul_precision()
-        was_training = model.training
+        teardown = Teardown(model)
         run = None
         try:
-            run = _prepare(self.config, dist, model, train_data, val_data, optimizer,
-                           Objective(loss_fn, step, metrics), callbacks)
-            return _train(run)
-        finally:
-            if run is not None:
-                run.unwrap()
-            model.train(was_training)  # hand the model back in the mode it came in
-            devices.restore_globals(saved_globals)
-            torch.set_float32_matmul_precision(previous_matmul_precision)
-            if torch.cuda.is_initialized():  # not is_available(): that would rule out fork later
-                torch.cuda.empty_cache()  # hand cached blocks back so the notebook sees free memory
+            # A Ctrl-C during set-up (imports, the batch-size probe) is deferred like one in
+            # the loop: the run then stops before its first step and returns.
+            with InterruptFlag() as setup:
+                dist = current_context(self.config)
+                teardown.saved_globals = devices.seed_everything(self.config.seed, self.config.deterministic)
+                run = _prepare(self.config, dist, model, train_data, val_data, optimizer,
+                               Objective(loss_fn, step, metrics), callbacks)
+            if setup.raised:
+                run.state.request_stop("interrupted")
+            result = _train(run)
+        except BaseException:
+            teardown(run, failed=True)  # never replaces the error (or KeyboardInterrupt) raised here
+            raise
+        teardown(run, failed=False)
+        return result
 
 
 @dataclass
@@ -169,6 +171,8 @@ def _train(run: _Run) -> TrainResult:
         with interrupt:
             callbacks.call("on_fit_start", state)
             for epoch in range(run.start_epoch, config.epoch_limit):
+                if state.stop_reason == "interrupted":  # during set-up
+                    break
                 state.epoch = epoch
                 skip = run.skip_batches if epoch == run.start_epoch else 0
                 state.batch_in_epoch = skip
