@@ -3,6 +3,7 @@
 import math
 import os
 import stat
+import time
 
 import pytest
 import torch
@@ -12,7 +13,6 @@ from torch import nn
 from gpunb import Trainer
 from gpunb.errors import GpunbError
 from gpunb.runtime.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from gpunb.runtime.saving import ResumeNotice
 
 
 def dropout_mlp(seed=0, classes=3):
@@ -87,13 +87,16 @@ def test_detect_nan_off_trains_on_but_writes_no_nan_checkpoint(tmp_path):
 
 # --- runs own their checkpoints ----------------------------------------------------------------
 
-def test_a_new_run_in_a_used_directory_keeps_its_own_checkpoints(tmp_path):
+def test_a_new_run_in_a_used_directory_keeps_its_own_checkpoints(tmp_path, capsys):
     first = train(dropout_mlp(), 5, checkpoint_dir=tmp_path, keep_last=2)
     second = train(dropout_mlp(), 2, checkpoint_dir=tmp_path, keep_last=2)
     assert os.path.exists(second.checkpoint_path) and os.path.exists(first.checkpoint_path)
     assert len(list_checkpoints(tmp_path)) == 4
-    with pytest.warns(ResumeNotice, match=r"Resuming run .* at step 26 \(epoch 2\), saved "):
-        resumed = train(dropout_mlp(), 3, checkpoint_dir=tmp_path, resume="last", keep_last=2)
+    capsys.readouterr()
+    resumed = train(dropout_mlp(), 3, checkpoint_dir=tmp_path, resume="last", keep_last=2)
+    assert capsys.readouterr().out == ("Resuming run 'Sequential' at step 26 (epoch 2) from step-000000026.pt "
+                                       "(result.resumed_from says which run and when it was saved).\n")
+    assert resumed.resumed_from["saved_at"] <= time.time()
     assert resumed.resumed_from["path"] == second.checkpoint_path
     assert resumed.resumed_from["step"] == 26 and resumed.resumed_from["run"] in second.checkpoint_path
     assert os.path.dirname(resumed.checkpoint_path) == os.path.dirname(second.checkpoint_path)

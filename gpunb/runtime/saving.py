@@ -157,16 +157,10 @@ def _adopt_run(run, payload: dict, path: Path) -> None:
         if state.rank == 0:
             ckpt.remove_leftovers(path.parent)
     saved_at = payload.get("saved_at")
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(saved_at)) if saved_at else "unknown time"
     state.extras["resumed_from"] = str(path)
     state.extras["resumed"] = {"path": str(path), "run": run_id, "run_name": payload.get("run_name"),
                                "step": payload["step"], "epoch": payload["epoch"], "saved_at": saved_at}
     if state.rank == 0:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always", ResumeNotice)  # each resume says so, not only the first
-            warnings.warn(f"Resuming run {run_id or payload.get('run_name')} at step {payload['step']} "
-                          f"(epoch {payload['epoch']}), saved {when}: {path}", ResumeNotice, stacklevel=3)
-
-
-class ResumeNotice(UserWarning):
-    """Says which checkpoint a resumed run continues from."""
+        # Deterministic text (tutorials show it): the time and run id are in result.resumed_from.
+        print(f"Resuming run {payload.get('run_name')!r} at step {payload['step']} (epoch {payload['epoch']}) "
+              f"from {path.name} (result.resumed_from says which run and when it was saved).", flush=True)
