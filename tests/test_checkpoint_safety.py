@@ -1,6 +1,5 @@
 """Checkpoints that survive NaN, shared directories, bad disks and bad files; resume checks first."""
 
-import math
 import os
 import stat
 import time

@@ -30,7 +30,6 @@ import sys
 import tempfile
 import time
 import warnings
-from datetime import timedelta
 from queue import Empty
 
 import torch
@@ -38,6 +37,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from gpunb.distributed import worker
+from gpunb.distributed.loopback import loopback_store
 from gpunb.distributed.context import check_config
 from gpunb.distributed.shipping import FitArgs, ship
 from gpunb.errors import GpunbError
@@ -48,26 +48,6 @@ from gpunb.runtime.result import TrainResult
 INTERRUPT_GRACE_S = 4.0  # after a Ctrl-C, how long ranks get to reach a log interval and stop
 FAILURE_GRACE_S = 1.0  # after a rank fails, how long the others get to exit before SIGTERM/SIGKILL
 POLL_S = 0.05
-
-
-def _loopback_store():
-    """The rendezvous store, listening on 127.0.0.1 only.
-
-    TCPStore's own server listens on every interface; given a socket already bound
-    to the loopback address (master_listen_fd), it listens there instead.
-    """
-    import socket
-
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        listener.bind((worker.HOST, 0))
-        listener.listen(128)
-        port = listener.getsockname()[1]
-    except BaseException:
-        listener.close()
-        raise
-    return torch.distributed.TCPStore(worker.HOST, port, is_master=True, wait_for_workers=False,
-                                      timeout=timedelta(seconds=60), master_listen_fd=listener.detach())
 
 
 class RankFailed(GpunbError):
@@ -153,7 +133,7 @@ class _Launch:
         payload = self.args if method == "fork" else ship(self.args)  # names what does not pickle
         context = mp.get_context(method)
         queue, stop = context.Queue(), context.Value("i", worker.RUN, lock=False)
-        store = _loopback_store()
+        store = loopback_store()
         scratch = tempfile.TemporaryDirectory(prefix="gpunb-launch-")
         plan = worker.Plan(world_size=self.count, port=store.port, method=method,
                            accelerator=self.config.accelerator, threads=_threads_per_rank(self.count),

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from gpunb.distributed.loopback import HOST, keep_sockets_on_loopback
 from gpunb.distributed.shipping import FitArgs, unship
 from gpunb.errors import GpunbError
 
-HOST = "127.0.0.1"
 RUN, STOP, INTERRUPT = 0, 1, 2  # values of the shared stop flag
 PROGRESS_EVERY_S = 0.25  # rank 0 sends its progress (on_train_batch_end) at most this often
 
@@ -46,7 +46,7 @@ def run_rank(rank: int, plan: Plan, payload, queue, stop) -> None:
     torch.set_num_threads(plan.threads)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(plan.world_size),
                       LOCAL_WORLD_SIZE=str(plan.world_size), MASTER_ADDR=HOST, MASTER_PORT=str(plan.port))
-    _keep_sockets_on_loopback()
+    keep_sockets_on_loopback()
     try:
         if plan.method == "fork" and plan.accelerator == "cuda" and torch.cuda._is_in_bad_fork():
             # CUDA was set up in the parent after all (e.g. by torch.cuda.is_available()):
@@ -85,28 +85,6 @@ def _own_signals() -> None:
     except ImportError:  # not Linux, or a torch without it: the parent's clean-up still applies
         return
     _prctl_pr_set_pdeathsig(signal.SIGKILL)
-
-
-def _keep_sockets_on_loopback() -> None:
-    """All ranks run on this machine: gloo's and NCCL's bootstrap sockets need not (and so
-    do not) listen beyond the loopback interface. A choice the user made in the
-    environment stands."""
-    interface = _loopback_interface()
-    if interface is not None:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
-
-
-def _loopback_interface() -> str | None:
-    """The name of the interface that carries 127.0.0.1 ("lo" on Linux, "lo0" on macOS)."""
-    try:
-        import psutil
-    except ImportError:
-        return None
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(address.address == HOST for address in addresses):
-            return name
-    return None
 
 
 def _join_group(rank: int, plan: Plan) -> None:

@@ -69,9 +69,7 @@ class Trainer:
         teardown = Teardown(model)
         run = None
         try:
-            # A Ctrl-C during set-up (imports, the batch-size probe) is deferred like one in
-            # the loop: the run then stops before its first step and returns.
-            with InterruptFlag() as setup:
+            with InterruptFlag() as setup:  # a Ctrl-C in set-up: stop before the first step
                 dist = current_context(self.config)
                 teardown.saved_globals = devices.seed_everything(self.config.seed, self.config.deterministic)
                 run = _prepare(self.config, dist, model, train_data, val_data, optimizer,
@@ -152,8 +150,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
     callbacks = Callbacks([*_default_callbacks(config, dist), *user_callbacks])
     run = _Run(config, dist, state, callbacks, model, train_model, objective, precision, reason,
                feed, val_feed, stepper, batch_size, unwrap)
-    if config.detect_nan or config.checkpoint_dir:
-        run.nan_guard = NanGuard()
+    run.nan_guard = NanGuard() if config.detect_nan or config.checkpoint_dir else None
     if config.checkpoint_dir:
         callbacks.callbacks.insert(0, Checkpointer(run))  # saved before others hear of the step
     if config.resume:
