@@ -92,6 +92,11 @@ def test_more_epochs_with_one_cycle_is_refused_saying_how(tmp_path):
 
 def test_a_mid_epoch_stop_then_resume_has_one_row_per_epoch(tmp_path):
     x, y = classification_data(n=96)
+    straight, _ = fit(dropout_mlp(), (x, y), epochs=2)
     fit(dropout_mlp(), (x, y), epochs=2, checkpoint_dir=tmp_path, callbacks=[StopAt(3)])
     result, _ = fit(dropout_mlp(), (x, y), epochs=2, checkpoint_dir=tmp_path, resume="last")
     assert [row["epoch"] for row in result.epochs] == [0, 1]
+    # The resumed epoch's mean loss covers all its steps (the same steps, logged in other intervals).
+    assert [r["step"] for r in result.epochs] == [r["step"] for r in straight.epochs]
+    assert [r["train_loss"] for r in result.epochs] == pytest.approx([r["train_loss"] for r in straight.epochs],
+                                                                    rel=1e-6)

@@ -174,6 +174,8 @@ def _train(run: _Run) -> TrainResult:
                 skip = run.skip_batches if epoch == run.start_epoch else 0
                 state.batch_in_epoch = skip
                 logged_before = len(state.history)
+                while logged_before and state.history[logged_before - 1].get("epoch") == epoch:
+                    logged_before -= 1  # a resumed epoch: its rows from before the stop count too
                 run.train_model.train()
                 batches = run.feed.epoch(epoch, skip)
                 remaining = None if run.feed.num_batches is None else run.feed.num_batches - skip
