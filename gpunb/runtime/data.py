@@ -125,7 +125,8 @@ def build_feed(data, *, batch_size, device, config, rank=0, world_size=1, train=
             return LoaderFeed(_rebuilt(data, sampler), device, transforms, sampler)
         return LoaderFeed(data, device, transforms)
     if isinstance(data, IterableDataset):
-        loader = DataLoader(data, batch_size=batch_size, **_loader_options(config, device))
+        loader = DataLoader(data, batch_size=batch_size, generator=loader_generator(config.seed),
+                            **_loader_options(config, device))
         return LoaderFeed(loader, device, transforms)
     sampler = _EpochSampler(EpochOrder(len(data), config.shuffle and train, config.seed, rank, world_size))
     batch_sampler = BatchSampler(sampler, batch_size, drop_last=config.drop_last and train)
