@@ -1,7 +1,9 @@
 """Checkpoints: exact resume, atomic files, interrupts, and clear errors for bad files."""
 
+import errno
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,30 +75,35 @@ def test_resume_mid_epoch_with_a_schedule_is_bitwise_exact(tmp_path):
 
 
 def test_keep_last_and_atomic_names(tmp_path):
-    train(dropout_mlp(), epochs=5, checkpoint_dir=tmp_path, keep_last=2)
+    result, _ = train(dropout_mlp(), epochs=5, checkpoint_dir=tmp_path, keep_last=2)
+    run_dir = Path(result.checkpoint_path).parent
+    assert run_dir.parent == tmp_path and run_dir.name.startswith("run-")
     names = [p.name for p in list_checkpoints(tmp_path)]
     assert names == ["step-000000052.pt", "step-000000065.pt"]
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
-    payload = load_checkpoint(tmp_path / names[-1])
+    assert not [p for p in run_dir.iterdir() if p.name.startswith(".tmp")]
+    payload = load_checkpoint(run_dir / names[-1])
     assert payload["step"] == 65 and payload["epoch"] == 5 and payload["batch_in_epoch"] == 0
     assert set(payload["rng"]) >= {"torch", "python", "numpy"}
     assert payload["config"]["batch_size"] == 16
 
 
-def test_a_crash_while_saving_leaves_the_old_checkpoints_intact(tmp_path, monkeypatch):
+def test_a_failed_save_warns_once_keeps_training_and_the_old_checkpoints(tmp_path, monkeypatch):
     train(dropout_mlp(), epochs=1, checkpoint_dir=tmp_path)
-    before = {p.name: p.read_bytes() for p in list_checkpoints(tmp_path)}
+    before = {p: p.read_bytes() for p in list_checkpoints(tmp_path)}
 
     def broken_save(obj, f, *args, **kwargs):
         f.write(b"half a file")
-        raise OSError("disk full")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(torch, "save", broken_save)
-    with pytest.raises(OSError, match="disk full"):
-        train(dropout_mlp(), epochs=2, checkpoint_dir=tmp_path)
-    after = {p.name: p.read_bytes() for p in list_checkpoints(tmp_path)}
+    with pytest.warns(RuntimeWarning, match="the disk is full") as caught:
+        result, _ = train(dropout_mlp(), epochs=3, checkpoint_dir=tmp_path, resume="last")
+    assert len([w for w in caught if "Could not write" in str(w.message)]) == 1
+    assert result.steps == 39 and len(result.epochs) == 3  # the run went on to the end
+    assert result.checkpoint_path is None  # no checkpoint of this stretch made it to disk
+    after = {p: p.read_bytes() for p in list_checkpoints(tmp_path)}
     assert after == before
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
+    assert not [p for p in tmp_path.rglob(".tmp*")]
 
 
 class InterruptAt:
@@ -175,3 +182,45 @@ def test_checkpoint_of_another_model_names_the_fix(tmp_path):
     with pytest.raises(GpunbError, match="does not fit this model"):
         Trainer(track=False, checkpoint_dir=tmp_path, resume="last").fit(
             other, (x, y), loss_fn=nn.CrossEntropyLoss())
+
+
+class InterruptedWhileMoved(nn.Sequential):
+    """Ctrl-C pressed `presses` times while fit sets up (moving the model is part of set-up)."""
+
+    def __init__(self, presses):
+        super().__init__(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3))
+        self.presses = presses
+
+    def to(self, *args, **kwargs):
+        presses, self.presses = self.presses, 0  # only at the first move (fit's own)
+        for _ in range(presses):
+            os.kill(os.getpid(), signal.SIGINT)
+        return super().to(*args, **kwargs)
+
+
+def test_an_interrupt_during_set_up_is_deferred_and_the_run_stops_before_its_first_step():
+    x, y = classification_data(n=64)
+    try:
+        result = Trainer(epochs=1, batch_size=16, track=False).fit(
+            InterruptedWhileMoved(1), (x, y), loss_fn=nn.CrossEntropyLoss())
+    except KeyboardInterrupt:
+        pytest.fail("a Ctrl-C during set-up escaped fit")
+    assert result.interrupted and result.steps == 0
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_interrupt_during_set_up_is_raised_and_never_masked_by_cleanup(monkeypatch):
+    from gpunb.runtime import device
+
+    def broken_restore(saved):
+        raise AttributeError("module 'sympy' has no attribute 'core'")
+
+    monkeypatch.setattr(device, "restore_globals", broken_restore)
+    torch.set_float32_matmul_precision("highest")
+    x, y = classification_data(n=64)
+    with pytest.warns(RuntimeWarning, match="Cleaning up after the failed run also failed"):
+        with pytest.raises(KeyboardInterrupt):
+            Trainer(epochs=1, batch_size=16, track=False).fit(
+                InterruptedWhileMoved(2), (x, y), loss_fn=nn.CrossEntropyLoss())
+    assert torch.get_float32_matmul_precision() == "highest"  # the other clean-up steps still ran
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -466,3 +466,52 @@ def test_export_follows_the_magic_names_and_says_what_it_cannot_find(tmp_path):
     compile(text, "run.py", "exec")
     with pytest.raises(GpunbError, match="defines no `model`"):
         export_script(tmp_path / "x.py", "train_data = (features, labels)", TrainConfig(), FakeShell([]))
+
+
+class ListeningSockets:
+    """At the first log: every listening TCP socket of this process and of the ranks."""
+
+    def __init__(self):
+        self.found = None
+
+    def on_log(self, state, metrics):
+        if self.found is not None:
+            return
+        me = psutil.Process()
+        pids = {me.pid} | {child.pid for child in me.children(recursive=True)}
+        self.found = [(c.pid, c.laddr.ip, c.laddr.port) for c in psutil.net_connections(kind="tcp")
+                      if c.status == psutil.CONN_LISTEN and c.pid in pids]
+
+
+def test_a_launched_run_listens_on_loopback_only():
+    x, y = classification_data(n=256)
+    sockets = ListeningSockets()
+    Trainer(batch_size=16, log_every=2, **CPU2).fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(),
+                                                    callbacks=[sockets])
+    assert sockets.found, "the rendezvous store listens somewhere"
+    # The rendezvous store (its socket is shared with the forked ranks, so psutil may name
+    # either process) and one gloo listener per rank.
+    assert len(sockets.found) >= 3
+    exposed = [s for s in sockets.found if not s[1].startswith("127.")]
+    assert not exposed, f"listening beyond the loopback interface: {exposed}"
+
+
+def _killed_on_rank_1(model, batch):
+    x, y = batch
+    if dist.get_rank() == 1 and model.training:
+        _killed_on_rank_1.calls += 1
+        if _killed_on_rank_1.calls == 3:
+            os.kill(os.getpid(), signal.SIGKILL)  # what the kernel's OOM killer does
+    return nn.functional.cross_entropy(model(x), y)
+
+
+_killed_on_rank_1.calls = 0
+
+
+def test_a_killed_rank_is_reported_not_the_lost_peer_error_of_rank_0():
+    x, y = classification_data(n=512)
+    with pytest.raises(GpunbError) as raised:
+        Trainer(batch_size=16, log_every=1, **CPU2).fit(mlp(), (x, y), step=_killed_on_rank_1)
+    message = str(raised.value)
+    assert message.startswith("Rank 1 of 2 died (killed by SIGKILL)"), message
+    assert "out of memory" in message and "Connection" not in message

@@ -193,3 +193,32 @@ def test_a_tuple_output_with_loss_fn_names_the_fix():
     with pytest.raises(GpunbError, match="The model returned a tuple of 2, and `loss_fn` cannot take it") as error:
         fit(model=TupleOut(), loss_fn=nn.CrossEntropyLoss(), max_steps=1)
     assert "model(x)[0]" in str(error.value)
+
+
+class MoveRecorder(nn.Sequential):
+    """Notes every device fit moves it to."""
+
+    def __init__(self):
+        super().__init__(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3))
+        self.moves = []
+
+    def to(self, *args, **kwargs):
+        self.moves.append(torch.device(args[0]))
+        return super().to(*args, **kwargs)
+
+
+def test_a_fit_that_fails_in_set_up_moves_the_model_back_where_it_was():
+    model = MoveRecorder()
+    stale = torch.optim.AdamW(mlp().parameters())
+    with pytest.raises(GpunbError, match="none of the model's parameters"):
+        fit(model=model, optimizer=stale, loss_fn=nn.CrossEntropyLoss())
+    assert len(model.moves) == 2 and model.moves[-1] == torch.device("cpu")
+
+
+@pytest.mark.cuda
+def test_a_fit_that_fails_in_set_up_leaves_the_model_off_the_gpu():
+    model = mlp()
+    stale = torch.optim.AdamW(mlp().parameters())
+    with pytest.raises(GpunbError, match="none of the model's parameters"):
+        fit(model=model, optimizer=stale, loss_fn=nn.CrossEntropyLoss(), accelerator="cuda")
+    assert all(p.device.type == "cpu" for p in model.parameters())

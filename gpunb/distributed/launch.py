@@ -5,7 +5,8 @@ Trainer.fit calls `fit` here when devices > 1 and no process group exists yet.
 - Start: fork while CUDA is untouched in this process (fast: nothing is pickled);
   once CUDA is initialised a forked process cannot use it, so spawn, with fit's
   arguments cloudpickled (shipping.py). torch.multiprocessing starts and joins the
-  processes; a TCPStore on a free localhost port is the rendezvous.
+  processes; a TCPStore listening on a free port of 127.0.0.1 only is the rendezvous,
+  and the ranks' own gloo/NCCL sockets are kept on the loopback interface too.
 - While they train: rank 0 streams its events over a queue (on_train_batch_end as a
   progress update at most 4 times a second); here they update a FitState that mirrors
   rank 0's and go to the caller's callbacks (the dashboard) and the run registry,
@@ -29,7 +30,6 @@ import sys
 import tempfile
 import time
 import warnings
-from datetime import timedelta
 from queue import Empty
 
 import torch
@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from gpunb.distributed import worker
+from gpunb.distributed.loopback import loopback_store
 from gpunb.distributed.context import check_config
 from gpunb.distributed.shipping import FitArgs, ship
 from gpunb.errors import GpunbError
@@ -132,8 +133,7 @@ class _Launch:
         payload = self.args if method == "fork" else ship(self.args)  # names what does not pickle
         context = mp.get_context(method)
         queue, stop = context.Queue(), context.Value("i", worker.RUN, lock=False)
-        store = torch.distributed.TCPStore(worker.HOST, 0, is_master=True, wait_for_workers=False,
-                                           timeout=timedelta(seconds=60))
+        store = loopback_store()
         scratch = tempfile.TemporaryDirectory(prefix="gpunb-launch-")
         plan = worker.Plan(world_size=self.count, port=store.port, method=method,
                            accelerator=self.config.accelerator, threads=_threads_per_rank(self.count),
@@ -182,7 +182,7 @@ class _Launch:
                     break
             except ProcessException as error:
                 self._drain(queue, timeout=0)
-                raise self._failure(error) from None
+                raise self._failure(error, processes) from None
             if deadline is not None and time.monotonic() > deadline:
                 self.abandoned = (f"the ranks did not stop within {INTERRUPT_GRACE_S:.0f} s of the interrupt "
                                   "(they stop at a log interval; a smaller `log_every` makes stops quicker) "
@@ -220,24 +220,28 @@ class _Launch:
             setattr(state, name, value)
         self.callbacks.call(event, state, *args)
 
-    def _failure(self, error: ProcessException) -> GpunbError:
+    def _failure(self, error: ProcessException, processes=None) -> GpunbError:
+        """The error that explains the failure: a rank's own error first, then a rank killed by
+        a signal, and only then the lost-peer errors the other ranks got because of it."""
         if self.fork_unusable:
             return _ForkUnusable()
         reported = self.errors
+        cause = next((e for e in reported if not _lost_peer(e[1])), None)
+        killed = _killed_rank(processes, {rank for rank, _ in reported})
+        if cause is None and killed is not None:
+            rank, name = killed
+            return GpunbError(f"Rank {rank} of {self.count} died (killed by {name}) without raising a "
+                              "Python error; the other ranks lost their peer and were stopped.",
+                              _DIED_HINT)
         if reported:
-            # The first rank to fail is the cause; the others usually fail after it, in a
-            # collective that lost its peer: prefer an error that is not of that kind.
-            rank, info = next((e for e in reported if not _lost_peer(e[1])), reported[0])
+            rank, info = cause or reported[0]
             what = info.get("what") or f"{info['type']}: {info['message']}"
             hint = info.get("hint") or ("the traceback below is from that rank; the other ranks "
                                         "were stopped. Fix the error, then run the cell again.")
             return RankFailed(rank, self.count, what, hint, info["traceback"])
         if isinstance(error, ProcessExitedException):
             return GpunbError(f"Rank {error.error_index} of {self.count} died ({error.msg}) without "
-                              f"raising a Python error.",
-                              "SIGKILL usually means the host ran out of memory (fewer devices, a "
-                              "smaller batch or fewer DataLoader workers help); SIGSEGV/SIGABRT a crash "
-                              "in native code (check driver and library versions).")
+                              f"raising a Python error.", _DIED_HINT)
         return RankFailed(error.error_index, self.count, "it raised", None, str(error))
 
     def _finish(self, plan: worker.Plan) -> TrainResult:
@@ -305,6 +309,31 @@ def _parent_callbacks(config) -> list:
 def _threads_per_rank(count: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // count)
+
+
+_DIED_HINT = ("SIGKILL usually means the host ran out of memory (fewer devices, a smaller batch "
+              "or fewer DataLoader workers help); SIGSEGV/SIGABRT a crash in native code (check "
+              "driver and library versions).")
+
+
+def _killed_rank(processes, reporting: set) -> tuple[int, str] | None:
+    """A rank that a signal ended (the OOM killer's SIGKILL first; our own SIGTERM of the
+    survivors last), among those that sent no error of their own."""
+    import signal
+
+    if processes is None:
+        return None
+    killed = [(rank, -process.exitcode) for rank, process in enumerate(processes.processes)
+              if rank not in reporting and process.exitcode is not None and process.exitcode < 0]
+    killed.sort(key=lambda found: found[1] == signal.SIGTERM)
+    if not killed:
+        return None
+    rank, number = killed[0]
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        name = f"signal {number}"
+    return rank, name
 
 
 def _lost_peer(info: dict) -> bool:

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from gpunb.distributed.loopback import HOST, keep_sockets_on_loopback
 from gpunb.distributed.shipping import FitArgs, unship
 from gpunb.errors import GpunbError
 
-HOST = "127.0.0.1"
 RUN, STOP, INTERRUPT = 0, 1, 2  # values of the shared stop flag
 PROGRESS_EVERY_S = 0.25  # rank 0 sends its progress (on_train_batch_end) at most this often
 
@@ -46,6 +46,7 @@ def run_rank(rank: int, plan: Plan, payload, queue, stop) -> None:
     torch.set_num_threads(plan.threads)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(plan.world_size),
                       LOCAL_WORLD_SIZE=str(plan.world_size), MASTER_ADDR=HOST, MASTER_PORT=str(plan.port))
+    keep_sockets_on_loopback()
     try:
         if plan.method == "fork" and plan.accelerator == "cuda" and torch.cuda._is_in_bad_fork():
             # CUDA was set up in the parent after all (e.g. by torch.cuda.is_available()):

@@ -3,14 +3,22 @@
 A checkpoint holds everything needed to continue exactly: model, optimizer,
 scheduler, precision (GradScaler) and RNG states, and the position in the run
 (epoch, optimizer step, batches consumed in the epoch).
+
+Each run writes into a directory of its own, `<checkpoint_dir>/run-<run id>/`, so
+that runs sharing a checkpoint_dir never prune each other's files; a resumed run
+goes on writing into the directory of the run it continues.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import pickle
 import re
+import secrets
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -20,18 +28,54 @@ from gpunb.errors import GpunbError
 FORMAT = "gpunb-checkpoint"
 VERSION = 1
 _NAME = re.compile(r"^step-(\d{9})\.pt$")
+_RUN_DIR = "run-"
+_TMP_PREFIX = ".tmp-"
+
+
+def new_run_id() -> str:
+    """Sortable by start time, unique across processes sharing a directory."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def run_directory(checkpoint_dir: str | os.PathLike, run_id: str) -> Path:
+    return Path(checkpoint_dir) / f"{_RUN_DIR}{run_id}"
+
+
+def check_writable(directory: str | os.PathLike) -> None:
+    """Create `directory` and write a probe file there, before any training is done."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        raise GpunbError(f"Cannot write checkpoints to {directory!s}: "
+                         f"{type(error).__name__}: {error.strerror or error}.",
+                         "pass a `checkpoint_dir` you can write to (e.g. one under your home "
+                         "directory), or `checkpoint_dir=None` to train without checkpoints.") from error
+
+
+def remove_leftovers(directory: str | os.PathLike) -> None:
+    """Temp files of a save that was killed half-way (only this run writes in its directory)."""
+    directory = Path(directory)
+    if directory.is_dir():
+        for leftover in directory.glob(f"{_TMP_PREFIX}*.pt"):
+            leftover.unlink(missing_ok=True)
 
 
 def save_checkpoint(directory: str | os.PathLike, payload: dict, step: int, keep_last: int) -> Path:
-    """Write `payload` as `step-<step>.pt` in `directory`; keep the newest `keep_last`."""
+    """Write `payload` as `step-<step>.pt` in `directory` (the run's own); keep its newest `keep_last`."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(directory)
     target = directory / f"step-{step:09d}.pt"
     payload = {"format": FORMAT, "version": VERSION, **payload}
     # Write to a temp file in the same directory, fsync, then rename: a crash at any
     # point leaves either the old checkpoint set or the new file, never half a file.
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".pt", dir=directory)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; follow the umask like open() does
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)
             f.flush()
@@ -41,21 +85,34 @@ def save_checkpoint(directory: str | os.PathLike, payload: dict, step: int, keep
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(directory)
-    for old in list_checkpoints(directory)[:-keep_last]:
+    for old in _own_checkpoints(directory)[:-keep_last]:
         old.unlink(missing_ok=True)
     return target
 
 
-def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
-    """Checkpoints in `directory`, oldest first."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
+def is_disk_full(error: BaseException) -> bool:
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _own_checkpoints(directory: Path) -> list[Path]:
+    """Checkpoints of one run (its directory), oldest step first."""
     return sorted(p for p in directory.iterdir() if _NAME.match(p.name))
 
 
+def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """Checkpoints in `directory` and in its runs' sub-directories, oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = _own_checkpoints(directory)
+    for sub in directory.iterdir():
+        if sub.name.startswith(_RUN_DIR) and sub.is_dir():
+            found += _own_checkpoints(sub)
+    return sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
+
+
 def find_checkpoint(resume, checkpoint_dir) -> Path:
-    """The file `resume` points at: True/"last" is the newest in checkpoint_dir."""
+    """The file `resume` points at: True/"last" is the newest in checkpoint_dir (any run)."""
     if resume in (True, "last"):
         found = list_checkpoints(checkpoint_dir)
         if not found:
@@ -79,9 +136,16 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     """Read a gpunb checkpoint; a corrupt or foreign file is a GpunbError that says so."""
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise GpunbError(
+            f"gpunb will not load {path!s}: it holds Python objects other than tensors and plain "
+            f"containers, and unpickling those could run code ({_refused_object(error)}).",
+            "if you trust the file, load it yourself and save only state: "
+            "`torch.save({'model': model.state_dict()}, 'weights.pt')` (state_dicts, tensors, "
+            "numbers and strings), then load the weights with `model.load_state_dict(...)`.") from None
     except Exception as error:
         raise GpunbError(f"Cannot read the checkpoint {path!s}: it is corrupt or not a torch file "
-                         f"({type(error).__name__}: {str(error).splitlines()[0][:200]}).",
+                         f"({type(error).__name__}: {_first_line(error)}).",
                          "resume from an earlier checkpoint in the same directory, "
                          "or start fresh without `resume`.") from error
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
@@ -91,8 +155,37 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     if payload.get("version", 0) > VERSION:
         raise GpunbError(f"{path!s} was written by a newer gpunb (format {payload['version']}).",
                          "upgrade gpunb to resume from it.")
+    missing = [key for key in REQUIRED if key not in payload]
+    if missing:
+        raise GpunbError(f"The checkpoint {path!s} is incomplete: it has no {', '.join(map(repr, missing))} "
+                         f"(it has {', '.join(map(repr, sorted(payload)))}).",
+                         "resume from another checkpoint of the run, or start fresh without `resume`.")
     payload["config"] = json.loads(payload.get("config", "{}"))
     return payload
+
+
+REQUIRED = ("model", "optimizer", "scheduler", "precision", "rng", "epoch", "batch_in_epoch", "step",
+            "samples_seen", "splits", "history", "epochs")
+
+
+def _refused_object(error: BaseException) -> str:
+    """What torch's weights_only unpickler refused, without its advice to turn the check off."""
+    for line in str(error).splitlines():
+        line = line.split(" Please use")[0].strip().rstrip(".")
+        if line and not any(word in line.lower() for word in ("weights_only", "weights only", "documentation")):
+            return line
+    return "an object the safe loader does not allow"
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).splitlines() if "weights_only" not in line]
+    return lines[0] if lines else type(error).__name__
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def config_json(config) -> str:

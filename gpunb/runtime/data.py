@@ -21,6 +21,7 @@ from torch.utils.data import (BatchSampler, DataLoader, IterableDataset, RandomS
 from gpunb.errors import GpunbError
 from gpunb.runtime.inputs import move_batch
 from gpunb.runtime.prefetch import CudaPrefetcher
+from gpunb.runtime.worker_seed import SeededBatchSampler, SeededDataset, loader_generator
 
 RESIDENT_FRACTION = 0.25  # share of free GPU memory a dataset may take to live on the GPU
 
@@ -124,11 +125,16 @@ def build_feed(data, *, batch_size, device, config, rank=0, world_size=1, train=
             return LoaderFeed(_rebuilt(data, sampler), device, transforms, sampler)
         return LoaderFeed(data, device, transforms)
     if isinstance(data, IterableDataset):
-        loader = DataLoader(data, batch_size=batch_size, **_loader_options(config, device))
+        loader = DataLoader(data, batch_size=batch_size, generator=loader_generator(config.seed),
+                            **_loader_options(config, device))
         return LoaderFeed(loader, device, transforms)
     sampler = _EpochSampler(EpochOrder(len(data), config.shuffle and train, config.seed, rank, world_size))
     batch_sampler = BatchSampler(sampler, batch_size, drop_last=config.drop_last and train)
-    loader = DataLoader(data, batch_sampler=batch_sampler, **_loader_options(config, device))
+    options = _loader_options(config, device)
+    if options["num_workers"]:  # workers' randomness from (seed, epoch, batch): exact resume
+        data = SeededDataset(data)
+        batch_sampler = SeededBatchSampler(batch_sampler, sampler, config.seed)
+    loader = DataLoader(data, batch_sampler=batch_sampler, generator=loader_generator(config.seed), **options)
     return LoaderFeed(loader, device, transforms, sampler)
 
 

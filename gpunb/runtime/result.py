@@ -35,6 +35,7 @@ class TrainResult:
     oom_recoveries: int = 0
     skipped_steps: int = 0  # fp16 steps skipped by the GradScaler (inf/NaN gradients)
     checkpoint_path: str | None = None
+    resumed_from: dict | None = None  # path, run, step, epoch, saved_at of the checkpoint resumed
     interrupted: bool = False
     stop_reason: str | None = None
     energy_j: float | None = None  # GPU energy over the run (NVIDIA only)

@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+import time
+import warnings
+from pathlib import Path
+
 from gpunb.errors import GpunbError
 from gpunb.runtime import checkpoint as ckpt
 from gpunb.runtime import device as devices
+from gpunb.runtime import resume_check
+from gpunb.runtime.nan_guard import warn_unsaved
 
 
 class Checkpointer:
-    """Saves every `checkpoint_every` steps (or at each epoch end), and when a run stops early."""
+    """Saves every `checkpoint_every` steps (or at each epoch end), and when a run stops early.
+
+    The directory is checked writable when the run is set up, before any training. A
+    save that still fails later (a full disk) warns once and training goes on.
+    """
 
     def __init__(self, run):
         self.run = run
         self.saved_step = None
+        self.failed = False
+        if run.state.rank == 0:
+            ckpt.check_writable(run.config.checkpoint_dir)
 
     def on_train_batch_end(self, state) -> None:
         every = self.run.config.checkpoint_every
@@ -32,18 +45,48 @@ class Checkpointer:
         run, state = self.run, self.run.state
         if state.step == self.saved_step:
             return
+        if not self._loss_finite():
+            return
         # Every rank takes part (FSDP gathers its shards to rank 0 here); rank 0 writes.
         model_state, optimizer_state = run.dist.state_dicts(run.model, run.stepper.optimizer)
+        self.saved_step = state.step
         if state.rank != 0:
-            self.saved_step = state.step
             return
+        run_id = state.extras.setdefault("checkpoint_run", ckpt.new_run_id())
+        try:
+            path = ckpt.save_checkpoint(ckpt.run_directory(run.config.checkpoint_dir, run_id),
+                                        self._payload(model_state, optimizer_state, run_id),
+                                        state.step, run.config.keep_last)
+        except (OSError, RuntimeError) as error:  # torch's zip writer reports a full disk as RuntimeError
+            self._warn_failed(error)
+            return
+        state.extras["checkpoint_path"] = str(path)
+        run.callbacks.call("on_checkpoint", state, path)
+
+    def _loss_finite(self) -> bool:
+        """No checkpoint after a non-finite loss: the newest on disk stays the last good one."""
+        run = self.run
+        if run.nan_guard is None:
+            return True
+        bad_step = run.nan_guard.first_bad_step(run.dist)  # a sync, at checkpoint time only
+        if bad_step is None:
+            return True
+        if run.config.detect_nan:
+            run.nan_guard.fail(run, float("nan"), bad_step)  # raises
+        warn_unsaved(run, bad_step)
+        run.nan_guard.reset()  # judge the next stretch of steps on its own
+        return False
+
+    def _payload(self, model_state, optimizer_state, run_id: str) -> dict:
+        run, state, stepper = self.run, self.run.state, self.run.stepper
         batches_per_epoch = run.feed.num_batches
         epoch_complete = batches_per_epoch is not None and state.batch_in_epoch >= batches_per_epoch
-        stepper = run.stepper
-        payload = {
+        return {
             "model": model_state,
             "optimizer": optimizer_state,
+            "optimizer_type": type(stepper.optimizer).__name__,
             "scheduler": stepper.scheduler.state_dict() if stepper.scheduler else None,
+            "total_steps": state.total_steps,
             "precision": run.precision.state_dict(),
             "rng": devices.rng_state(state.device),
             # Where to continue: the next epoch, or this one after the batches already used.
@@ -52,22 +95,34 @@ class Checkpointer:
             "step": state.step, "samples_seen": state.samples_seen, "splits": stepper.splits,
             "history": state.history, "epochs": state.extras.get("epochs", []),
             "config": ckpt.config_json(run.config), "run_name": state.run_name,
+            "run_id": run_id, "saved_at": time.time(), "world_size": state.world_size,
         }
-        path = ckpt.save_checkpoint(run.config.checkpoint_dir, payload, state.step, run.config.keep_last)
-        self.saved_step = state.step
-        state.extras["checkpoint_path"] = str(path)
-        run.callbacks.call("on_checkpoint", state, path)
+
+    def _warn_failed(self, error: BaseException) -> None:
+        if self.failed:
+            return
+        self.failed = True
+        why = "the disk is full" if ckpt.is_disk_full(error) else f"{type(error).__name__}: {error}"
+        kept = self.run.state.extras.get("checkpoint_path")
+        warnings.warn(f"Could not write the checkpoint at step {self.run.state.step} to "
+                      f"{self.run.config.checkpoint_dir} ({why}); training goes on, and later saves "
+                      f"are tried again. The newest checkpoint on disk is {kept or 'none'}.",
+                      RuntimeWarning, stacklevel=2)
 
 
 def resume(run, path) -> None:
-    """Load the checkpoint at `path` into the run's model, optimizer, schedule and RNGs."""
+    """Load the checkpoint at `path` into the run's model, optimizer, schedule and RNGs.
+
+    Everything is checked first (resume_check): on a mismatch nothing has been loaded.
+    """
     payload = ckpt.load_checkpoint(path)
+    resume_check.check_fits(run, payload, path)
+    resume_check.check_schedule(run, payload, path)
     state, stepper = run.state, run.stepper
     try:
         run.dist.load_model_state(run.model, payload["model"])
-    except RuntimeError as error:
-        raise GpunbError(f"The checkpoint {path!s} does not fit this model: "
-                         f"{str(error).splitlines()[0]}",
+    except RuntimeError as error:  # FSDP: its own check; keep torch's whole message
+        raise GpunbError(f"The checkpoint {path!s} does not fit this model: {error}",
                          "resume with the model definition it was trained with, or start fresh "
                          "without `resume`.") from error
     try:
@@ -77,11 +132,35 @@ def resume(run, path) -> None:
                          "resume with the same optimizer type and parameter groups.") from error
     if stepper.scheduler is not None and payload["scheduler"] is not None:
         stepper.scheduler.load_state_dict(payload["scheduler"])
+        stretched = resume_check.stretch_schedule(run, payload)
+        if stretched and state.rank == 0:
+            warnings.warn(stretched, RuntimeWarning, stacklevel=2)
     run.precision.load_state_dict(payload["precision"])
     devices.set_rng_state(payload["rng"], state.device)
     run.start_epoch, run.skip_batches = payload["epoch"], payload["batch_in_epoch"]
     state.epoch, state.step, state.samples_seen = payload["epoch"], payload["step"], payload["samples_seen"]
     stepper.splits = payload["splits"]
     state.history[:] = payload["history"]
-    state.extras["epochs"] = list(payload["epochs"])
+    # A stop mid-epoch wrote that epoch's partial row; the resumed epoch writes the whole one.
+    state.extras["epochs"] = [row for row in payload["epochs"] if row["epoch"] < payload["epoch"]]
+    _adopt_run(run, payload, Path(path))
+
+
+def _adopt_run(run, payload: dict, path: Path) -> None:
+    """The resumed run goes on in the run directory it came from, and says what it resumed."""
+    state = run.state
+    run_id = payload.get("run_id")
+    if run_id is None and path.parent.name.startswith("run-"):
+        run_id = path.parent.name[len("run-"):]
+    if run_id is not None:
+        state.extras["checkpoint_run"] = run_id
+        if state.rank == 0:
+            ckpt.remove_leftovers(path.parent)
+    saved_at = payload.get("saved_at")
     state.extras["resumed_from"] = str(path)
+    state.extras["resumed"] = {"path": str(path), "run": run_id, "run_name": payload.get("run_name"),
+                               "step": payload["step"], "epoch": payload["epoch"], "saved_at": saved_at}
+    if state.rank == 0:
+        # Deterministic text (tutorials show it): the time and run id are in result.resumed_from.
+        print(f"Resuming run {payload.get('run_name')!r} at step {payload['step']} (epoch {payload['epoch']}) "
+              f"from {path.name} (result.resumed_from says which run and when it was saved).", flush=True)

@@ -23,6 +23,7 @@ from gpunb.runtime.data import build_feed
 from gpunb.runtime.events import Callbacks, FitState
 from gpunb.runtime.inputs import adapt_data, batch_size_of
 from gpunb.runtime.interrupt import InterruptFlag
+from gpunb.runtime.nan_guard import NanGuard
 from gpunb.runtime.objective import Objective
 from gpunb.runtime.optim import check_optimizer, default_optimizer, make_scheduler
 from gpunb.runtime.precision import Precision, resolve_precision
@@ -30,6 +31,7 @@ from gpunb.runtime.preflight import preflight
 from gpunb.runtime.result import TrainResult, epoch_mean_loss, last_epoch_train_loss
 from gpunb.runtime.saving import Checkpointer, resume
 from gpunb.runtime.step import Stepper
+from gpunb.runtime.teardown import Teardown
 from gpunb.runtime.wrap import wrap_model
 
 
@@ -66,23 +68,22 @@ class Trainer:
                               loss_fn=loss_fn, step=step, metrics=metrics, callbacks=callbacks)
         from gpunb.distributed.context import current_context
 
-        dist = current_context(self.config)
-        saved_globals = devices.seed_everything(self.config.seed, self.config.deterministic)
-        previous_matmul_precision = torch.get_float32_matmul_precision()
-        was_training = model.training
+        teardown = Teardown(model)
         run = None
         try:
-            run = _prepare(self.config, dist, model, train_data, val_data, optimizer,
-                           Objective(loss_fn, step, metrics), callbacks)
-            return _train(run)
-        finally:
-            if run is not None:
-                run.unwrap()
-            model.train(was_training)  # hand the model back in the mode it came in
-            devices.restore_globals(saved_globals)
-            torch.set_float32_matmul_precision(previous_matmul_precision)
-            if torch.cuda.is_initialized():  # not is_available(): that would rule out fork later
-                torch.cuda.empty_cache()  # hand cached blocks back so the notebook sees free memory
+            with InterruptFlag() as setup:  # a Ctrl-C in set-up: stop before the first step
+                dist = current_context(self.config)
+                teardown.saved_globals = devices.seed_everything(self.config.seed, self.config.deterministic)
+                run = _prepare(self.config, dist, model, train_data, val_data, optimizer,
+                               Objective(loss_fn, step, metrics), callbacks)
+            if setup.raised:
+                run.state.request_stop("interrupted")
+            result = _train(run)
+        except BaseException:
+            teardown(run, failed=True)  # never replaces the error (or KeyboardInterrupt) raised here
+            raise
+        teardown(run, failed=False)
+        return result
 
 
 @dataclass
@@ -105,6 +106,7 @@ class _Run:
     unwrap: object  # undoes wrap_model's changes to the user's module
     start_epoch: int = 0
     skip_batches: int = 0
+    nan_guard: NanGuard | None = None  # first non-finite step loss (detect_nan or checkpoints)
 
 
 def _prepare(config, dist, model, train_data, val_data, optimizer, objective, user_callbacks) -> _Run:
@@ -153,6 +155,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
     callbacks = Callbacks([*_default_callbacks(config, dist), *user_callbacks])
     run = _Run(config, dist, state, callbacks, model, train_model, objective, precision, reason,
                feed, val_feed, stepper, batch_size, unwrap)
+    run.nan_guard = NanGuard() if config.detect_nan or config.checkpoint_dir else None
     if config.checkpoint_dir:
         callbacks.callbacks.insert(0, Checkpointer(run))  # saved before others hear of the step
     if config.resume:
@@ -171,10 +174,14 @@ def _train(run: _Run) -> TrainResult:
         with interrupt:
             callbacks.call("on_fit_start", state)
             for epoch in range(run.start_epoch, config.epoch_limit):
+                if state.stop_reason == "interrupted":  # during set-up
+                    break
                 state.epoch = epoch
                 skip = run.skip_batches if epoch == run.start_epoch else 0
                 state.batch_in_epoch = skip
                 logged_before = len(state.history)
+                while logged_before and state.history[logged_before - 1].get("epoch") == epoch:
+                    logged_before -= 1  # a resumed epoch: its rows from before the stop count too
                 run.train_model.train()
                 batches = run.feed.epoch(epoch, skip)
                 remaining = None if run.feed.num_batches is None else run.feed.num_batches - skip
@@ -186,6 +193,8 @@ def _train(run: _Run) -> TrainResult:
                     if not last_in_step:
                         continue
                     step_loss = stepper.update()  # stays on the device: no sync here
+                    if run.nan_guard is not None:
+                        run.nan_guard.observe(step_loss, state.step)  # device ops only
                     state.step += 1
                     interval_loss = step_loss if interval_loss is None else interval_loss + step_loss
                     interval_steps += 1
@@ -272,11 +281,7 @@ def _log(run: _Run, mean_loss: torch.Tensor, steps: int, timer) -> None:
     state = run.state
     loss = run.dist.reduce_loss(mean_loss, state)  # the interval's one sync (ranks: + stop vote)
     if run.config.detect_nan and not math.isfinite(loss):
-        raise GpunbError(
-            f"The training loss became {loss} at step {state.step} (epoch {state.epoch}).",
-            "lower the learning rate (`lr=`), clip gradients (`clip_grad_norm=1.0`), check the "
-            "data for NaN/inf values, or use bf16 instead of fp16 (`precision='bf16-mixed'`). "
-            "Set `detect_nan=False` to train on regardless.")
+        run.nan_guard.fail(run, loss)  # raises, with the last good weights back in the model
     seconds = timer.lap()
     samples = steps * run.batch_size * run.config.grad_accum * state.world_size
     row = {"step": state.step, "epoch": state.epoch, "loss": loss, "steps": steps,
@@ -347,6 +352,7 @@ def _result(run: _Run, timer) -> TrainResult:
         compute_s=max(0.0, timer.elapsed() - timer.data_wait - timer.validation),
         peak_memory_mb=peak, oom_recoveries=run.stepper.oom_recoveries,
         skipped_steps=run.precision.skipped_steps, checkpoint_path=state.extras.get("checkpoint_path"),
+        resumed_from=state.extras.get("resumed"),
         interrupted=state.stop_reason == "interrupted", stop_reason=state.stop_reason)
 
 

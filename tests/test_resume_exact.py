@@ -1,0 +1,102 @@
+"""Exact resume: DataLoader workers, a longer run's schedule, changed batches, mid-epoch stops."""
+
+import pytest
+import torch
+from conftest import classification_data
+from torch import nn
+from torch.utils.data import Dataset
+
+from gpunb import Trainer
+from gpunb.errors import GpunbError
+
+
+class NoisyData(Dataset):
+    """Random augmentation in __getitem__: runs in the DataLoader's worker processes."""
+
+    def __init__(self):
+        self.x, self.y = classification_data(n=96)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.1 * torch.randn(10), self.y[i]
+
+
+def dropout_mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3))
+
+
+def fit(model, data, **options):
+    settings = dict(batch_size=16, log_every=2, track=False, accelerator="cpu")
+    settings.update(options)
+    callbacks = settings.pop("callbacks", ())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    result = Trainer(**settings).fit(model, data, loss_fn=nn.CrossEntropyLoss(), optimizer=optimizer,
+                                     callbacks=callbacks)
+    return result, optimizer
+
+
+class StopAt:
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_end(self, state):
+        if state.step == self.step:
+            state.request_stop("test stop")
+
+
+def assert_same_weights(a, b):
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), name
+
+
+def test_workers_resume_bit_for_bit(tmp_path):
+    straight = dropout_mlp()
+    fit(straight, NoisyData(), epochs=3, num_workers=2)
+    fit(dropout_mlp(), NoisyData(), epochs=2, num_workers=2, checkpoint_dir=tmp_path)
+    resumed = dropout_mlp(seed=7)
+    result, _ = fit(resumed, NoisyData(), epochs=3, num_workers=2, checkpoint_dir=tmp_path, resume="last")
+    assert result.steps == 18
+    assert_same_weights(straight, resumed)
+
+
+def test_workers_resume_mid_epoch_bit_for_bit(tmp_path):
+    straight = dropout_mlp()
+    fit(straight, NoisyData(), epochs=2, num_workers=2)
+    fit(dropout_mlp(), NoisyData(), epochs=2, num_workers=2, checkpoint_dir=tmp_path, callbacks=[StopAt(3)])
+    resumed = dropout_mlp(seed=7)
+    fit(resumed, NoisyData(), epochs=2, num_workers=2, checkpoint_dir=tmp_path, resume="last")
+    assert_same_weights(straight, resumed)
+
+
+def test_more_epochs_stretch_a_cosine_schedule_and_warn(tmp_path):
+    x, y = classification_data(n=96)
+    fit(dropout_mlp(), (x, y), epochs=2, lr_schedule="cosine", checkpoint_dir=tmp_path)
+    with pytest.warns(RuntimeWarning, match="planned for 12 steps and this run has 24: it now decays to "
+                                            "zero at step 24"):
+        result, _ = fit(dropout_mlp(), (x, y), epochs=4, lr_schedule="cosine", checkpoint_dir=tmp_path,
+                        resume="last")
+    added = [row["lr"] for row in result.history if row["epoch"] >= 2]
+    assert added and all(lr > 0 for lr in added[:-1])
+
+
+def test_more_epochs_with_one_cycle_is_refused_saying_how(tmp_path):
+    x, y = classification_data(n=96)
+    fit(dropout_mlp(), (x, y), epochs=2, lr_schedule="one-cycle", checkpoint_dir=tmp_path)
+    with pytest.raises(GpunbError, match="cannot be stretched") as error:
+        fit(dropout_mlp(), (x, y), epochs=4, lr_schedule="one-cycle", checkpoint_dir=tmp_path, resume="last")
+    assert "`epochs`/`max_steps` it was saved with" in error.value.hint
+
+
+def test_a_mid_epoch_stop_then_resume_has_one_row_per_epoch(tmp_path):
+    x, y = classification_data(n=96)
+    straight, _ = fit(dropout_mlp(), (x, y), epochs=2)
+    fit(dropout_mlp(), (x, y), epochs=2, checkpoint_dir=tmp_path, callbacks=[StopAt(3)])
+    result, _ = fit(dropout_mlp(), (x, y), epochs=2, checkpoint_dir=tmp_path, resume="last")
+    assert [row["epoch"] for row in result.epochs] == [0, 1]
+    # The resumed epoch's mean loss covers all its steps (the same steps, logged in other intervals).
+    assert [r["step"] for r in result.epochs] == [r["step"] for r in straight.epochs]
+    assert [r["train_loss"] for r in result.epochs] == pytest.approx([r["train_loss"] for r in straight.epochs],
+                                                                    rel=1e-6)
