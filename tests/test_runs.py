@@ -322,6 +322,7 @@ def test_stop_request_round_trip(registry, clock):
     assert state.stop_reason == "stopped from the sidebar"
     state.result = SimpleNamespace(interrupted=False, energy_j=99.0)
     rec.on_fit_end(state)
+    assert rec.flush(10)  # the end is written in the background (fit waits 2 s at most)
     run = _recorded(registry, state)
     assert (run["status"], run["energy_j"], run["stop_requested"]) == ("stopped", 99.0, False)
 
@@ -352,6 +353,7 @@ def test_final_status(registry, clock, interrupted, reason, status):
     state.stop_reason = reason
     state.result = SimpleNamespace(interrupted=interrupted, energy_j=None)
     rec.on_fit_end(state)
+    assert rec.flush(10)  # the end is written in the background (fit waits 2 s at most)
     run = _recorded(registry, state)
     assert (run["status"], run["latest"], run["progress"]) == (status, {"loss": 0.25}, 1.0)
     assert run["history"][-1]["loss"] == 0.25 and run["ended_at"] is not None
@@ -361,6 +363,7 @@ def test_an_exception_is_recorded_as_failed_with_its_first_line(registry, clock)
     state, rec = _state(), RunRecorder(registry)
     rec.on_fit_start(state)
     rec.on_exception(state, ValueError("shapes do not match\n  long traceback detail"))
+    assert rec.flush(10)  # the end is written in the background (fit waits 2 s at most)
     run = _recorded(registry, state)
     assert (run["status"], run["error"]) == ("failed", "ValueError: shapes do not match")
 
