@@ -414,7 +414,7 @@ def test_a_locked_registry_never_delays_training_and_the_run_is_recorded_when_it
         holder.execute("ROLLBACK")
         holder.close()
         assert rec.flush(10)
-    assert hooks_took < 0.2  # the hooks only hand data to the writer thread
+    assert hooks_took < 1.0  # the hooks only hand data to the writer thread (a held lock used to stall them for seconds)
     run = registry.get_run(state.extras["run_id"])
     assert (run["status"], run["step"], [p["step"] for p in run["history"]]) == ("running", 1, [1])
     assert len(caplog.records) == 1 and "is locked by another process" in caplog.text
@@ -677,7 +677,7 @@ def test_the_stop_check_never_waits_for_a_registry_that_shuts_readers_out(home, 
     finally:
         holder.execute("ROLLBACK")
         holder.close()
-    assert took < 0.2
+    assert took < 1.0  # never the lock holder's seconds
     assert rec.flush(10)
     clock.now += 0.1
     rec.on_log(state, {"loss": 0.9})
