@@ -22,6 +22,8 @@ _NONE = 2**62  # "no bad step", also what a rank with no bad step votes
 
 
 class StepLosses:
+    """The loss of each step since the last log, and what checkpoints need to know of them."""
+
     def __init__(self):
         self.losses: list[torch.Tensor] = []  # one per step since the last log, at most log_every
         self.first_step = 0  # the step number of losses[0]
