@@ -1,5 +1,6 @@
 """Checkpoints that survive NaN, shared directories, bad disks and bad files; resume checks first."""
 
+import collections
 import os
 import stat
 import time
@@ -8,6 +9,7 @@ import pytest
 import torch
 from conftest import classification_data
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpunb import Trainer
 from gpunb.errors import GpunbError
@@ -82,6 +84,72 @@ def test_detect_nan_off_trains_on_but_writes_no_nan_checkpoint(tmp_path):
     assert result.steps == 26
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000000005.pt"]
     assert finite(load_checkpoint(list_checkpoints(tmp_path)[0])["model"])
+
+
+class NanValueAt:
+    """A loss whose value (not its gradient) is NaN at one optimizer step: the weights stay finite."""
+
+    def __init__(self, step):
+        self.step, self.calls = step, 0
+        self.loss = nn.CrossEntropyLoss()
+
+    def __call__(self, out, y):
+        self.calls += torch.is_grad_enabled()
+        loss = self.loss(out, y)
+        return loss + float("nan") if self.calls == self.step else loss
+
+
+@pytest.mark.parametrize("log_every", [3, 12])  # NaN found by a log first / by a checkpoint first
+def test_detect_nan_off_skips_only_the_checkpoint_after_a_passing_nan(tmp_path, log_every):
+    with pytest.warns(RuntimeWarning, match="not finite at step 7"):
+        train(dropout_mlp(), 2, loss_fn=NanValueAt(7), checkpoint_dir=tmp_path, checkpoint_every=5,
+              keep_last=10, log_every=log_every, detect_nan=False)
+    assert [p.name for p in list_checkpoints(tmp_path)] == [f"step-0000000{s:02d}.pt" for s in (5, 15, 20, 25)]
+
+
+class OpLog(TorchDispatchMode):
+    """The aten ops run between a model's forward and the end of each optimizer step."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.steps, self.current = [], None
+        model.register_forward_pre_hook(lambda module, args: setattr(self, "current", collections.Counter()))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.current is not None:
+            self.current[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    def on_train_batch_end(self, state=None):
+        self.steps.append(self.current)
+        self.current = None
+
+
+def test_the_loop_adds_no_device_op_per_step_to_forward_backward_and_optimizer(tmp_path):
+    x, y = torch.randn(64, 4), torch.randn(64, 2)
+    ops = {}
+    for loop in ("gpunb", "plain"):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        log = OpLog(model)
+        with log:
+            if loop == "gpunb":  # NaN detection and checkpoints on; logs and checkpoints every 4 steps
+                Trainer(batch_size=8, epochs=1, log_every=4, checkpoint_every=4, checkpoint_dir=tmp_path,
+                        detect_nan=True, track=False).fit(model, (x, y), loss_fn=nn.MSELoss(),
+                                                          optimizer=optimizer, callbacks=[log])
+            else:
+                for i in range(0, 64, 8):
+                    nn.MSELoss()(model(x[i:i + 8]), y[i:i + 8]).backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    log.on_train_batch_end()
+        ops[loop] = log.steps
+    assert len(ops["gpunb"]) == len(ops["plain"]) == 8
+    for step in (1, 2, 3, 5, 6, 7):  # not the log and checkpoint steps, which sync anyway
+        added = ops["gpunb"][step - 1] - ops["plain"][step - 1]
+        del added["detach"]  # the step loss kept without its graph: a view, no kernel
+        assert not added, f"step {step}: {dict(added)}"
 
 
 # --- runs own their checkpoints ----------------------------------------------------------------

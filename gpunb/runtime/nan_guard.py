@@ -1,14 +1,17 @@
-"""The first non-finite step loss, tracked on the device, and what a run does about it.
+"""The step losses of a log interval, the first non-finite one, and what a run does about it.
 
-Every step adds a few device ops (no host sync): a step counter and the first step
-whose loss was not finite. The host reads it only where it already syncs: at the log
-interval and before a checkpoint is written. A checkpoint is never written after a
-non-finite loss, so the newest one on disk is always the last good one, and a run
-that stops on NaN hands the user those weights back.
+The loop only appends each step's loss (a detached 0-dim device tensor) to a host-side
+list: no device op per step. The log step, which syncs anyway, takes their mean with one
+op; only when that mean is not finite are they searched for the first bad step. Before a
+checkpoint, the losses not yet logged are checked with one sync (checkpoints sync
+anyway). A checkpoint is never written after a non-finite loss, so the newest one on
+disk is always the last good one, and a run that stops on NaN hands the user those
+weights back.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -18,46 +21,78 @@ from gpunb.errors import GpunbError
 _NONE = 2**62  # "no bad step", also what a rank with no bad step votes
 
 
-class NanGuard:
-    def __init__(self):
-        self._count = None  # device int64: optimizer steps completed
-        self._first_bad = None  # device int64: first step whose loss was not finite, or -1
+class StepLosses:
+    """The loss of each step since the last log, and what checkpoints need to know of them."""
 
-    def observe(self, step_loss: torch.Tensor, step_before: int) -> None:
-        """After each optimizer step; device ops only."""
-        if self._count is None:
-            self._count = torch.tensor(step_before, dtype=torch.int64, device=step_loss.device)
-            self._first_bad = torch.full_like(self._count, -1)
-        self._count += 1
-        bad = ~torch.isfinite(step_loss.detach()) & (self._first_bad < 0)
-        self._first_bad = torch.where(bad, self._count, self._first_bad)
+    def __init__(self):
+        self.losses: list[torch.Tensor] = []  # one per step since the last log, at most log_every
+        self.first_step = 0  # the step number of losses[0]
+        self.checked = 0  # how many of them a checkpoint has judged already
+        self.bad_step = _NONE  # first non-finite step a log found since the last checkpoint
+
+    def add(self, step_loss: torch.Tensor, step: int) -> None:
+        """After each optimizer step (`step`: its number); host work only."""
+        if not self.losses:
+            self.first_step = step
+        self.losses.append(step_loss)
+
+    def __len__(self) -> int:
+        return len(self.losses)
+
+    def mean(self) -> torch.Tensor:
+        return torch.stack(self.losses).mean()  # the interval's one op, read by the log's sync
+
+    def end_interval(self, run, loss: float) -> None:
+        """At the log step, with the synced mean `loss`: fail on (or note) a non-finite one."""
+        config = run.config
+        if not math.isfinite(loss) and (config.detect_nan or config.checkpoint_dir):
+            bad = self._first_bad(self.checked)  # one more sync, on this rare path only
+            if config.detect_nan:
+                fail(run, loss, _agree(run.dist, bad) or run.state.step)  # raises
+            self.bad_step = min(self.bad_step, bad)  # the next checkpoint check agrees on it
+        self.losses.clear()
+        self.checked = 0
 
     def first_bad_step(self, dist) -> int | None:
-        """The first non-finite step since the last reset, agreed on by all ranks (one sync)."""
-        local = _NONE if self._first_bad is None else int(self._first_bad.item())
-        found = dist.smallest(local if local >= 0 else _NONE)
-        return None if found >= _NONE else found
+        """Before a checkpoint: the first non-finite step since the previous check, agreed on by
+        all ranks. The losses not yet logged cost one sync. Later checks look only at later steps."""
+        local = self.bad_step
+        if local == _NONE and len(self.losses) > self.checked:
+            pending = torch.stack(self.losses[self.checked:])
+            if not bool(torch.isfinite(pending).all()):
+                local = self._first_bad(self.checked)
+        self.bad_step, self.checked = _NONE, len(self.losses)
+        return _agree(dist, local)
 
-    def reset(self) -> None:
-        """After a good checkpoint: later checks look only at the steps after it."""
-        if self._first_bad is not None:
-            self._first_bad.fill_(-1)
+    def _first_bad(self, start: int) -> int:
+        """The step number of the first non-finite loss from losses[start] on, or _NONE."""
+        if start >= len(self.losses):  # a checkpoint has judged them all already
+            return _NONE
+        values = torch.stack(self.losses[start:]).reshape(len(self.losses) - start, -1)
+        bad = (~torch.isfinite(values)).any(dim=1).nonzero()
+        return self.first_step + start + int(bad[0]) if len(bad) else _NONE
 
-    def fail(self, run, loss: float, bad_step: int | None = None) -> None:
-        """Raise the NaN error, after giving the model its last good weights back."""
-        state = run.state
-        bad_step = bad_step or self.first_bad_step(run.dist) or state.step
-        restored = restore_last_good(run)
-        where = (f"The model holds the weights of the last good checkpoint, step {restored[0]} "
-                 f"({restored[1]})." if restored else
-                 "No good checkpoint exists, so the model holds the weights of the last step, "
-                 "which may be NaN; set `checkpoint_dir` to get the last good weights back.")
-        raise GpunbError(
-            f"The training loss became {loss} at step {bad_step} (found at step {state.step}, "
-            f"epoch {state.epoch}). {where}",
-            "lower the learning rate (`lr=`), clip gradients (`clip_grad_norm=1.0`), check the "
-            "data for NaN/inf values, or use bf16 instead of fp16 (`precision='bf16-mixed'`). "
-            "Set `detect_nan=False` to train on regardless.")
+
+def _agree(dist, local: int) -> int | None:
+    """The smallest of the ranks' first bad steps (a collective: every rank calls it), or None."""
+    found = dist.smallest(local)
+    return None if found >= _NONE else found
+
+
+def fail(run, loss: float, bad_step: int) -> None:
+    """Raise the NaN error, after giving the model its last good weights back."""
+    state = run.state
+    restored = restore_last_good(run)
+    where = (f"The model holds the weights of the last good checkpoint, step {restored[0]} "
+             f"({restored[1]})." if restored else
+             "No good checkpoint exists, so the model holds the weights of the last step, "
+             "which may be NaN; set `checkpoint_dir` to get the last good weights back.")
+    raise GpunbError(
+        f"The training loss became {loss} at step {bad_step} (found at step {state.step}, "
+        f"epoch {state.epoch}). {where}",
+        "lower the learning rate (`lr=`), clip gradients (`clip_grad_norm=1.0`), check the "
+        "data for NaN/inf values, or use bf16 instead of fp16 (`precision='bf16-mixed'`). "
+        "Set `detect_nan=False` to train on regardless.")
 
 
 def restore_last_good(run) -> tuple[int, str] | None:

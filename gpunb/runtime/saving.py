@@ -10,7 +10,7 @@ from gpunb.errors import GpunbError
 from gpunb.runtime import checkpoint as ckpt
 from gpunb.runtime import device as devices
 from gpunb.runtime import resume_check
-from gpunb.runtime.nan_guard import warn_unsaved
+from gpunb.runtime.nan_guard import fail, warn_unsaved
 
 
 class Checkpointer:
@@ -66,15 +66,12 @@ class Checkpointer:
     def _loss_finite(self) -> bool:
         """No checkpoint after a non-finite loss: the newest on disk stays the last good one."""
         run = self.run
-        if run.nan_guard is None:
-            return True
-        bad_step = run.nan_guard.first_bad_step(run.dist)  # a sync, at checkpoint time only
+        bad_step = run.losses.first_bad_step(run.dist)  # a sync, at checkpoint time only
         if bad_step is None:
             return True
         if run.config.detect_nan:
-            run.nan_guard.fail(run, float("nan"), bad_step)  # raises
-        warn_unsaved(run, bad_step)
-        run.nan_guard.reset()  # judge the next stretch of steps on its own
+            fail(run, float("nan"), bad_step)  # raises
+        warn_unsaved(run, bad_step)  # the next check judges only the steps after this one
         return False
 
     def _payload(self, model_state, optimizer_state, run_id: str) -> dict:

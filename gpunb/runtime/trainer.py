@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,10 +19,11 @@ from gpunb.runtime import checkpoint as ckpt
 from gpunb.runtime import device as devices
 from gpunb.runtime.batch_size import find_batch_size
 from gpunb.runtime.data import build_feed
+from gpunb.runtime.epoch import EpochSteps, Timer
 from gpunb.runtime.events import Callbacks, FitState
 from gpunb.runtime.inputs import adapt_data, batch_size_of
 from gpunb.runtime.interrupt import InterruptFlag
-from gpunb.runtime.nan_guard import NanGuard
+from gpunb.runtime.nan_guard import StepLosses
 from gpunb.runtime.objective import Objective
 from gpunb.runtime.optim import check_optimizer, default_optimizer, make_scheduler
 from gpunb.runtime.precision import Precision, resolve_precision
@@ -106,7 +106,7 @@ class _Run:
     unwrap: object  # undoes wrap_model's changes to the user's module
     start_epoch: int = 0
     skip_batches: int = 0
-    nan_guard: NanGuard | None = None  # first non-finite step loss (detect_nan or checkpoints)
+    losses: StepLosses = field(default_factory=StepLosses)  # step losses since the last log
 
 
 def _prepare(config, dist, model, train_data, val_data, optimizer, objective, user_callbacks) -> _Run:
@@ -155,7 +155,6 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
     callbacks = Callbacks([*_default_callbacks(config, dist), *user_callbacks])
     run = _Run(config, dist, state, callbacks, model, train_model, objective, precision, reason,
                feed, val_feed, stepper, batch_size, unwrap)
-    run.nan_guard = NanGuard() if config.detect_nan or config.checkpoint_dir else None
     if config.checkpoint_dir:
         callbacks.callbacks.insert(0, Checkpointer(run))  # saved before others hear of the step
     if config.resume:
@@ -167,9 +166,8 @@ def _train(run: _Run) -> TrainResult:
     """The loop: epochs of optimizer steps, logging at intervals, validation per epoch."""
     __tracebackhide__ = True  # noqa: F841
     config, state, callbacks, stepper = run.config, run.state, run.callbacks, run.stepper
-    timer = _Timer()
+    timer = Timer()
     interrupt = InterruptFlag()
-    interval_loss, interval_steps = None, 0  # device-side sum of step losses since the last log
     try:
         with interrupt:
             callbacks.call("on_fit_start", state)
@@ -185,7 +183,7 @@ def _train(run: _Run) -> TrainResult:
                 run.train_model.train()
                 batches = run.feed.epoch(epoch, skip)
                 remaining = None if run.feed.num_batches is None else run.feed.num_batches - skip
-                for batch, last_in_step in _Steps(batches, config.grad_accum, timer, stepper.phase, remaining):
+                for batch, last_in_step in EpochSteps(batches, config.grad_accum, timer, stepper.phase, remaining):
                     state.batch_in_epoch += 1
                     state.samples_seen += batch_size_of(batch) * state.world_size
                     stepper.accumulate(batch, last_in_step)
@@ -193,22 +191,17 @@ def _train(run: _Run) -> TrainResult:
                     if not last_in_step:
                         continue
                     step_loss = stepper.update()  # stays on the device: no sync here
-                    if run.nan_guard is not None:
-                        run.nan_guard.observe(step_loss, state.step)  # device ops only
                     state.step += 1
-                    interval_loss = step_loss if interval_loss is None else interval_loss + step_loss
-                    interval_steps += 1
+                    run.losses.add(step_loss, state.step)  # a list append: no device op
                     callbacks.call("on_train_batch_end", state)
                     if state.step % config.log_every == 0:
-                        _log(run, interval_loss / interval_steps, interval_steps, timer)  # syncs
-                        interval_loss, interval_steps = None, 0
+                        _log(run, timer)  # syncs
                     if interrupt.raised:
                         state.request_stop("interrupted")
                     if state.should_stop or _finished(state):
                         break
-                if interval_steps:  # the epoch's last, partial interval
-                    _log(run, interval_loss / interval_steps, interval_steps, timer)
-                    interval_loss, interval_steps = None, 0
+                if run.losses:  # the epoch's last, partial interval
+                    _log(run, timer)
                 if state.stop_reason == "interrupted":
                     break
                 _end_epoch(run, state.history[logged_before:], timer)
@@ -231,57 +224,10 @@ def _finished(state: FitState) -> bool:
     return state.total_steps is not None and state.step >= state.total_steps
 
 
-class _Steps:
-    """Iterates (batch, ends_an_optimizer_step) over an epoch's batches.
-
-    `remaining` (batches left in the epoch) says where the epoch ends; when the data has
-    no length, it looks one batch ahead instead (holding one more batch in memory). A
-    class rather than a generator so that no suspended frame keeps the batch alive
-    while the optimizer step runs.
-    """
-
-    def __init__(self, batches, grad_accum, timer, phase, remaining):
-        self.batches, self.grad_accum, self.timer, self.phase = batches, grad_accum, timer, phase
-        self.remaining, self.in_group = remaining, 0
-        self.ahead = self._fetch() if remaining is None else None
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self.remaining is not None:
-            batch = self._fetch()
-            if batch is None:
-                raise StopIteration
-            self.remaining -= 1
-            ends = self._count() or self.remaining == 0
-        else:
-            batch, self.ahead = self.ahead, None
-            if batch is None:
-                raise StopIteration
-            self.ahead = self._fetch()
-            ends = self._count() or self.ahead is None
-        if ends:
-            self.in_group = 0
-        return batch, ends
-
-    def _count(self) -> bool:
-        self.in_group += 1
-        return self.in_group == self.grad_accum
-
-    def _fetch(self):
-        begin = time.perf_counter()
-        with self.phase("data_wait"):
-            batch = next(self.batches, None)
-        self.timer.data_wait += time.perf_counter() - begin
-        return batch
-
-
-def _log(run: _Run, mean_loss: torch.Tensor, steps: int, timer) -> None:
-    state = run.state
-    loss = run.dist.reduce_loss(mean_loss, state)  # the interval's one sync (ranks: + stop vote)
-    if run.config.detect_nan and not math.isfinite(loss):
-        run.nan_guard.fail(run, loss)  # raises, with the last good weights back in the model
+def _log(run: _Run, timer) -> None:
+    state, steps = run.state, len(run.losses)
+    loss = run.dist.reduce_loss(run.losses.mean(), state)  # the interval's one sync (ranks: + stop vote)
+    run.losses.end_interval(run, loss)  # detect_nan: raises on NaN, with the last good weights back
     seconds = timer.lap()
     samples = steps * run.batch_size * run.config.grad_accum * state.world_size
     row = {"step": state.step, "epoch": state.epoch, "loss": loss, "steps": steps,
@@ -386,27 +332,3 @@ def _phase_annotator(state: FitState):
 
     return phase
 
-
-class _Timer:
-    """Wall time of the run, split into waiting for data, validation, and the rest."""
-
-    def __init__(self):
-        self.start = self.last_lap = time.perf_counter()
-        self.data_wait = self.validation = 0.0
-
-    @contextlib.contextmanager
-    def validating(self):
-        begin = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.validation += time.perf_counter() - begin
-            self.last_lap += time.perf_counter() - begin  # keep validation out of step times
-
-    def lap(self) -> float:
-        now = time.perf_counter()
-        seconds, self.last_lap = now - self.last_lap, now
-        return seconds
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
