@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 __all__ = ["Trainer", "TrainConfig", "TrainResult", "profile", "runs", "compare"]
 
 _LAZY = {
-    "Trainer": "gpunb.runtime.trainer",
+    "Trainer": "gpunb.trainer",
     "TrainResult": "gpunb.runtime.result",
     "TrainConfig": "gpunb.config",
     "profile": "gpunb.profiling",

@@ -381,6 +381,29 @@ def test_ranks_that_do_not_reach_a_log_interval_are_terminated_after_the_interru
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+# --------------------------------------------------------------------------- the launcher's entry
+
+
+def _entry_that_names_its_context(config, context, model, train_data, val_data=None, **fit):
+    """What each rank runs: the runtime's loop, under a name that says which context it got."""
+    from gpunb.runtime import run
+
+    result = run(config, context, model, train_data, val_data, **fit)
+    result.run_name = f"{type(context).__name__} {context.rank}/{context.world_size}"
+    return result
+
+
+def test_the_launcher_runs_the_entry_it_is_given_with_each_ranks_context():
+    heard = Recorder()
+    x, y = classification_data(n=64)
+    model = mlp()
+    result = launch.fit(TrainConfig(batch_size=16, log_every=2, **CPU2), _entry_that_names_its_context,
+                        model, (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[heard])
+    assert result.run_name == "ProcessGroupRank 0/2"  # rank 0's result, from the entry
+    assert result.world_size == 2 and result.steps == 2 and len(result.per_rank) == 2
+    assert "on_fit_end" in heard.events  # the caller's callbacks run here
+
+
 # --------------------------------------------------------------------------- devices and torchrun
 
 

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from gpunb import Trainer
 from gpunb.errors import GpunbError
-from gpunb.runtime import trainer as trainer_module
+from gpunb.runtime import loop as trainer_module
 
 
 def fit(model=None, data=None, val_data=None, *, loss_fn=nn.CrossEntropyLoss(), optimizer=None,
@@ -300,7 +300,7 @@ def test_gpunb_never_imports_pandas():
     import subprocess
     import sys
 
-    code = ("import sys, gpunb, gpunb.runtime.trainer, gpunb.runtime.preflight; "
+    code = ("import sys, gpunb, gpunb.trainer, gpunb.runtime.preflight; "
             "sys.exit('pandas' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 

@@ -171,7 +171,7 @@ def test_training_profile_leaves_the_weights_alone():
 
 
 def test_profiler_callback_with_the_trainer():
-    from gpunb.runtime.trainer import Trainer
+    from gpunb import Trainer
 
     callback = ProfilerCallback(steps=2, warmup=1)
     x, y = torch.randn(64, 8), torch.randint(0, 2, (64,))
@@ -219,7 +219,7 @@ def test_cuda_without_a_gpu_is_refused():
 
 
 def test_a_run_that_ends_early_reports_the_steps_it_profiled():
-    from gpunb.runtime.trainer import Trainer
+    from gpunb import Trainer
 
     callback = ProfilerCallback(steps=5, warmup=0)
     Trainer(batch_size=16, max_steps=4, track=False).fit(
@@ -231,7 +231,7 @@ def test_a_run_that_ends_early_reports_the_steps_it_profiled():
 
 
 def test_a_run_that_ends_during_warmup_says_so():
-    from gpunb.runtime.trainer import Trainer
+    from gpunb import Trainer
 
     callback = ProfilerCallback(steps=2, warmup=5)
     Trainer(batch_size=32, epochs=1, track=False).fit(tiny_model(), (torch.randn(64, 8), torch.randint(0, 2, (64,))),

@@ -289,3 +289,83 @@ def test_nan_loss_stops_with_the_step_and_fixes():
         fit(data=(x, y), epochs=1, log_every=2, shuffle=False)
     message = str(error.value)
     assert "step 2" in message and "lr" in message and "clip_grad_norm" in message
+
+
+# The front door (gpunb/trainer.py) over the runtime's one-process loop
+
+
+def test_a_one_process_fit_imports_nothing_of_the_launcher_or_cloudpickle():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, gpunb; from torch import nn\n"
+            "x, y = torch.randn(32, 4), torch.randint(0, 2, (32,))\n"
+            "result = gpunb.Trainer(batch_size=16, track=False).fit(nn.Linear(4, 2), (x, y), "
+            "loss_fn=nn.CrossEntropyLoss())\n"
+            "assert result.steps == 2, result.steps\n"
+            "print(sorted(m for m in sys.modules if m.startswith('gpunb.distributed') or 'cloudpickle' in m))")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+class _CountingContext:
+    """A LocalContext that counts the log intervals it reduced."""
+
+    def __init__(self):
+        from gpunb.runtime.context import LocalContext
+
+        self.inner, self.reduced = LocalContext(), 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def reduce_loss(self, mean_loss, state):
+        self.reduced += 1
+        return self.inner.reduce_loss(mean_loss, state)
+
+
+def test_the_runtime_trains_with_the_context_and_only_the_callbacks_it_is_given(monkeypatch):
+    import gpunb.telemetry
+    from gpunb.config import TrainConfig
+    from gpunb.runtime import run
+
+    heard, made = [], []
+    monkeypatch.setattr(gpunb.telemetry, "TelemetryCallback", lambda: made.append("telemetry") or object())
+
+    class Listener:
+        def on_fit_start(self, state):
+            heard.append(type(state).__name__)
+
+    context = _CountingContext()
+    result = run(TrainConfig(batch_size=16, log_every=2, track=False), context, mlp(), classification_data(n=128),
+                 loss_fn=nn.CrossEntropyLoss(), callbacks=[Listener()])
+    assert context.reduced == len(result.history) == 4  # 8 steps, a log every 2
+    assert heard == ["FitState"]
+    assert made == []  # the defaults are the Trainer's to add
+    fit(max_steps=1)
+    assert made == ["telemetry"]
+
+
+def test_the_trainer_adds_telemetry_and_on_rank_0_the_run_registry():
+    from gpunb.config import TrainConfig
+    from gpunb.runtime.context import LocalContext
+    from gpunb.trainer import _default_callbacks
+
+    class Rank1(LocalContext):
+        rank = 1
+
+    names = lambda found: [type(c).__name__ for c in found]  # noqa: E731
+    assert names(_default_callbacks(TrainConfig(track=True), LocalContext())) == ["TelemetryCallback", "RunRecorder"]
+    assert names(_default_callbacks(TrainConfig(track=False), LocalContext())) == ["TelemetryCallback"]
+    assert names(_default_callbacks(TrainConfig(track=True), Rank1())) == ["TelemetryCallback"]
+
+
+def test_the_runtime_refuses_what_is_not_a_module_before_any_work():
+    from gpunb.config import TrainConfig
+    from gpunb.runtime import LocalContext, run
+
+    with pytest.raises(GpunbError, match=r"`model` must be a torch.nn.Module, got a function"):
+        run(TrainConfig(), LocalContext(), lambda x: x, classification_data())

@@ -1,7 +1,7 @@
 """Process launch and torch.distributed set-up for multi-device runs.
 
     context.py   where this process stands (one process, or a rank of a group) and what differs
-    launch.py    Trainer(devices=N).fit from a notebook: start the ranks, drive them, collect
+    launch.py    a devices=N fit from a notebook: start the ranks, drive them, collect
     worker.py    the body of each started rank
     shipping.py  fit's arguments to spawned ranks (cloudpickle), with errors that name the culprit
     fsdp.py      strategy="fsdp": FSDP2 sharding and full state dicts

@@ -1,10 +1,11 @@
 """Where this process stands in a (possibly) distributed run, and what differs there.
 
-`current_context(config)` is what Trainer.fit asks. It is `SingleProcess` unless this
-process is one rank of a process group: one started by gpunb's launcher (launch.py),
-or one torchrun describes in the environment (RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR, MASTER_PORT), which is then joined here. The loop calls the same methods
-on either, so it reads the same in both cases:
+`current_context(config)` is what gpunb.Trainer asks when a process group may exist.
+It is the runtime's `LocalContext` unless this process is one rank of a process group:
+one started by gpunb's launcher (launch.py), or one torchrun describes in the
+environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), which is then
+joined here. The loop calls the same methods
+on either (see runtime/context.py), so it reads the same in both cases:
 
     reduce_loss(mean_loss, state)  the log interval's one sync (and, in a group, its stop vote)
     sync_stop(state)               the vote alone, at an epoch's end
@@ -21,51 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from gpunb.errors import GpunbError
+from gpunb.runtime.context import LocalContext, optimizer_state_by_index
 from gpunb.runtime.events import FitState
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-class SingleProcess:
-    """The one-process case: no process group, nothing to reduce."""
-
-    rank = 0
-    local_rank = 0
-    world_size = 1
-    state_type = FitState
-
-    def reduce_loss(self, mean_loss: torch.Tensor, state) -> float:
-        return mean_loss.item()
-
-    def sync_stop(self, state) -> None:
-        pass
-
-    def smallest(self, value: int) -> int:
-        return value
-
-    def reduce_sums(self, sums: dict, count: int) -> dict:
-        """Means of device-side sums over `count` samples, as floats (one sync)."""
-        if not sums:
-            return {}
-        values = torch.stack([v.float() for v in sums.values()]).cpu() / max(1, count)
-        return dict(zip(sums, values.tolist()))
-
-    def wrap(self, model, device):
-        return model
-
-    def adopt_shards(self, optimizer, precision) -> None:
-        pass
-
-    def state_dicts(self, model, optimizer) -> tuple[dict, dict]:
-        return model.state_dict(), optimizer.state_dict()
-
-    def load_model_state(self, model, state: dict) -> None:
-        model.load_state_dict(state)
-
-    def load_optimizer_state(self, model, optimizer, state: dict) -> None:
-        from gpunb.distributed.fsdp import optimizer_state_by_index
-
-        optimizer.load_state_dict(optimizer_state_by_index(state, model, optimizer))
 
 
 @dataclass
@@ -184,12 +144,12 @@ class ProcessGroupRank:
             model.load_state_dict(state)
 
     def load_optimizer_state(self, model, optimizer, state: dict) -> None:
-        from gpunb.distributed import fsdp
-
         if self.strategy == "fsdp":
+            from gpunb.distributed import fsdp
+
             fsdp.load_optimizer_state(model, optimizer, state)
         else:
-            optimizer.load_state_dict(fsdp.optimizer_state_by_index(state, model, optimizer))
+            optimizer.load_state_dict(optimizer_state_by_index(state, model, optimizer))
 
     def _all_reduce(self, tensor: torch.Tensor, op=None) -> None:
         work = self.dist.all_reduce(tensor, op=op or self.dist.ReduceOp.SUM, async_op=True)
@@ -214,13 +174,13 @@ def current_context(config):
     import torch.distributed as dist
 
     if not dist.is_available():
-        return SingleProcess()
+        return LocalContext()
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-            return SingleProcess()
+            return LocalContext()
         join_torchrun_group(config)
     if dist.get_world_size() == 1:
-        return SingleProcess()
+        return LocalContext()
     check_config(config)
     return ProcessGroupRank(config.strategy)
 

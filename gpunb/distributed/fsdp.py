@@ -70,22 +70,6 @@ def load_optimizer_state(model, optimizer, state: dict) -> None:
     _load_full_optimizer_state(model, optimizer, _by_name(state, _names_in_order(model, optimizer)))
 
 
-def optimizer_state_by_index(state: dict, model, optimizer) -> dict:
-    """An optimizer state dict keyed by parameter index, as `Optimizer.load_state_dict` wants.
-
-    FSDP checkpoints key it by parameter name; a run without FSDP resuming from one
-    (or the notebook receiving an FSDP run's optimizer) needs indices again.
-    """
-    groups = state.get("param_groups", [])
-    if not groups or not groups[0].get("params") or not isinstance(groups[0]["params"][0], str):
-        return state
-    names = {id(p): name for name, p in model.named_parameters()}
-    index = {names[id(p)]: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    return {"state": {index[name]: value for name, value in state["state"].items()},
-            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
-                             for group in groups]}
-
-
 def _names_in_order(model, optimizer) -> list:
     """The names of the optimizer's parameters, in the order its state dict numbers them."""
     names = {id(p): name for name, p in model.named_parameters()}

@@ -1,6 +1,9 @@
 """Start one process per device and drive them from this one (the notebook's kernel).
 
-Trainer.fit calls `fit` here when devices > 1 and no process group exists yet.
+gpunb.Trainer calls `fit` here when devices > 1 and no process group exists yet; it
+passes the `entry` each rank runs (entry(config, context, model, train_data, val_data,
+**fit keywords) -> TrainResult, a top-level function so that spawn can pickle it).
+The launcher knows nothing of Trainer.
 
 - Start: fork while CUDA is untouched in this process (fast: nothing is pickled);
   once CUDA is initialised a forked process cannot use it, so spawn, with fit's
@@ -9,8 +12,8 @@ Trainer.fit calls `fit` here when devices > 1 and no process group exists yet.
   and the ranks' own gloo/NCCL sockets are kept on the loopback interface too.
 - While they train: rank 0 streams its events over a queue (on_train_batch_end as a
   progress update at most 4 times a second); here they update a FitState that mirrors
-  rank 0's and go to the caller's callbacks (the dashboard) and the run registry,
-  which run in this process only. A stop asked for here
+  rank 0's and go to the caller's callbacks (the dashboard, the run registry), which
+  run in this process only. A stop asked for here
   (`state.request_stop`, the kernel's stop button) reaches the ranks through a shared
   value; they vote on it at the next log interval and stop after the same step.
 - At the end rank 0's weights (and optimizer state, when an optimizer was passed) are
@@ -94,21 +97,22 @@ def start_method() -> str:
     return "spawn" if torch.cuda.is_initialized() else "fork"
 
 
-def fit(config, model, train_data, val_data=None, *, optimizer=None, loss_fn=None, step=None,
+def fit(config, entry, model, train_data, val_data=None, *, optimizer=None, loss_fn=None, step=None,
         metrics=None, callbacks=(), method: str | None = None) -> TrainResult:
-    """Train on one process per device; returns rank 0's TrainResult (world_size = N)."""
+    """Train on one process per device, each running `entry`; returns rank 0's TrainResult
+    (world_size = N). `callbacks` run here, in this process."""
     accelerator, count = plan_devices(config)
     config = config.replace(accelerator=accelerator, devices=count)
     check_config(config)
     _check_arguments(model, train_data, val_data, optimizer, loss_fn, step, metrics)
     args = FitArgs(config.replace(track=False), model, train_data, val_data, optimizer, loss_fn,
                    step, metrics)  # the registry is written here, not by the ranks
-    launch = _Launch(config, args, callbacks)
+    launch = _Launch(config, args, callbacks, entry)
     method = method or start_method()
     try:
         return launch.run(method)
     except _ForkUnusable:
-        return _Launch(config, args, callbacks).run("spawn")
+        return _Launch(config, args, callbacks, entry).run("spawn")
 
 
 class _ForkUnusable(Exception):
@@ -116,13 +120,13 @@ class _ForkUnusable(Exception):
 
 
 class _Launch:
-    def __init__(self, config, args: FitArgs, callbacks):
-        self.config, self.args = config, args
+    def __init__(self, config, args: FitArgs, callbacks, entry):
+        self.config, self.args, self.entry = config, args, entry
         self.count = config.devices
         self.state = FitState(config=config, model=args.model, optimizer=args.optimizer,
                               device=torch.device("cpu"), run_name=config.name or type(args.model).__name__,
                               world_size=self.count)
-        self.callbacks = Callbacks([*_parent_callbacks(config), *callbacks])
+        self.callbacks = Callbacks(list(callbacks))
         self.reports: dict = {}  # rank -> what it sent when done
         self.errors: list = []  # (rank, description) in arrival order
         self.fork_unusable = False  # a forked rank found CUDA unusable: start again with spawn
@@ -135,7 +139,7 @@ class _Launch:
         queue, stop = context.Queue(), context.Value("i", worker.RUN, lock=False)
         store = loopback_store()
         scratch = tempfile.TemporaryDirectory(prefix="gpunb-launch-")
-        plan = worker.Plan(world_size=self.count, port=store.port, method=method,
+        plan = worker.Plan(entry=self.entry, world_size=self.count, port=store.port, method=method,
                            accelerator=self.config.accelerator, threads=_threads_per_rank(self.count),
                            weights_path=os.path.join(scratch.name, "weights.pt"),
                            return_optimizer=self.args.optimizer is not None)
@@ -295,17 +299,6 @@ def _check_arguments(model, train_data, val_data, optimizer, loss_fn, step, metr
         check_optimizer(optimizer, model)
 
 
-def _parent_callbacks(config) -> list:
-    """The run registry writes from here (one row per run, whatever the number of ranks)."""
-    if not config.track:
-        return []
-    try:
-        from gpunb.runs import RunRecorder
-    except ImportError:
-        return []
-    return [RunRecorder()]
-
-
 def _threads_per_rank(count: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // count)
@@ -346,7 +339,7 @@ def _lost_peer(info: dict) -> bool:
 
 def _load_into(model, optimizer, final: dict) -> None:
     """Rank 0's weights into the caller's model (wherever its parameters live)."""
-    from gpunb.distributed.fsdp import optimizer_state_by_index
+    from gpunb.runtime.context import optimizer_state_by_index
 
     model.load_state_dict(final["model"])
     if optimizer is not None and final.get("optimizer") is not None:

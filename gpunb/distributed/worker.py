@@ -1,8 +1,8 @@
 """The body of each process launch.py starts: one rank of the run.
 
-It joins the process group (the parent's TCPStore is the rendezvous), runs the same
-`Trainer.fit` as a single-process run (the runtime sees an initialised group and
-wraps the model in DDP / FSDP), and reports back. Rank 0 also relays its events to
+It joins the process group (the parent's TCPStore is the rendezvous), runs the plan's
+`entry` with this rank's context (the runtime then wraps the model in DDP / FSDP), and
+reports back. Rank 0 also relays its events to
 the parent and brings the parent's stop requests in.
 """
 
@@ -29,8 +29,9 @@ PROGRESS_EVERY_S = 0.25  # rank 0 sends its progress (on_train_batch_end) at mos
 
 @dataclass
 class Plan:
-    """How the ranks of one launch find each other and where they leave their results."""
+    """How the ranks of one launch find each other, what they run and where they leave their results."""
 
+    entry: object  # entry(config, context, model, train_data, val_data, **fit keywords) -> TrainResult
     world_size: int
     port: int  # of the parent's TCPStore on HOST
     method: str  # "fork" or "spawn"
@@ -96,9 +97,8 @@ def _join_group(rank: int, plan: Plan) -> None:
 
 
 def _fit(rank: int, plan: Plan, args: FitArgs, queue, stop) -> dict:
-    from gpunb.distributed.context import ProcessGroupRank
+    from gpunb.distributed.context import ProcessGroupRank, current_context
     from gpunb.runtime.device import select_device
-    from gpunb.runtime.trainer import Trainer
 
     model, optimizer = args.model, args.optimizer
     if optimizer is not None and optimizer.state:
@@ -106,9 +106,9 @@ def _fit(rank: int, plan: Plan, args: FitArgs, queue, stop) -> dict:
         model.to(select_device(plan.accelerator, rank))
         optimizer.load_state_dict(optimizer.state_dict())
     callbacks = [Relay(queue, stop)] if rank == 0 else []
-    result = Trainer(args.config).fit(model, args.train_data, args.val_data, optimizer=optimizer,
-                                      loss_fn=args.loss_fn, step=args.step, metrics=args.metrics,
-                                      callbacks=callbacks)
+    result = plan.entry(args.config, current_context(args.config), model, args.train_data, args.val_data,
+                        optimizer=optimizer, loss_fn=args.loss_fn, step=args.step, metrics=args.metrics,
+                        callbacks=callbacks)
     # Every rank takes part (FSDP gathers the shards); rank 0 writes the weights.
     returned_optimizer = optimizer if plan.return_optimizer else None
     model_state, optimizer_state = ProcessGroupRank(args.config.strategy).state_dicts(model, returned_optimizer)

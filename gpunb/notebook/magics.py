@@ -92,7 +92,7 @@ class GpuMagics(Magics):
         from IPython.display import display
 
         from gpunb.notebook.busy import kernel_stays_busy
-        from gpunb.runtime.trainer import Trainer
+        from gpunb.trainer import Trainer
 
         callbacks = [*found["callbacks"], *_progress_callbacks(self.shell, args.quiet)]
         try:

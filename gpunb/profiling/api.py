@@ -137,7 +137,8 @@ def summarise(recorder: Recorder, kind: str) -> ProfileResult:
 def _profile_training(train, steps, warmup, save, device) -> ProfileResult:
     from gpunb.config import TrainConfig, make_config
     from gpunb.runtime import snapshot
-    from gpunb.runtime.trainer import Trainer
+    from gpunb.runtime.context import LocalContext
+    from gpunb.runtime.loop import check_model, run
 
     if not isinstance(train, dict):
         raise GpunbError(f"train= must be a dict, got a {type(train).__name__}.",
@@ -165,14 +166,16 @@ def _profile_training(train, steps, warmup, save, device) -> ProfileResult:
                      track=False, devices=1)
     if device is not None:
         overrides["accelerator"] = _torch_device(device).type
-    # Put the weights and optimizer state back afterwards (anything else, the Trainer rejects).
+    config = make_config(config, **overrides)
+    check_model(model)
+    # Put the weights and optimizer state back afterwards (anything else, the runtime rejects).
     optimizer = spec.get("optimizer") if isinstance(spec.get("optimizer"), torch.optim.Optimizer) else None
-    saved = snapshot.capture(model, optimizer) if isinstance(model, torch.nn.Module) else None
+    saved = snapshot.capture(model, optimizer)
     try:
-        Trainer(config, **overrides).fit(model, data, callbacks=[callback], **spec)
+        # One process, the profiler's callback only (no telemetry thread beside the profiled steps).
+        run(config, LocalContext(), model, data, callbacks=[callback], **spec)
     finally:
-        if saved is not None:
-            snapshot.restore(saved, model, optimizer)
+        snapshot.restore(saved, model, optimizer)
     return callback.result()
 
 

@@ -1,4 +1,4 @@
-"""Trainer.fit: set up a run, then the training loop, top to bottom.
+"""run(): set up a one-process run (or one rank's), then the training loop, top to bottom.
 
 Logging, checkpointing, telemetry and the run registry hang off events (see
 events.py); the loop itself only steps, counts and emits. The loss stays on the
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpunb.config import TrainConfig, make_config
+from gpunb.config import TrainConfig
 from gpunb.errors import GpunbError
 from gpunb.runtime import checkpoint as ckpt
 from gpunb.runtime import device as devices
@@ -35,55 +35,37 @@ from gpunb.runtime.teardown import Teardown
 from gpunb.runtime.wrap import wrap_model
 
 
-class Trainer:
-    """Trains a plain PyTorch model with the managed runtime.
+def run(config: TrainConfig, context, model, train_data, val_data=None, *, optimizer=None, loss_fn=None,
+        step=None, metrics=None, callbacks=()) -> TrainResult:
+    """Train `model` in this process; returns a TrainResult. The model is trained in place.
 
-    >>> result = Trainer(epochs=3, precision="auto").fit(model, (x, y), loss_fn=nn.CrossEntropyLoss())
-
-    `config` is a TrainConfig; keyword overrides are applied on top of it.
-
-    With `devices=N` (or "all") fit starts one process per device and trains under
-    DDP (`strategy="fsdp"`: sharded); each process reads its own share of the data.
-    `batch_size` is per device, so an optimizer step sees batch_size x grad_accum x N
-    samples. The learning rate is never scaled for you: when moving from one device to
-    N, raise `lr` yourself if the larger batch calls for it. Under torchrun (or any
-    initialised process group) fit joins the group instead of starting processes.
+    `context` says where this process stands: `LocalContext()` alone, or one rank of a
+    process group (gpunb.distributed.context). `callbacks` are all the callbacks the run
+    hears; gpunb.Trainer adds its defaults (telemetry, the run registry) to the user's.
     """
+    __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
+    check_model(model)
+    teardown = Teardown(model)
+    prepared = None
+    try:
+        with InterruptFlag() as setup:  # a Ctrl-C in set-up: stop before the first step
+            teardown.saved_globals = devices.seed_everything(config.seed, config.deterministic)
+            prepared = _prepare(config, context, model, train_data, val_data, optimizer,
+                                Objective(loss_fn, step, metrics), callbacks)
+        if setup.raised:
+            prepared.state.request_stop("interrupted")
+        result = _train(prepared)
+    except BaseException:
+        teardown(prepared, failed=True)  # never replaces the error (or KeyboardInterrupt) raised here
+        raise
+    teardown(prepared, failed=False)
+    return result
 
-    def __init__(self, config: TrainConfig | None = None, **overrides):
-        self.config = make_config(config, **overrides)
 
-    def fit(self, model, train_data, val_data=None, *, optimizer=None, loss_fn=None, step=None,
-            metrics=None, callbacks=()) -> TrainResult:
-        """Train `model` on `train_data`; returns a TrainResult. The model is trained in place."""
-        __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
-        if not isinstance(model, torch.nn.Module):
-            raise GpunbError(f"`model` must be a torch.nn.Module, got a {type(model).__name__}.",
-                             "pass the module itself, e.g. `model = nn.Sequential(...)`.")
-        from gpunb.distributed import launch
-
-        if launch.needs_processes(self.config):
-            # One process per device; this process drives them and returns rank 0's result.
-            return launch.fit(self.config, model, train_data, val_data, optimizer=optimizer,
-                              loss_fn=loss_fn, step=step, metrics=metrics, callbacks=callbacks)
-        from gpunb.distributed.context import current_context
-
-        teardown = Teardown(model)
-        run = None
-        try:
-            with InterruptFlag() as setup:  # a Ctrl-C in set-up: stop before the first step
-                dist = current_context(self.config)
-                teardown.saved_globals = devices.seed_everything(self.config.seed, self.config.deterministic)
-                run = _prepare(self.config, dist, model, train_data, val_data, optimizer,
-                               Objective(loss_fn, step, metrics), callbacks)
-            if setup.raised:
-                run.state.request_stop("interrupted")
-            result = _train(run)
-        except BaseException:
-            teardown(run, failed=True)  # never replaces the error (or KeyboardInterrupt) raised here
-            raise
-        teardown(run, failed=False)
-        return result
+def check_model(model) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise GpunbError(f"`model` must be a torch.nn.Module, got a {type(model).__name__}.",
+                         "pass the module itself, e.g. `model = nn.Sequential(...)`.")
 
 
 @dataclass
@@ -152,7 +134,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
     phase = _phase_annotator(state)
     no_sync = getattr(train_model, "no_sync", None)
     stepper = Stepper(train_model, optimizer, objective, precision, scheduler, config, phase, no_sync)
-    callbacks = Callbacks([*_default_callbacks(config, dist), *user_callbacks])
+    callbacks = Callbacks(list(user_callbacks))
     run = _Run(config, dist, state, callbacks, model, train_model, objective, precision, reason,
                feed, val_feed, stepper, batch_size, unwrap)
     if config.checkpoint_dir:
@@ -300,25 +282,6 @@ def _result(run: _Run, timer) -> TrainResult:
         skipped_steps=run.precision.skipped_steps, checkpoint_path=state.extras.get("checkpoint_path"),
         resumed_from=state.extras.get("resumed"),
         interrupted=state.stop_reason == "interrupted", stop_reason=state.stop_reason)
-
-
-def _default_callbacks(config, dist) -> list:
-    """Telemetry and the run registry, when their packages are there and it makes sense."""
-    found = []
-    try:
-        from gpunb.telemetry import TelemetryCallback
-
-        found.append(TelemetryCallback())
-    except ImportError:
-        pass
-    if config.track and dist.rank == 0:
-        try:
-            from gpunb.runs import RunRecorder
-
-            found.append(RunRecorder())
-        except ImportError:
-            pass
-    return found
 
 
 def _phase_annotator(state: FitState):

@@ -1,0 +1,100 @@
+"""gpunb.Trainer: the front door. It decides where a fit runs, then hands it on.
+
+    one process          runtime.loop.run with the runtime's LocalContext
+    devices > 1          distributed.launch starts one process per device; each runs `_rank_entry`
+    inside a group       (torchrun, or a rank the launcher started) distributed.context joins it
+
+It also composes the default callbacks (telemetry, the run registry). A one-process
+run imports nothing from gpunb.distributed, so nothing of the launcher or cloudpickle.
+"""
+
+from __future__ import annotations
+
+import os
+
+from gpunb.config import TrainConfig, make_config
+from gpunb.runtime.context import LocalContext
+from gpunb.runtime.loop import check_model, run
+from gpunb.runtime.result import TrainResult
+
+
+class Trainer:
+    """Trains a plain PyTorch model with the managed runtime.
+
+    >>> result = Trainer(epochs=3, precision="auto").fit(model, (x, y), loss_fn=nn.CrossEntropyLoss())
+
+    `config` is a TrainConfig; keyword overrides are applied on top of it.
+
+    With `devices=N` (or "all") fit starts one process per device and trains under
+    DDP (`strategy="fsdp"`: sharded); each process reads its own share of the data.
+    `batch_size` is per device, so an optimizer step sees batch_size x grad_accum x N
+    samples. The learning rate is never scaled for you: when moving from one device to
+    N, raise `lr` yourself if the larger batch calls for it. Under torchrun (or any
+    initialised process group) fit joins the group instead of starting processes.
+    """
+
+    def __init__(self, config: TrainConfig | None = None, **overrides):
+        self.config = make_config(config, **overrides)
+
+    def fit(self, model, train_data, val_data=None, *, optimizer=None, loss_fn=None, step=None,
+            metrics=None, callbacks=()) -> TrainResult:
+        """Train `model` on `train_data`; returns a TrainResult. The model is trained in place."""
+        __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
+        check_model(model)
+        config = self.config
+        arguments = dict(optimizer=optimizer, loss_fn=loss_fn, step=step, metrics=metrics)
+        if config.devices != 1 and not _in_process_group():
+            from gpunb.distributed import launch
+
+            if launch.needs_processes(config):
+                # One process per device; this one drives them, the registry is written here.
+                parent = [*_registry_callbacks(config), *callbacks]
+                return launch.fit(config, _rank_entry, model, train_data, val_data, callbacks=parent,
+                                  **arguments)
+        context = LocalContext()
+        if _in_process_group():
+            from gpunb.distributed.context import current_context
+
+            context = current_context(config)  # joins torchrun's group when it is not joined yet
+        return _rank_entry(config, context, model, train_data, val_data, callbacks=callbacks, **arguments)
+
+
+def _rank_entry(config, context, model, train_data, val_data=None, *, callbacks=(), **arguments) -> TrainResult:
+    """One process's fit (alone, or one rank of a group): the defaults, then the runtime's loop.
+    Top-level, so that the launcher can hand it to spawned ranks."""
+    __tracebackhide__ = True  # noqa: F841
+    defaults = _default_callbacks(config, context)
+    return run(config, context, model, train_data, val_data, callbacks=[*defaults, *callbacks], **arguments)
+
+
+def _in_process_group() -> bool:
+    """Under torchrun (its environment) or inside an initialised torch.distributed group."""
+    if "WORLD_SIZE" in os.environ:
+        return True
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _default_callbacks(config, context) -> list:
+    """Telemetry, and the run registry on rank 0, when their packages are there."""
+    found = []
+    try:
+        from gpunb.telemetry import TelemetryCallback
+
+        found.append(TelemetryCallback())
+    except ImportError:
+        pass
+    if context.rank == 0:
+        found.extend(_registry_callbacks(config))
+    return found
+
+
+def _registry_callbacks(config) -> list:
+    if not config.track:
+        return []
+    try:
+        from gpunb.runs import RunRecorder
+    except ImportError:
+        return []
+    return [RunRecorder()]
