@@ -36,7 +36,7 @@ class TrainConfig:
     epochs: int | None = None  # passes over train_data; None: 1, or as many as max_steps needs
     max_steps: int | None = None  # stop after this many optimizer steps
     # --- batching
-    batch_size: Union[int, str] = 64  # per-device samples per optimizer step, or "auto"
+    batch_size: Union[int, str] = 64  # samples per device per micro-batch, or "auto" (a step: x grad_accum x devices)
     grad_accum: int = 1  # micro-batches accumulated per optimizer step
     shuffle: bool = True  # reshuffle the training data every epoch
     drop_last: bool = False  # drop a final partial batch

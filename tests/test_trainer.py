@@ -289,3 +289,38 @@ def test_nan_loss_stops_with_the_step_and_fixes():
         fit(data=(x, y), epochs=1, log_every=2, shuffle=False)
     message = str(error.value)
     assert "step 2" in message and "lr" in message and "clip_grad_norm" in message
+
+
+class OneWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(1))
+
+
+def test_a_short_last_accumulation_group_weights_its_batches_by_its_real_size():
+    # 10 batches, grad_accum=4: groups of 4, 4 and 2. Each batch's loss is 1.0 with gradient 1.
+    model = OneWeight()
+    step = lambda model, batch: (model.w - model.w.detach()).sum() + 1.0  # noqa: E731
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)  # SGD: each step moves w by its gradient
+    x = torch.zeros(10, 1)
+    _, result = fit(model=model, data=(x, x), step=step, optimizer=sgd, batch_size=1, grad_accum=4,
+                    epochs=1, shuffle=False)
+    assert [h["loss"] for h in result.history] == pytest.approx([1.0, 1.0, 1.0])
+    assert model.w.item() == pytest.approx(-3.0)  # three steps of mean gradient 1, the last one too
+
+
+def test_auto_batch_size_leaves_the_callers_config_untouched():
+    from gpunb import TrainConfig
+
+    config = TrainConfig(batch_size="auto", epochs=1, track=False)
+    result = Trainer(config).fit(mlp(), classification_data(n=64), loss_fn=nn.CrossEntropyLoss())
+    assert result.batch_size_reason.startswith("auto: ")  # the probe ran and said why
+    assert config.extras == {} and config.batch_size == "auto"
+
+
+def test_a_failed_set_up_after_wrapping_gives_the_model_its_forwards_back(tmp_path):
+    model = mlp()
+    with pytest.raises(GpunbError):
+        fit(model=model, max_steps=2, activation_checkpointing=True,
+            checkpoint_dir=str(tmp_path), resume="last")  # no checkpoint there to resume
+    assert all("forward" not in child.__dict__ for child in model.children())

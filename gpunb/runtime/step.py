@@ -4,6 +4,8 @@ A CUDA out-of-memory error halves the micro-batch: gradients of the step so far 
 dropped, each loaded batch is cut into twice as many pieces, and the step is replayed
 from its first batch. Each piece's loss is weighted by its share of the step, so the
 gradient, and hence the whole run, is the same as with the smaller batch from the start.
+An epoch's last step may hold fewer than `grad_accum` batches: its gradient and loss are
+rescaled to the mean over the batches it really had.
 """
 
 from __future__ import annotations
@@ -45,8 +47,12 @@ class Stepper:
 
     def update(self) -> torch.Tensor:
         """Clip, step the optimizer and the schedule; returns the step's mean loss (on device)."""
+        short = len(self.pending) < self.config.grad_accum  # the epoch ended mid-group
+        scale = self.config.grad_accum / len(self.pending) if short else None
         self.pending.clear()  # backward is done: the batches are no longer needed for a replay
         with self.phase("optimizer"):
+            if scale is not None:
+                self._rescale(scale)
             if self.config.clip_grad_norm:
                 self.precision.unscale(self.optimizer)
                 params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -57,6 +63,14 @@ class Stepper:
                 self.scheduler.step()
         loss, self.step_loss = self.step_loss, None
         return loss
+
+    def _rescale(self, scale: float) -> None:
+        """Each batch was weighted 1/grad_accum; a short group's are re-weighted to 1/its size."""
+        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, scale)  # device ops, once per epoch: no sync
+        if self.step_loss is not None:
+            self.step_loss = self.step_loss * scale
 
     def micro_batch_size(self, batch_size: int) -> int:
         return -(-batch_size // self.splits)

@@ -111,6 +111,7 @@ class _Run:
 
 def _prepare(config, dist, model, train_data, val_data, optimizer, objective, user_callbacks) -> _Run:
     __tracebackhide__ = True  # noqa: F841
+    config = config.replace(extras=dict(config.extras))  # the run's notes stay out of the caller's config
     device = devices.select_device(config.accelerator, dist.local_rank)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
@@ -144,21 +145,25 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
 
     run_name = config.name or type(model).__name__  # before FSDP renames the class
     train_model, unwrap = wrap_model(model, config, dist, device)
-    dist.adopt_shards(optimizer, precision)  # FSDP replaced the parameters with sharded ones
-    state = dist.state_type(config=config, model=train_model, optimizer=optimizer, device=device,
-                            run_name=run_name,
-                            steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-                            rank=dist.rank, world_size=dist.world_size)
-    phase = _phase_annotator(state)
-    no_sync = getattr(train_model, "no_sync", None)
-    stepper = Stepper(train_model, optimizer, objective, precision, scheduler, config, phase, no_sync)
-    callbacks = Callbacks([*_default_callbacks(config, dist), *user_callbacks])
-    run = _Run(config, dist, state, callbacks, model, train_model, objective, precision, reason,
-               feed, val_feed, stepper, batch_size, unwrap)
-    if config.checkpoint_dir:
-        callbacks.callbacks.insert(0, Checkpointer(run))  # saved before others hear of the step
-    if config.resume:
-        resume(run, ckpt.find_checkpoint(config.resume, config.checkpoint_dir))
+    try:
+        dist.adopt_shards(optimizer, precision)  # FSDP replaced the parameters with sharded ones
+        state = dist.state_type(config=config, model=train_model, optimizer=optimizer, device=device,
+                                run_name=run_name,
+                                steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+                                rank=dist.rank, world_size=dist.world_size)
+        phase = _phase_annotator(state)
+        no_sync = getattr(train_model, "no_sync", None)
+        stepper = Stepper(train_model, optimizer, objective, precision, scheduler, config, phase, no_sync)
+        callbacks = Callbacks([*_default_callbacks(config, dist), *user_callbacks])
+        run = _Run(config, dist, state, callbacks, model, train_model, objective, precision, reason,
+                   feed, val_feed, stepper, batch_size, unwrap)
+        if config.checkpoint_dir:
+            callbacks.callbacks.insert(0, Checkpointer(run))  # saved before others hear of the step
+        if config.resume:
+            resume(run, ckpt.find_checkpoint(config.resume, config.checkpoint_dir))
+    except BaseException:
+        unwrap()  # no _Run reaches the teardown yet: give the user's module its own forwards back
+        raise
     return run
 
 
