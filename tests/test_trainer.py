@@ -217,7 +217,7 @@ def test_callbacks_hear_every_event_in_order():
     x, y = classification_data(n=64)
     fit(data=(x, y), val_data=(x, y), epochs=2, log_every=2, callbacks=[Recorder()])
     assert events[0] == "on_fit_start" and events[-1] == "on_fit_end"
-    assert events.count("on_train_batch_end") == 8
+    assert events.count("on_step_end") == 8
     assert events.count("on_log") == 4
     assert events.count("on_validation_end") == 2 and events.count("on_epoch_end") == 2
     assert "on_exception" not in events
@@ -324,3 +324,17 @@ def test_a_failed_set_up_after_wrapping_gives_the_model_its_forwards_back(tmp_pa
         fit(model=model, max_steps=2, activation_checkpointing=True,
             checkpoint_dir=str(tmp_path), resume="last")  # no checkpoint there to resume
     assert all("forward" not in child.__dict__ for child in model.children())
+
+
+def test_the_old_step_hook_name_still_works_with_one_warning_per_class():
+    calls = []
+
+    class OldStyle:
+        def on_train_batch_end(self, state):
+            calls.append(state.step)
+
+    with pytest.warns(DeprecationWarning, match="OldStyle.on_train_batch_end is deprecated: name the "
+                                               "hook on_step_end") as caught:
+        fit(max_steps=3, callbacks=[OldStyle(), OldStyle()])
+    assert calls == [1, 1, 2, 2, 3, 3]
+    assert len([w for w in caught if w.category is DeprecationWarning]) == 1

@@ -157,8 +157,11 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
         callbacks = Callbacks([*_default_callbacks(config, dist), *user_callbacks])
         run = _Run(config, dist, state, callbacks, model, train_model, objective, precision, reason,
                    feed, val_feed, stepper, batch_size, unwrap)
-        if config.checkpoint_dir:
-            callbacks.callbacks.insert(0, Checkpointer(run))  # saved before others hear of the step
+        if config.checkpoint_dir:  # first: saved before others hear of the step
+            callbacks.run_first(Checkpointer(config, dist=dist, model=model, stepper=stepper,
+                                             precision=precision, losses=run.losses,
+                                             batches_per_epoch=feed.num_batches, events=callbacks,
+                                             rank=dist.rank))
         if config.resume:
             resume(run, ckpt.find_checkpoint(config.resume, config.checkpoint_dir))
     except BaseException:
@@ -198,7 +201,7 @@ def _train(run: _Run) -> TrainResult:
                     step_loss = stepper.update()  # stays on the device: no sync here
                     state.step += 1
                     run.losses.add(step_loss, state.step)  # a list append: no device op
-                    callbacks.call("on_train_batch_end", state)
+                    callbacks.call("on_step_end", state)
                     if state.step % config.log_every == 0:
                         _log(run, timer)  # syncs
                     if interrupt.raised:
@@ -261,7 +264,7 @@ def _end_epoch(run: _Run, logged: list, timer) -> None:
         state.latest.update(metrics)
         run.callbacks.call("on_validation_end", state, metrics)
     row["elapsed_s"] = timer.elapsed()
-    state.extras.setdefault("epochs", []).append(row)
+    state.epochs.append(row)
     run.callbacks.call("on_epoch_end", state, row)
     run.dist.sync_stop(state)  # ranks: a stop asked for at the epoch's end (early stopping) applies now
 
@@ -284,7 +287,7 @@ def _validate(run: _Run) -> dict:
 
 def _result(run: _Run, timer) -> TrainResult:
     state, config = run.state, run.config
-    epochs = state.extras.get("epochs", [])
+    epochs = state.epochs
     final = last_epoch_train_loss(state.history)  # also when the run stopped within that epoch
     for row in reversed(epochs):
         if any(k.startswith("val_") for k in row):
@@ -302,8 +305,8 @@ def _result(run: _Run, timer) -> TrainResult:
         wall_time_s=timer.elapsed(), data_wait_s=timer.data_wait, validation_s=timer.validation,
         compute_s=max(0.0, timer.elapsed() - timer.data_wait - timer.validation),
         peak_memory_mb=peak, oom_recoveries=run.stepper.oom_recoveries,
-        skipped_steps=run.precision.skipped_steps, checkpoint_path=state.extras.get("checkpoint_path"),
-        resumed_from=state.extras.get("resumed"),
+        skipped_steps=run.precision.skipped_steps, checkpoint_path=state.checkpoint_path,
+        resumed_from=state.resumed,
         interrupted=state.stop_reason == "interrupted", stop_reason=state.stop_reason)
 
 
@@ -331,7 +334,7 @@ def _phase_annotator(state: FitState):
     nothing = contextlib.nullcontext()
 
     def phase(name: str):
-        if state.extras.get("profile"):
+        if state.profile:
             return torch.profiler.record_function(f"gpunb/{name}")
         return nothing
 
