@@ -26,7 +26,8 @@ class Checkpointer:
 
     def __init__(self, config, *, dist, model, stepper, precision, losses, batches_per_epoch, events, rank):
         self.config, self.dist, self.model, self.stepper = config, dist, model, stepper
-        self.precision, self.losses, self.batches_per_epoch, self.events = precision, losses, batches_per_epoch, events
+        self.precision, self.losses, self.events = precision, losses, events
+        self.batches_per_epoch = batches_per_epoch
         self.saved_step = None
         self.failed = False
         if rank == 0:

@@ -21,11 +21,22 @@ from gpunb.runtime.inputs import batch_size_of, split_batch
 _NO_CONTEXT = contextlib.nullcontext()
 
 
+def _no_phase(name: str):
+    return _NO_CONTEXT
+
+
 class Stepper:
-    def __init__(self, model, optimizer, objective, precision, scheduler, config, phase, no_sync=None):
+    """The training step of fit, and of the batch-size probe and the LR sweep (one batch a step).
+
+    `split_on_oom=False` lets a CUDA out-of-memory error through (the probe asks "does it fit?").
+    """
+
+    def __init__(self, model, optimizer, objective, precision, scheduler, config, phase=_no_phase,
+                 no_sync=None, split_on_oom: bool = True):
         self.model, self.optimizer, self.objective = model, optimizer, objective
         self.precision, self.scheduler, self.config, self.phase = precision, scheduler, config, phase
         self.no_sync = no_sync or (lambda: contextlib.nullcontext())  # DDP: skip all-reduce mid-step
+        self.split_on_oom = split_on_oom
         self.splits = 1  # pieces each loaded batch is cut into (grows on OOM)
         self.oom_recoveries = 0
         self.pending: list = []  # loaded batches of the step in progress, kept for a replay
@@ -42,6 +53,9 @@ class Stepper:
                     self._backward(loaded, sync=last_in_step and i == len(todo) - 1)
                 return
             except torch.OutOfMemoryError:
+                self._drop_step()
+                if not self.split_on_oom:
+                    raise
                 self._recover_from_oom(batch)
                 todo = self.pending  # replay the whole step so far with smaller pieces
 
@@ -93,9 +107,14 @@ class Stepper:
             contribution = loss.detach()
             self.step_loss = contribution if self.step_loss is None else self.step_loss + contribution
 
-    def _recover_from_oom(self, batch) -> None:
+    def _drop_step(self) -> None:
+        """Forget the step's gradients and loss so far (its batches stay in `pending` for a replay)."""
         self.optimizer.zero_grad(set_to_none=True)
         self.step_loss = None
+        if not self.split_on_oom:
+            self.pending.clear()  # no replay: the caller gets the error
+
+    def _recover_from_oom(self, batch) -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         size = batch_size_of(batch)
