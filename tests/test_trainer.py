@@ -338,3 +338,14 @@ def test_the_old_step_hook_name_still_works_with_one_warning_per_class():
         fit(max_steps=3, callbacks=[OldStyle(), OldStyle()])
     assert calls == [1, 1, 2, 2, 3, 3]
     assert len([w for w in caught if w.category is DeprecationWarning]) == 1
+
+
+def test_the_old_hook_warning_points_at_the_callbacks_own_definition():
+    class Old:
+        def on_train_batch_end(self, state):
+            pass
+
+    with pytest.warns(DeprecationWarning) as caught:
+        fit(max_steps=1, callbacks=[Old()])
+    warning = next(w for w in caught if w.category is DeprecationWarning)
+    assert warning.filename == __file__ and warning.lineno == Old.on_train_batch_end.__code__.co_firstlineno

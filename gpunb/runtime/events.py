@@ -115,7 +115,10 @@ def _old_hook(callback, event: str):
     hook = getattr(callback, old, None)
     if hook is not None and type(callback) not in _warned:
         _warned.add(type(callback))
-        warnings.warn(f"{type(callback).__name__}.{old} is deprecated: name the hook {event} "
-                      f"(called after every optimizer step, as {old} was).", DeprecationWarning,
-                      stacklevel=4)
+        code = getattr(hook, "__code__", None)  # point at the user's def, so a notebook shows it
+        warnings.warn_explicit(f"{type(callback).__name__}.{old} is deprecated: name the hook {event} "
+                               f"(called after every optimizer step, as {old} was).", DeprecationWarning,
+                               filename=code.co_filename if code else __file__,
+                               lineno=code.co_firstlineno if code else 1,
+                               module=type(callback).__module__)
     return hook
