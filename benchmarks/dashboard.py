@@ -25,7 +25,7 @@ from gpunb.demo import digits_data, digits_cnn
 class StepClock:
     def __init__(self): self.times, self.last = [], None
     def on_fit_start(self, state): self.last = time.perf_counter()
-    def on_train_batch_end(self, state):
+    def on_step_end(self, state):
         now = time.perf_counter(); self.times.append(now - self.last); self.last = now
 """
 

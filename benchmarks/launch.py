@@ -56,7 +56,7 @@ class FirstStep:
     def __init__(self, start):
         self.start, self.seconds = start, None
 
-    def on_train_batch_end(self, state):
+    def on_step_end(self, state):
         if self.seconds is None:
             self.seconds = time.perf_counter() - self.start
 

@@ -108,7 +108,7 @@ class StepTimer:
     def on_fit_start(self, state):
         self.last = time.perf_counter()
 
-    def on_train_batch_end(self, state):
+    def on_step_end(self, state):
         _sync(self.device)
         now = time.perf_counter()
         self.times.append(now - self.last)

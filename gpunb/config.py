@@ -36,7 +36,8 @@ class TrainConfig:
     epochs: int | None = None  # passes over train_data; None: 1, or as many as max_steps needs
     max_steps: int | None = None  # stop after this many optimizer steps
     # --- batching
-    batch_size: Union[int, str] = 64  # per-device samples per optimizer step, or "auto"
+    # samples per device per micro-batch, or "auto"; an optimizer step sees batch_size x grad_accum x devices
+    batch_size: Union[int, str] = 64
     grad_accum: int = 1  # micro-batches accumulated per optimizer step
     shuffle: bool = True  # reshuffle the training data every epoch
     drop_last: bool = False  # drop a final partial batch

@@ -158,3 +158,19 @@ def test_auto_batch_size_on_a_gpu_takes_the_smallest_size_near_the_best_throughp
     size, reason = auto._by_throughput(FakeProbe(), cap=128)
     assert size == 32  # 3000 is within 5% of the best, 3100 at 64
     assert reason == "auto: fastest of 8-128 measured (3,000 samples/s)"
+
+
+def test_the_probe_steps_with_fits_stepper_and_an_oom_means_does_not_fit():
+    from gpunb import TrainConfig
+    from gpunb.runtime.objective import Objective
+    from gpunb.runtime.precision import Precision
+
+    model = OOMAbove(limit=8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = classification_data(n=64)
+    probe = auto._Probe(model, optimizer, Objective(nn.CrossEntropyLoss()), Precision("fp32", torch.device("cpu")),
+                        (x, y), torch.device("cpu"), TrainConfig(grad_accum=4))
+    assert probe.stepper.config.grad_accum == 1  # one batch is one step while probing
+    assert probe.fits(8) and not probe.fits(16)  # not split into pieces that would fit
+    assert probe.stepper.splits == 1 and probe.stepper.pending == [] and probe.stepper.step_loss is None
+    assert all(p.grad is None for p in model.parameters())

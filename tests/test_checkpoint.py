@@ -36,7 +36,7 @@ class StopAt:
     def __init__(self, step):
         self.step = step
 
-    def on_train_batch_end(self, state):
+    def on_step_end(self, state):
         if state.step == self.step:
             state.request_stop("test stop")
 
@@ -112,7 +112,7 @@ class InterruptAt:
     def __init__(self, step):
         self.step = step
 
-    def on_train_batch_end(self, state):
+    def on_step_end(self, state):
         if state.step == self.step:
             os.kill(os.getpid(), signal.SIGINT)
 
@@ -224,3 +224,31 @@ def test_a_second_interrupt_during_set_up_is_raised_and_never_masked_by_cleanup(
                 InterruptedWhileMoved(2), (x, y), loss_fn=nn.CrossEntropyLoss())
     assert torch.get_float32_matmul_precision() == "highest"  # the other clean-up steps still ran
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_the_run_keeps_its_own_state_in_typed_fields_and_leaves_extras_to_callbacks(tmp_path):
+    seen = {}
+
+    class Look:
+        def on_checkpoint(self, state, path):
+            seen.setdefault("first_checkpoint_at", state.step)
+
+        def on_step_end(self, state):  # the checkpointer runs first: this step's file is there
+            if state.step == 13 and "first_checkpoint_at" in seen:
+                seen["path_at_13"] = state.checkpoint_path
+
+        def on_fit_end(self, state):
+            seen.update(epochs=list(state.epochs), path=state.checkpoint_path, extras=dict(state.extras),
+                        resumed=state.resumed, run=state.checkpoint_run, profile=state.profile)
+
+    result, _ = train(dropout_mlp(), epochs=2, checkpoint_dir=tmp_path, checkpoint_every=13,
+                      callbacks=[Look()])
+    assert [row["epoch"] for row in seen["epochs"]] == [0, 1] and seen["epochs"] == result.epochs
+    assert seen["path"] == result.checkpoint_path and seen["run"] in seen["path"]
+    assert seen["first_checkpoint_at"] == 13 and seen["path_at_13"].endswith(".pt")
+    assert seen["resumed"] is None and seen["profile"] is False
+    runtime_names = {"epochs", "checkpoint_path", "checkpoint_run", "resumed", "resumed_from", "profile"}
+    assert not runtime_names & set(seen["extras"])
+
+    train(dropout_mlp(), epochs=3, checkpoint_dir=tmp_path, resume="last", callbacks=[Look()])
+    assert seen["resumed"]["path"] == result.checkpoint_path and seen["run"] in seen["path"]

@@ -120,7 +120,7 @@ class OpLog(TorchDispatchMode):
             self.current[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
-    def on_train_batch_end(self, state=None):
+    def on_step_end(self, state=None):
         self.steps.append(self.current)
         self.current = None
 
@@ -143,7 +143,7 @@ def test_the_loop_adds_no_device_op_per_step_to_forward_backward_and_optimizer(t
                     nn.MSELoss()(model(x[i:i + 8]), y[i:i + 8]).backward()
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                    log.on_train_batch_end()
+                    log.on_step_end()
         ops[loop] = log.steps
     assert len(ops["gpunb"]) == len(ops["plain"]) == 8
     for step in (1, 2, 3, 5, 6, 7):  # not the log and checkpoint steps, which sync anyway

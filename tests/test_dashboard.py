@@ -29,7 +29,7 @@ class _StopAt:
     def __init__(self, step, reason):
         self.step, self.reason = step, reason
 
-    def on_train_batch_end(self, state):
+    def on_step_end(self, state):
         if state.step == self.step:
             state.request_stop(self.reason)
 

@@ -222,3 +222,19 @@ def test_a_fit_that_fails_in_set_up_leaves_the_model_off_the_gpu():
     with pytest.raises(GpunbError, match="none of the model's parameters"):
         fit(model=model, optimizer=stale, loss_fn=nn.CrossEntropyLoss(), accelerator="cuda")
     assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_bad_metrics_hint_names_only_what_exists():
+    import re
+
+    import gpunb
+
+    x, y = classification_data(n=64)
+    with pytest.raises(GpunbError, match="`metrics` must be") as error:
+        fit(data=(x, y), val_data=(x, y), loss_fn=nn.CrossEntropyLoss(), metrics=3, max_steps=1)
+    for name in re.findall(r"gpunb\.(\w+)", str(error.value)):
+        assert hasattr(gpunb, name), name  # every gpunb.<name> the hint mentions is there
+    suggested = re.search(r"`metrics=(\[.*?\])`", str(error.value)).group(1)
+    result = fit(data=(x, y), val_data=(x, y), loss_fn=nn.CrossEntropyLoss(), metrics=eval(suggested),
+                 max_steps=1)
+    assert "val_acc" in result.final_metrics

@@ -42,7 +42,7 @@ class StopAt:
     def __init__(self, step):
         self.step = step
 
-    def on_train_batch_end(self, state):
+    def on_step_end(self, state):
         if state.step == self.step:
             state.request_stop("test stop")
 

@@ -332,11 +332,11 @@ def test_a_long_log_interval_still_gets_heartbeats_and_stop_checks(registry, clo
     rec.on_fit_start(state)
     assert rec.flush(10)
     registry.request_stop(state.extras["run_id"])
-    rec.on_train_batch_end(state)
+    rec.on_step_end(state)
     assert rec.flush(10) and state.stop_reason is None  # no registry call per step
     clock.now += recorder.HEARTBEAT_S
     state.step = 7
-    rec.on_train_batch_end(state)
+    rec.on_step_end(state)
     assert rec.flush(10)
     assert state.stop_reason == "stopped from the sidebar" and _recorded(registry, state)["step"] == 7
 

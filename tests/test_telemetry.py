@@ -306,7 +306,7 @@ def test_callback_without_a_driver_does_nothing():
 
 def test_callback_has_no_per_step_hook():
     # Its cost per training step is zero by construction: the sampler thread does the work.
-    assert not hasattr(TelemetryCallback, "on_train_batch_end")
+    assert not hasattr(TelemetryCallback, "on_step_end")
 
 
 # ---------------------------------------------------------------------- text

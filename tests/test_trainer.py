@@ -217,7 +217,7 @@ def test_callbacks_hear_every_event_in_order():
     x, y = classification_data(n=64)
     fit(data=(x, y), val_data=(x, y), epochs=2, log_every=2, callbacks=[Recorder()])
     assert events[0] == "on_fit_start" and events[-1] == "on_fit_end"
-    assert events.count("on_train_batch_end") == 8
+    assert events.count("on_step_end") == 8
     assert events.count("on_log") == 4
     assert events.count("on_validation_end") == 2 and events.count("on_epoch_end") == 2
     assert "on_exception" not in events
@@ -369,3 +369,63 @@ def test_the_runtime_refuses_what_is_not_a_module_before_any_work():
 
     with pytest.raises(GpunbError, match=r"`model` must be a torch.nn.Module, got a function"):
         run(TrainConfig(), LocalContext(), lambda x: x, classification_data())
+
+
+class OneWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(1))
+
+
+def test_a_short_last_accumulation_group_weights_its_batches_by_its_real_size():
+    # 10 batches, grad_accum=4: groups of 4, 4 and 2. Each batch's loss is 1.0 with gradient 1.
+    model = OneWeight()
+    step = lambda model, batch: (model.w - model.w.detach()).sum() + 1.0  # noqa: E731
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)  # SGD: each step moves w by its gradient
+    x = torch.zeros(10, 1)
+    _, result = fit(model=model, data=(x, x), step=step, optimizer=sgd, batch_size=1, grad_accum=4,
+                    epochs=1, shuffle=False)
+    assert [h["loss"] for h in result.history] == pytest.approx([1.0, 1.0, 1.0])
+    assert model.w.item() == pytest.approx(-3.0)  # three steps of mean gradient 1, the last one too
+
+
+def test_auto_batch_size_leaves_the_callers_config_untouched():
+    from gpunb import TrainConfig
+
+    config = TrainConfig(batch_size="auto", epochs=1, track=False)
+    result = Trainer(config).fit(mlp(), classification_data(n=64), loss_fn=nn.CrossEntropyLoss())
+    assert result.batch_size_reason.startswith("auto: ")  # the probe ran and said why
+    assert config.extras == {} and config.batch_size == "auto"
+
+
+def test_a_failed_set_up_after_wrapping_gives_the_model_its_forwards_back(tmp_path):
+    model = mlp()
+    with pytest.raises(GpunbError):
+        fit(model=model, max_steps=2, activation_checkpointing=True,
+            checkpoint_dir=str(tmp_path), resume="last")  # no checkpoint there to resume
+    assert all("forward" not in child.__dict__ for child in model.children())
+
+
+def test_the_old_step_hook_name_still_works_with_one_warning_per_class():
+    calls = []
+
+    class OldStyle:
+        def on_train_batch_end(self, state):
+            calls.append(state.step)
+
+    with pytest.warns(DeprecationWarning, match="OldStyle.on_train_batch_end is deprecated: name the "
+                                               "hook on_step_end") as caught:
+        fit(max_steps=3, callbacks=[OldStyle(), OldStyle()])
+    assert calls == [1, 1, 2, 2, 3, 3]
+    assert len([w for w in caught if w.category is DeprecationWarning]) == 1
+
+
+def test_the_old_hook_warning_points_at_the_callbacks_own_definition():
+    class Old:
+        def on_train_batch_end(self, state):
+            pass
+
+    with pytest.warns(DeprecationWarning) as caught:
+        fit(max_steps=1, callbacks=[Old()])
+    warning = next(w for w in caught if w.category is DeprecationWarning)
+    assert warning.filename == __file__ and warning.lineno == Old.on_train_batch_end.__code__.co_firstlineno

@@ -10,7 +10,7 @@ The launcher knows nothing of Trainer.
   arguments cloudpickled (shipping.py). torch.multiprocessing starts and joins the
   processes; a TCPStore listening on a free port of 127.0.0.1 only is the rendezvous,
   and the ranks' own gloo/NCCL sockets are kept on the loopback interface too.
-- While they train: rank 0 streams its events over a queue (on_train_batch_end as a
+- While they train: rank 0 streams its events over a queue (on_step_end as a
   progress update at most 4 times a second); here they update a FitState that mirrors
   rank 0's and go to the caller's callbacks (the dashboard, the run registry), which
   run in this process only. A stop asked for here
@@ -272,12 +272,12 @@ class _Launch:
 
     def _result_without_rank0(self) -> TrainResult:
         state = self.state
-        checkpoint = state.extras.get("checkpoint_path")
+        checkpoint = state.checkpoint_path
         warnings.warn(f"gpunb: {self.abandoned}; the model keeps the weights it had before this run"
                       + (f" (the latest checkpoint is {checkpoint})." if checkpoint else "."),
                       RuntimeWarning, stacklevel=5)
         return TrainResult(run_name=state.run_name, history=list(state.history),
-                           epochs=list(state.extras.get("epochs", [])), config=state.config.to_dict(),
+                           epochs=list(state.epochs), config=state.config.to_dict(),
                            device=str(state.device), batch_size=state.config.batch_size
                            if isinstance(state.config.batch_size, int) else 0,
                            grad_accum=state.config.grad_accum, world_size=self.count, steps=state.step,

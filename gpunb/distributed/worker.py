@@ -24,7 +24,7 @@ from gpunb.distributed.shipping import FitArgs, unship
 from gpunb.errors import GpunbError
 
 RUN, STOP, INTERRUPT = 0, 1, 2  # values of the shared stop flag
-PROGRESS_EVERY_S = 0.25  # rank 0 sends its progress (on_train_batch_end) at most this often
+PROGRESS_EVERY_S = 0.25  # rank 0 sends its progress (on_step_end) at most this often
 
 
 @dataclass
@@ -124,7 +124,7 @@ def _fit(rank: int, plan: Plan, args: FitArgs, queue, stop) -> dict:
 class Relay:
     """Rank 0's callback: each event goes to the parent; the parent's stop requests come in.
 
-    Events go as they happen, except on_train_batch_end: a progress update at most every
+    Events go as they happen, except on_step_end: a progress update at most every
     PROGRESS_EVERY_S (the dashboard's progress bar, the registry's heartbeat)."""
 
     def __init__(self, queue, stop):
@@ -137,14 +137,14 @@ class Relay:
         resolved = {"batch_size": state.config.batch_size, "precision": state.config.precision}
         self._send("on_fit_start", state, resolved=resolved, device=str(state.device))
 
-    def on_train_batch_end(self, state) -> None:
+    def on_step_end(self, state) -> None:
         code = self.stop.value  # a read of shared memory: no lock, no sync
         if code != RUN:
             state.request_stop("interrupted" if code == INTERRUPT else "stopped")  # voted on at the next log
         now = time.monotonic()
         if now - self.progress_sent >= PROGRESS_EVERY_S:
             self.progress_sent = now
-            self._send("on_train_batch_end", state)
+            self._send("on_step_end", state)
 
     def on_log(self, state, metrics) -> None:
         self._send("on_log", state, dict(metrics))
@@ -162,7 +162,8 @@ class Relay:
         snapshot = {"step": state.step, "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch,
                     "samples_seen": state.samples_seen, "steps_per_epoch": state.steps_per_epoch,
                     "total_steps": state.total_steps, "latest": dict(state.latest),
-                    "rows": state.history[self.rows_sent:],
+                    "rows": state.history[self.rows_sent:], "epochs": list(state.epochs),
+                    "checkpoint_path": state.checkpoint_path, "resumed": state.resumed,
                     "extras": {k: v for k, v in state.extras.items() if _plain(v)}, **fields}
         self.rows_sent = len(state.history)
         # A deep copy: the queue pickles on its own thread, later, while training goes on.

@@ -48,7 +48,7 @@ class Dashboard:
         self.handle = display(self.box, display_id=True)
         self._draw(state)
 
-    def on_train_batch_end(self, state) -> None:
+    def on_step_end(self, state) -> None:
         now = time.monotonic()
         if now - self._last_draw >= self.min_interval_s:
             self._draw(state, now)

@@ -61,7 +61,7 @@ class ProfilerCallback:
     >>> cb = ProfilerCallback(steps=10)
     >>> Trainer(...).fit(model, data, callbacks=[cb]); cb.result()
 
-    It asks the loop to mark its phases (`state.extras["profile"]`) and, with `stop=True`,
+    It asks the loop to mark its phases (`state.profile`) and, with `stop=True`,
     stops the run once the profiled steps are done.
     """
 
@@ -74,14 +74,14 @@ class ProfilerCallback:
         self._result: ProfileResult | None = None
 
     def on_fit_start(self, state) -> None:
-        state.extras["profile"] = True
+        state.profile = True
         self._result = None
         self.recorder = Recorder(state.device, steps=self.steps, warmup=self.warmup, save=self.save)
         self.recorder.start()
 
-    def on_train_batch_end(self, state) -> None:
+    def on_step_end(self, state) -> None:
         if self.recorder is not None and not self.recorder.done and self.recorder.step():
-            state.extras["profile"] = False
+            state.profile = False
             if self.stop:
                 state.request_stop(f"profiled {self.steps} steps")
 
@@ -92,7 +92,7 @@ class ProfilerCallback:
         self._end(state)
 
     def _end(self, state) -> None:
-        state.extras["profile"] = False
+        state.profile = False
         if self.recorder is not None:
             self.recorder.stop()
 

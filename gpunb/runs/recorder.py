@@ -68,7 +68,7 @@ class RunRecorder:
         state.extras["run_id"] = self.run_id
         self._last_write = _now()
 
-    def on_train_batch_end(self, state) -> None:
+    def on_step_end(self, state) -> None:
         # Only a clock read per step; a long log interval still gets a heartbeat and stop checks.
         if self.run_id is not None and _now() - self._last_write >= HEARTBEAT_S:
             self._write(state, force=True)

@@ -27,6 +27,7 @@ from gpunb.errors import GpunbError
 from gpunb.runtime import snapshot
 from gpunb.runtime.inputs import data_length, move_batch
 from gpunb.runtime.precision import Precision
+from gpunb.runtime.step import Stepper
 
 MEMORY_MARGIN = 0.85  # a candidate may use at most this share of GPU memory
 START, CPU_CAP, GPU_CAP = 8, 1024, 65536
@@ -49,7 +50,7 @@ def find_batch_size(model, optimizer, objective, precision, data, device, config
                          "pass an int batch size, e.g. `batch_size=64`.")
     cap = _largest_candidate(min(CPU_CAP if device.type == "cpu" else GPU_CAP,
                                  max(1, n // MIN_STEPS_PER_EPOCH)))
-    probe = _Probe(model, optimizer, objective, Precision(precision.name, device), data, device)
+    probe = _Probe(model, optimizer, objective, Precision(precision.name, device), data, device, config)
     saved = snapshot.capture(model, optimizer, device)
     try:
         if device.type == "cpu":
@@ -118,9 +119,11 @@ def _nothing_fits(tried: int) -> GpunbError:
 class _Probe:
     """Runs real training steps at a given batch size and keeps a record of each."""
 
-    def __init__(self, model, optimizer, objective, precision, data, device):
-        self.model, self.optimizer, self.objective = model, optimizer, objective
-        self.precision, self.data, self.device = precision, data, device
+    def __init__(self, model, optimizer, objective, precision, data, device, config):
+        self.data, self.device = data, device
+        # fit's own step, one batch per step; an OOM is the answer "does not fit", not split away
+        self.stepper = Stepper(model, optimizer, objective, precision, None, config.replace(grad_accum=1),
+                               split_on_oom=False)
         self.records: list[dict] = []
 
     def count_flops(self, size: int) -> int | None:
@@ -172,11 +175,8 @@ class _Probe:
         return record
 
     def _step(self, batch) -> None:
-        with self.precision.autocast():
-            loss = self.objective.loss(self.model, batch)
-        self.precision.backward(loss)
-        self.precision.step(self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.stepper.accumulate(batch, last_in_step=True)
+        self.stepper.update()
 
     def _batch(self, size: int):
         if isinstance(self.data, tuple):

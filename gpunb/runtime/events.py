@@ -4,7 +4,7 @@ Callbacks are plain objects: the runtime looks up a method named after each even
 with `getattr` and calls it with the `FitState` (no base class to inherit).
 
     on_fit_start(state)            after set-up, before the first step
-    on_train_batch_end(state)      after every optimizer step (keep it cheap: no syncs)
+    on_step_end(state)             after every optimizer step (keep it cheap: no syncs)
     on_log(state, metrics)         every `log_every` steps, with host-side floats
     on_validation_end(state, metrics)
     on_epoch_end(state, metrics)
@@ -15,17 +15,21 @@ with `getattr` and calls it with the `FitState` (no base class to inherit).
 Any hook may call `state.request_stop(reason)`: the loop stops cleanly at the next
 step boundary (in multi-process runs: at the next log interval, on every rank at the
 same step), writing a checkpoint when a directory is set.
+
+`on_train_batch_end`, the old name of `on_step_end`, is still called for callbacks that
+define it (and not `on_step_end`), with a DeprecationWarning once per callback class.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 EVENTS = (
     "on_fit_start",
-    "on_train_batch_end",
+    "on_step_end",
     "on_log",
     "on_validation_end",
     "on_epoch_end",
@@ -57,7 +61,12 @@ class FitState:
     history: list = field(default_factory=list)  # rows appended at each log / epoch end
     stop_reason: str | None = None
     result: Any = None  # the TrainResult, set before on_fit_end
-    extras: dict = field(default_factory=dict)  # callbacks' own notes (e.g. energy_j)
+    epochs: list = field(default_factory=list)  # one row per finished epoch (train_loss, val_*)
+    checkpoint_path: str | None = None  # the newest checkpoint this run wrote
+    checkpoint_run: str | None = None  # the id of the run directory checkpoints go to
+    resumed: dict | None = None  # what the run resumed from: path, run, run_name, step, epoch, saved_at
+    profile: bool = False  # set by a profiler: the loop marks its phases with named ranges
+    extras: dict = field(default_factory=dict)  # callbacks' own notes (e.g. energy_j, run_id)
 
     @property
     def should_stop(self) -> bool:
@@ -76,15 +85,40 @@ class FitState:
         return min(1.0, self.step / self.total_steps)
 
 
+_OLD_NAMES = {"on_step_end": "on_train_batch_end"}
+_warned: set = set()  # callback classes already told about their old hook name
+
+
 class Callbacks:
     """Calls an event on each callback that defines it, in order."""
 
     def __init__(self, callbacks=()):
         self.callbacks = list(callbacks)
 
+    def run_first(self, callback) -> None:
+        """Put `callback` before all others (a checkpoint is written before others hear of the step)."""
+        self.callbacks.insert(0, callback)
+
     def call(self, event: str, *args: Any) -> None:
         assert event in EVENTS, event
         for callback in self.callbacks:
             hook = getattr(callback, event, None)
+            if hook is None and event in _OLD_NAMES:
+                hook = _old_hook(callback, event)
             if hook is not None:
                 hook(*args)
+
+
+def _old_hook(callback, event: str):
+    """The hook under its old name, with a DeprecationWarning the first time per class."""
+    old = _OLD_NAMES[event]
+    hook = getattr(callback, old, None)
+    if hook is not None and type(callback) not in _warned:
+        _warned.add(type(callback))
+        code = getattr(hook, "__code__", None)  # point at the user's def, so a notebook shows it
+        warnings.warn_explicit(f"{type(callback).__name__}.{old} is deprecated: name the hook {event} "
+                               f"(called after every optimizer step, as {old} was).", DeprecationWarning,
+                               filename=code.co_filename if code else __file__,
+                               lineno=code.co_firstlineno if code else 1,
+                               module=type(callback).__module__)
+    return hook

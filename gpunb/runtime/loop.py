@@ -93,6 +93,7 @@ class _Run:
 
 def _prepare(config, dist, model, train_data, val_data, optimizer, objective, user_callbacks) -> _Run:
     __tracebackhide__ = True  # noqa: F841
+    config = config.replace(extras=dict(config.extras))  # the run's notes stay out of the caller's config
     device = devices.select_device(config.accelerator, dist.local_rank)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
@@ -126,21 +127,28 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
 
     run_name = config.name or type(model).__name__  # before FSDP renames the class
     train_model, unwrap = wrap_model(model, config, dist, device)
-    dist.adopt_shards(optimizer, precision)  # FSDP replaced the parameters with sharded ones
-    state = dist.state_type(config=config, model=train_model, optimizer=optimizer, device=device,
-                            run_name=run_name,
-                            steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-                            rank=dist.rank, world_size=dist.world_size)
-    phase = _phase_annotator(state)
-    no_sync = getattr(train_model, "no_sync", None)
-    stepper = Stepper(train_model, optimizer, objective, precision, scheduler, config, phase, no_sync)
-    callbacks = Callbacks(list(user_callbacks))
-    run = _Run(config, dist, state, callbacks, model, train_model, objective, precision, reason,
-               feed, val_feed, stepper, batch_size, unwrap)
-    if config.checkpoint_dir:
-        callbacks.callbacks.insert(0, Checkpointer(run))  # saved before others hear of the step
-    if config.resume:
-        resume(run, ckpt.find_checkpoint(config.resume, config.checkpoint_dir))
+    try:
+        dist.adopt_shards(optimizer, precision)  # FSDP replaced the parameters with sharded ones
+        state = dist.state_type(config=config, model=train_model, optimizer=optimizer, device=device,
+                                run_name=run_name,
+                                steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+                                rank=dist.rank, world_size=dist.world_size)
+        phase = _phase_annotator(state)
+        no_sync = getattr(train_model, "no_sync", None)
+        stepper = Stepper(train_model, optimizer, objective, precision, scheduler, config, phase, no_sync)
+        callbacks = Callbacks(list(user_callbacks))
+        run = _Run(config, dist, state, callbacks, model, train_model, objective, precision, reason,
+                   feed, val_feed, stepper, batch_size, unwrap)
+        if config.checkpoint_dir:  # first: saved before others hear of the step
+            callbacks.run_first(Checkpointer(config, dist=dist, model=model, stepper=stepper,
+                                             precision=precision, losses=run.losses,
+                                             batches_per_epoch=feed.num_batches, events=callbacks,
+                                             rank=dist.rank))
+        if config.resume:
+            resume(run, ckpt.find_checkpoint(config.resume, config.checkpoint_dir))
+    except BaseException:
+        unwrap()  # no _Run reaches the teardown yet: give the user's module its own forwards back
+        raise
     return run
 
 
@@ -175,7 +183,7 @@ def _train(run: _Run) -> TrainResult:
                     step_loss = stepper.update()  # stays on the device: no sync here
                     state.step += 1
                     run.losses.add(step_loss, state.step)  # a list append: no device op
-                    callbacks.call("on_train_batch_end", state)
+                    callbacks.call("on_step_end", state)
                     if state.step % config.log_every == 0:
                         _log(run, timer)  # syncs
                     if interrupt.raised:
@@ -238,7 +246,7 @@ def _end_epoch(run: _Run, logged: list, timer) -> None:
         state.latest.update(metrics)
         run.callbacks.call("on_validation_end", state, metrics)
     row["elapsed_s"] = timer.elapsed()
-    state.extras.setdefault("epochs", []).append(row)
+    state.epochs.append(row)
     run.callbacks.call("on_epoch_end", state, row)
     run.dist.sync_stop(state)  # ranks: a stop asked for at the epoch's end (early stopping) applies now
 
@@ -261,7 +269,7 @@ def _validate(run: _Run) -> dict:
 
 def _result(run: _Run, timer) -> TrainResult:
     state, config = run.state, run.config
-    epochs = state.extras.get("epochs", [])
+    epochs = state.epochs
     final = last_epoch_train_loss(state.history)  # also when the run stopped within that epoch
     for row in reversed(epochs):
         if any(k.startswith("val_") for k in row):
@@ -279,8 +287,8 @@ def _result(run: _Run, timer) -> TrainResult:
         wall_time_s=timer.elapsed(), data_wait_s=timer.data_wait, validation_s=timer.validation,
         compute_s=max(0.0, timer.elapsed() - timer.data_wait - timer.validation),
         peak_memory_mb=peak, oom_recoveries=run.stepper.oom_recoveries,
-        skipped_steps=run.precision.skipped_steps, checkpoint_path=state.extras.get("checkpoint_path"),
-        resumed_from=state.extras.get("resumed"),
+        skipped_steps=run.precision.skipped_steps, checkpoint_path=state.checkpoint_path,
+        resumed_from=state.resumed,
         interrupted=state.stop_reason == "interrupted", stop_reason=state.stop_reason)
 
 
@@ -289,7 +297,7 @@ def _phase_annotator(state: FitState):
     nothing = contextlib.nullcontext()
 
     def phase(name: str):
-        if state.extras.get("profile"):
+        if state.profile:
             return torch.profiler.record_function(f"gpunb/{name}")
         return nothing
 

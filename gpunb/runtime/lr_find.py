@@ -22,6 +22,7 @@ from gpunb.runtime.inputs import adapt_data
 from gpunb.runtime.objective import Objective
 from gpunb.runtime.optim import check_optimizer, default_optimizer
 from gpunb.runtime.precision import Precision, resolve_precision
+from gpunb.runtime.step import Stepper
 
 SMOOTHING = 0.98  # exponential moving average of the loss, as fastai uses
 DIVERGENCE = 4.0  # stop when the smoothed loss exceeds this multiple of its minimum
@@ -85,14 +86,16 @@ def find_lr(model, train_data, *, config, optimizer=None, loss_fn=None, step=Non
         torch.manual_seed(config.seed)  # the same sweep every time, as fit is the same run every time
     result = LRFinderResult()
     try:
-        _sweep(model, optimizer, objective, precision, feed, result, min_lr, max_lr, steps)
+        stepper = Stepper(model, optimizer, objective, precision, None, config.replace(grad_accum=1))
+        _sweep(model, stepper, feed, result, min_lr, max_lr, steps)
     finally:
         snapshot.restore(saved, model, optimizer, device)
     result.suggestion = _steepest(result.lrs, result.losses)
     return result
 
 
-def _sweep(model, optimizer, objective, precision, feed, result, min_lr, max_lr, steps):
+def _sweep(model, stepper, feed, result, min_lr, max_lr, steps):
+    """fit's own step (one batch a step), with the learning rate set before each."""
     model.train()
     growth = (max_lr / min_lr) ** (1 / max(1, steps - 1))
     average, best, epoch = 0.0, math.inf, 0
@@ -104,14 +107,10 @@ def _sweep(model, optimizer, objective, precision, feed, result, min_lr, max_lr,
             batches = feed.epoch(epoch)
             batch = next(batches)
         lr = min_lr * growth**i
-        for group in optimizer.param_groups:
+        for group in stepper.optimizer.param_groups:
             group["lr"] = lr
-        with precision.autocast():
-            loss = objective.loss(model, batch)
-        precision.backward(loss)
-        precision.step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
-        value = loss.item()  # a sync per step is fine here: the sweep is short
+        stepper.accumulate(batch, last_in_step=True)
+        value = stepper.update().item()  # a sync per step is fine here: the sweep is short
         average = SMOOTHING * average + (1 - SMOOTHING) * value
         smoothed = average / (1 - SMOOTHING ** (i + 1))  # bias-corrected, as in Adam
         result.lrs.append(lr)

@@ -29,6 +29,7 @@ class StepLosses:
         self.first_step = 0  # the step number of losses[0]
         self.checked = 0  # how many of them a checkpoint has judged already
         self.bad_step = _NONE  # first non-finite step a log found since the last checkpoint
+        self.unsaved_warned = False
 
     def add(self, step_loss: torch.Tensor, step: int) -> None:
         """After each optimizer step (`step`: its number); host work only."""
@@ -48,7 +49,8 @@ class StepLosses:
         if not math.isfinite(loss) and (config.detect_nan or config.checkpoint_dir):
             bad = self._first_bad(self.checked)  # one more sync, on this rare path only
             if config.detect_nan:
-                fail(run, loss, _agree(run.dist, bad) or run.state.step)  # raises
+                fail(run.state, run.dist, run.model, run.stepper.optimizer, loss,
+                     _agree(run.dist, bad) or run.state.step)  # raises
             self.bad_step = min(self.bad_step, bad)  # the next checkpoint check agrees on it
         self.losses.clear()
         self.checked = 0
@@ -63,6 +65,15 @@ class StepLosses:
                 local = self._first_bad(self.checked)
         self.bad_step, self.checked = _NONE, len(self.losses)
         return _agree(dist, local)
+
+    def warn_unsaved(self, bad_step: int) -> None:
+        """detect_nan=False: training goes on, but no checkpoint is written over good ones."""
+        if self.unsaved_warned:
+            return
+        self.unsaved_warned = True
+        warnings.warn(f"The loss was not finite at step {bad_step}: a checkpoint is written only when "
+                      "every step since the previous one had a finite loss, so the newest checkpoint "
+                      "on disk stays the last good one.", RuntimeWarning, stacklevel=2)
 
     def _first_bad(self, start: int) -> int:
         """The step number of the first non-finite loss from losses[start] on, or _NONE."""
@@ -79,10 +90,9 @@ def _agree(dist, local: int) -> int | None:
     return None if found >= _NONE else found
 
 
-def fail(run, loss: float, bad_step: int) -> None:
+def fail(state, dist, model, optimizer, loss: float, bad_step: int) -> None:
     """Raise the NaN error, after giving the model its last good weights back."""
-    state = run.state
-    restored = restore_last_good(run)
+    restored = restore_last_good(state, dist, model, optimizer)
     where = (f"The model holds the weights of the last good checkpoint, step {restored[0]} "
              f"({restored[1]})." if restored else
              "No good checkpoint exists, so the model holds the weights of the last step, "
@@ -95,28 +105,18 @@ def fail(run, loss: float, bad_step: int) -> None:
         "Set `detect_nan=False` to train on regardless.")
 
 
-def restore_last_good(run) -> tuple[int, str] | None:
+def restore_last_good(state, dist, model, optimizer) -> tuple[int, str] | None:
     """Load the newest checkpoint this run wrote (or resumed from) into the model and optimizer."""
     from gpunb.runtime.checkpoint import load_checkpoint
 
-    path = run.state.extras.get("checkpoint_path") or run.state.extras.get("resumed_from")
-    if path is None or run.state.rank != 0 or getattr(run.dist, "strategy", "ddp") == "fsdp":
+    path = state.checkpoint_path or (state.resumed or {}).get("path")
+    if path is None or state.rank != 0 or getattr(dist, "strategy", "ddp") == "fsdp":
         return None  # FSDP would need every rank to take part; rank 0's weights are what is returned
     payload = load_checkpoint(path)
     with torch.no_grad():
-        run.model.load_state_dict(payload["model"])
+        model.load_state_dict(payload["model"])
     try:
-        run.stepper.optimizer.load_state_dict(payload["optimizer"])
+        optimizer.load_state_dict(payload["optimizer"])
     except (ValueError, KeyError):  # an optimizer state saved by index under another layout
         pass
     return payload["step"], path
-
-
-def warn_unsaved(run, bad_step: int) -> None:
-    """detect_nan=False: training goes on, but no checkpoint is written over good ones."""
-    if run.state.extras.get("nan_unsaved_warned"):
-        return
-    run.state.extras["nan_unsaved_warned"] = True
-    warnings.warn(f"The loss was not finite at step {bad_step}: a checkpoint is written only when "
-                  "every step since the previous one had a finite loss, so the newest checkpoint "
-                  "on disk stays the last good one.", RuntimeWarning, stacklevel=2)

@@ -106,7 +106,8 @@ def _metric_functions(metrics) -> dict:
     if not isinstance(metrics, dict):
         raise GpunbError(f"`metrics` must be a dict of name -> fn(output, target), a list, or "
                          f"'accuracy'; got a {type(metrics).__name__}.",
-                         "pass e.g. `metrics={'acc': gpunb.accuracy}` or `metrics=['accuracy']`.")
+                         "pass e.g. `metrics=['accuracy']`, or `metrics={'f1': my_f1}` with "
+                         "`my_f1(output, target) -> scalar tensor`.")
     resolved = {}
     for name, fn in metrics.items():
         if fn in ("accuracy", "acc"):

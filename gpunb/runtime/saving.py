@@ -10,99 +10,103 @@ from gpunb.errors import GpunbError
 from gpunb.runtime import checkpoint as ckpt
 from gpunb.runtime import device as devices
 from gpunb.runtime import resume_check
-from gpunb.runtime.nan_guard import fail, warn_unsaved
+from gpunb.runtime.nan_guard import fail
 
 
 class Checkpointer:
     """Saves every `checkpoint_every` steps (or at each epoch end), and when a run stops early.
 
     The directory is checked writable when the run is set up, before any training. A
-    save that still fails later (a full disk) warns once and training goes on.
+    save that still fails later (a full disk) warns once and training goes on. What it
+    saves comes from its collaborators: the user's `model`, the `stepper` (optimizer,
+    schedule, splits), `precision` (the scaler), the run's `losses` (no checkpoint after
+    a non-finite one), `dist` (state dicts, gathered across ranks) and `events`, which
+    hears `on_checkpoint`. `batches_per_epoch` (None: unknown) says whether an epoch is done.
     """
 
-    def __init__(self, run):
-        self.run = run
+    def __init__(self, config, *, dist, model, stepper, precision, losses, batches_per_epoch, events, rank):
+        self.config, self.dist, self.model, self.stepper = config, dist, model, stepper
+        self.precision, self.losses, self.events = precision, losses, events
+        self.batches_per_epoch = batches_per_epoch
         self.saved_step = None
         self.failed = False
-        if run.state.rank == 0:
-            ckpt.check_writable(run.config.checkpoint_dir)
+        if rank == 0:
+            ckpt.check_writable(config.checkpoint_dir)
 
-    def on_train_batch_end(self, state) -> None:
-        every = self.run.config.checkpoint_every
+    def on_step_end(self, state) -> None:
+        every = self.config.checkpoint_every
         if every and state.step % every == 0:
-            self.save()
+            self.save(state)
 
     def on_epoch_end(self, state, metrics) -> None:
-        if self.run.config.checkpoint_every is None:
-            self.save()
+        if self.config.checkpoint_every is None:
+            self.save(state)
 
     def on_fit_end(self, state) -> None:
         if state.should_stop:  # interrupted or stopped: keep the latest weights on disk too
-            self.save()
-            state.result.checkpoint_path = state.extras.get("checkpoint_path")
+            self.save(state)
+            state.result.checkpoint_path = state.checkpoint_path
 
-    def save(self) -> None:
-        run, state = self.run, self.run.state
+    def save(self, state) -> None:
         if state.step == self.saved_step:
             return
-        if not self._loss_finite():
+        if not self._loss_finite(state):
             return
         # Every rank takes part (FSDP gathers its shards to rank 0 here); rank 0 writes.
-        model_state, optimizer_state = run.dist.state_dicts(run.model, run.stepper.optimizer)
+        model_state, optimizer_state = self.dist.state_dicts(self.model, self.stepper.optimizer)
         self.saved_step = state.step
         if state.rank != 0:
             return
-        run_id = state.extras.setdefault("checkpoint_run", ckpt.new_run_id())
+        if state.checkpoint_run is None:
+            state.checkpoint_run = ckpt.new_run_id()
         try:
-            path = ckpt.save_checkpoint(ckpt.run_directory(run.config.checkpoint_dir, run_id),
-                                        self._payload(model_state, optimizer_state, run_id),
-                                        state.step, run.config.keep_last)
+            path = ckpt.save_checkpoint(ckpt.run_directory(self.config.checkpoint_dir, state.checkpoint_run),
+                                        self._payload(state, model_state, optimizer_state),
+                                        state.step, self.config.keep_last)
         except (OSError, RuntimeError) as error:  # torch's zip writer reports a full disk as RuntimeError
-            self._warn_failed(error)
+            self._warn_failed(state, error)
             return
-        state.extras["checkpoint_path"] = str(path)
-        run.callbacks.call("on_checkpoint", state, path)
+        state.checkpoint_path = str(path)
+        self.events.call("on_checkpoint", state, path)
 
-    def _loss_finite(self) -> bool:
+    def _loss_finite(self, state) -> bool:
         """No checkpoint after a non-finite loss: the newest on disk stays the last good one."""
-        run = self.run
-        bad_step = run.losses.first_bad_step(run.dist)  # a sync, at checkpoint time only
+        bad_step = self.losses.first_bad_step(self.dist)  # a sync, at checkpoint time only
         if bad_step is None:
             return True
-        if run.config.detect_nan:
-            fail(run, float("nan"), bad_step)  # raises
-        warn_unsaved(run, bad_step)  # the next check judges only the steps after this one
+        if self.config.detect_nan:
+            fail(state, self.dist, self.model, self.stepper.optimizer, float("nan"), bad_step)  # raises
+        self.losses.warn_unsaved(bad_step)  # the next check judges only the steps after this one
         return False
 
-    def _payload(self, model_state, optimizer_state, run_id: str) -> dict:
-        run, state, stepper = self.run, self.run.state, self.run.stepper
-        batches_per_epoch = run.feed.num_batches
-        epoch_complete = batches_per_epoch is not None and state.batch_in_epoch >= batches_per_epoch
+    def _payload(self, state, model_state, optimizer_state) -> dict:
+        stepper = self.stepper
+        epoch_complete = self.batches_per_epoch is not None and state.batch_in_epoch >= self.batches_per_epoch
         return {
             "model": model_state,
             "optimizer": optimizer_state,
             "optimizer_type": type(stepper.optimizer).__name__,
             "scheduler": stepper.scheduler.state_dict() if stepper.scheduler else None,
             "total_steps": state.total_steps,
-            "precision": run.precision.state_dict(),
+            "precision": self.precision.state_dict(),
             "rng": devices.rng_state(state.device),
             # Where to continue: the next epoch, or this one after the batches already used.
             "epoch": state.epoch + 1 if epoch_complete else state.epoch,
             "batch_in_epoch": 0 if epoch_complete else state.batch_in_epoch,
             "step": state.step, "samples_seen": state.samples_seen, "splits": stepper.splits,
-            "history": state.history, "epochs": state.extras.get("epochs", []),
-            "config": ckpt.config_json(run.config), "run_name": state.run_name,
-            "run_id": run_id, "saved_at": time.time(), "world_size": state.world_size,
+            "history": state.history, "epochs": state.epochs,
+            "config": ckpt.config_json(self.config), "run_name": state.run_name,
+            "run_id": state.checkpoint_run, "saved_at": time.time(), "world_size": state.world_size,
         }
 
-    def _warn_failed(self, error: BaseException) -> None:
+    def _warn_failed(self, state, error: BaseException) -> None:
         if self.failed:
             return
         self.failed = True
         why = "the disk is full" if ckpt.is_disk_full(error) else f"{type(error).__name__}: {error}"
-        kept = self.run.state.extras.get("checkpoint_path")
-        warnings.warn(f"Could not write the checkpoint at step {self.run.state.step} to "
-                      f"{self.run.config.checkpoint_dir} ({why}); training goes on, and later saves "
+        kept = state.checkpoint_path
+        warnings.warn(f"Could not write the checkpoint at step {state.step} to "
+                      f"{self.config.checkpoint_dir} ({why}); training goes on, and later saves "
                       f"are tried again. The newest checkpoint on disk is {kept or 'none'}.",
                       RuntimeWarning, stacklevel=2)
 
@@ -139,7 +143,7 @@ def resume(run, path) -> None:
     stepper.splits = payload["splits"]
     state.history[:] = payload["history"]
     # A stop mid-epoch wrote that epoch's partial row; the resumed epoch writes the whole one.
-    state.extras["epochs"] = [row for row in payload["epochs"] if row["epoch"] < payload["epoch"]]
+    state.epochs[:] = [row for row in payload["epochs"] if row["epoch"] < payload["epoch"]]
     _adopt_run(run, payload, Path(path))
 
 
@@ -150,12 +154,11 @@ def _adopt_run(run, payload: dict, path: Path) -> None:
     if run_id is None and path.parent.name.startswith("run-"):
         run_id = path.parent.name[len("run-"):]
     if run_id is not None:
-        state.extras["checkpoint_run"] = run_id
+        state.checkpoint_run = run_id
         if state.rank == 0:
             ckpt.remove_leftovers(path.parent)
     saved_at = payload.get("saved_at")
-    state.extras["resumed_from"] = str(path)
-    state.extras["resumed"] = {"path": str(path), "run": run_id, "run_name": payload.get("run_name"),
+    state.resumed = {"path": str(path), "run": run_id, "run_name": payload.get("run_name"),
                                "step": payload["step"], "epoch": payload["epoch"], "saved_at": saved_at}
     if state.rank == 0:
         # Deterministic text (tutorials show it): the time and run id are in result.resumed_from.

@@ -4,6 +4,8 @@ A CUDA out-of-memory error halves the micro-batch: gradients of the step so far 
 dropped, each loaded batch is cut into twice as many pieces, and the step is replayed
 from its first batch. Each piece's loss is weighted by its share of the step, so the
 gradient, and hence the whole run, is the same as with the smaller batch from the start.
+An epoch's last step may hold fewer than `grad_accum` batches: its gradient and loss are
+rescaled to the mean over the batches it really had.
 """
 
 from __future__ import annotations
@@ -19,11 +21,22 @@ from gpunb.runtime.inputs import batch_size_of, split_batch
 _NO_CONTEXT = contextlib.nullcontext()
 
 
+def _no_phase(name: str):
+    return _NO_CONTEXT
+
+
 class Stepper:
-    def __init__(self, model, optimizer, objective, precision, scheduler, config, phase, no_sync=None):
+    """The training step of fit, and of the batch-size probe and the LR sweep (one batch a step).
+
+    `split_on_oom=False` lets a CUDA out-of-memory error through (the probe asks "does it fit?").
+    """
+
+    def __init__(self, model, optimizer, objective, precision, scheduler, config, phase=_no_phase,
+                 no_sync=None, split_on_oom: bool = True):
         self.model, self.optimizer, self.objective = model, optimizer, objective
         self.precision, self.scheduler, self.config, self.phase = precision, scheduler, config, phase
         self.no_sync = no_sync or (lambda: contextlib.nullcontext())  # DDP: skip all-reduce mid-step
+        self.split_on_oom = split_on_oom
         self.splits = 1  # pieces each loaded batch is cut into (grows on OOM)
         self.oom_recoveries = 0
         self.pending: list = []  # loaded batches of the step in progress, kept for a replay
@@ -40,13 +53,20 @@ class Stepper:
                     self._backward(loaded, sync=last_in_step and i == len(todo) - 1)
                 return
             except torch.OutOfMemoryError:
+                self._drop_step()
+                if not self.split_on_oom:
+                    raise
                 self._recover_from_oom(batch)
                 todo = self.pending  # replay the whole step so far with smaller pieces
 
     def update(self) -> torch.Tensor:
         """Clip, step the optimizer and the schedule; returns the step's mean loss (on device)."""
+        short = len(self.pending) < self.config.grad_accum  # the epoch ended mid-group
+        scale = self.config.grad_accum / len(self.pending) if short else None
         self.pending.clear()  # backward is done: the batches are no longer needed for a replay
         with self.phase("optimizer"):
+            if scale is not None:
+                self._rescale(scale)
             if self.config.clip_grad_norm:
                 self.precision.unscale(self.optimizer)
                 params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -57,6 +77,14 @@ class Stepper:
                 self.scheduler.step()
         loss, self.step_loss = self.step_loss, None
         return loss
+
+    def _rescale(self, scale: float) -> None:
+        """Each batch was weighted 1/grad_accum; a short group's are re-weighted to 1/its size."""
+        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, scale)  # device ops, once per epoch: no sync
+        if self.step_loss is not None:
+            self.step_loss = self.step_loss * scale
 
     def micro_batch_size(self, batch_size: int) -> int:
         return -(-batch_size // self.splits)
@@ -79,9 +107,14 @@ class Stepper:
             contribution = loss.detach()
             self.step_loss = contribution if self.step_loss is None else self.step_loss + contribution
 
-    def _recover_from_oom(self, batch) -> None:
+    def _drop_step(self) -> None:
+        """Forget the step's gradients and loss so far (its batches stay in `pending` for a replay)."""
         self.optimizer.zero_grad(set_to_none=True)
         self.step_loss = None
+        if not self.split_on_oom:
+            self.pending.clear()  # no replay: the caller gets the error
+
+    def _recover_from_oom(self, batch) -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         size = batch_size_of(batch)

@@ -90,7 +90,8 @@ export interface IRunDetail extends IRun {
 /**
  * Call the gpunb server extension at `<base_url>/gpunb/api/<endPoint>`.
  *
- * Throws a `ServerConnection.ResponseError` carrying the server's message on a non-2xx reply.
+ * Throws a `ServerConnection.ResponseError` carrying the server's message on a non-2xx reply,
+ * or the HTTP status and the start of the body when the reply is not JSON.
  */
 export async function requestAPI<T>(
   endPoint: string,
@@ -105,9 +106,19 @@ export async function requestAPI<T>(
     throw new ServerConnection.NetworkError(error as TypeError);
   }
   const text = await response.text();
-  const data = text ? JSON.parse(text) : null;
+  let data: { message?: string } | null = null;
+  try {
+    data = text ? JSON.parse(text) : null;
+  } catch {
+    // Not JSON: a proxy's HTML error page, say. Report the HTTP status, not a SyntaxError.
+    const start = text.slice(0, 200);
+    throw new ServerConnection.ResponseError(
+      response,
+      `HTTP ${response.status} ${response.statusText} from ${url}, not JSON: ${start}`
+    );
+  }
   if (!response.ok) {
     throw new ServerConnection.ResponseError(response, data?.message ?? text);
   }
-  return data as T;
+  return data as unknown as T;
 }
