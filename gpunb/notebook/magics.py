@@ -320,7 +320,7 @@ def _progress_callbacks(shell, quiet: bool) -> list:
             from gpunb.notebook.dashboard import Dashboard
 
             return [Dashboard()]
-    from gpunb.runtime.callbacks import ProgressPrinter
+    from gpunb.render import ProgressPrinter
 
     return [ProgressPrinter()]
 
