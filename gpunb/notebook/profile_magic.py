@@ -46,8 +46,10 @@ class ProfileMagics(Magics):
         The report shows, for training, each step split into data wait, host-to-device copy,
         forward, backward, optimizer and other (ms and %); on a GPU, how busy it was and
         whether it waited on the host or on data; the top ops and kernels; peak memory; and
-        advice that fires on evidence, each with what it saw and an estimated gain. With
-        `--train` the model's weights and optimizer state are put back afterwards.
+        advice that fires on evidence, each with what it saw and an estimated gain. `--train`
+        takes the variables the last %%gputrain trained with (`model`, `train_data`, ...) as
+        they are now in the notebook, and puts the model's weights and optimizer state back
+        afterwards.
         The result is returned: `r = _` keeps it (`r.advice`, `r.phases`, ...).
         Python API: `gpunb.profiling.profile(fn)` or `profile(train=dict(model=..., train_data=...))`.
         """
