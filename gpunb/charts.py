@@ -115,6 +115,17 @@ def thin(points: list) -> list:
     return [points[int(i * stride)] for i in range(MAX_CURVE_POINTS)] + [points[-1]]
 
 
+def sparkline(values: list, width: int = 160, height: int = 32) -> str:
+    """A bare line of recent values scaled to the box: no axes, just the shape."""
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+    step = width / max(1, len(values) - 1)
+    coords = " ".join(f"{i * step:.1f},{height - 2 - (v - low) / span * (height - 4):.1f}"
+                      for i, v in enumerate(values))
+    return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}'>"
+            f"<polyline points='{coords}' fill='none' stroke='{PALETTE[0]}' stroke-width='1.5'/></svg>")
+
+
 def _padded(low: float, high: float, fraction: float) -> tuple[float, float]:
     if high == low:
         return low - 1, high + 1

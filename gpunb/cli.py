@@ -22,9 +22,11 @@ def main(argv=None) -> int:
         if args.command == "demo":
             from gpunb.demo import run_demo
 
+            from gpunb.render import summary_rows
+
             result = run_demo(args.epochs, args.batch_size, args.precision)
             print(result)
-            print("\n".join(f"  {name}: {value}" for name, value in result.summary_rows()))
+            print("\n".join(f"  {name}: {value}" for name, value in summary_rows(result)))
         else:
             from gpunb.telemetry.text import status_text
 

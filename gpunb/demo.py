@@ -29,7 +29,7 @@ def digits_cnn() -> nn.Module:
 
 
 def run_demo(epochs: int = 5, batch_size=32, precision: str = "auto", quiet: bool = False):
-    from gpunb.runtime.callbacks import ProgressPrinter
+    from gpunb.render import ProgressPrinter
     from gpunb.trainer import Trainer
 
     train, val = digits_data()

@@ -6,6 +6,7 @@ from conftest import classification_data, mlp
 from torch import nn
 
 from gpunb import Trainer
+from gpunb.render import summary_rows
 from gpunb.runtime import batch_size as auto
 
 
@@ -131,7 +132,7 @@ def test_auto_batch_size_on_cpu_is_reproducible_and_says_how_it_chose():
     assert first.batch_size == second.batch_size
     assert first.final_metrics == second.final_metrics
     assert first.batch_size_reason.startswith("auto: ") and "MFLOP per sample" in first.batch_size_reason
-    assert ("batch size", first.batch_size_reason) in first.summary_rows()
+    assert ("batch size", first.batch_size_reason) in summary_rows(first)
     # The choice follows the FLOPs: the tiny MLP is capped at an eighth of an epoch,
     # the digits CNN (about 200x the work per sample) stops far below it.
     from gpunb.demo import digits_cnn

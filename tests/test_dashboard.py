@@ -9,7 +9,7 @@ from torch import nn
 from gpunb import Trainer
 from gpunb.charts import MAX_CURVE_POINTS, loss_chart
 from gpunb.notebook.dashboard import Dashboard
-from gpunb.runtime.callbacks import progress_line
+from gpunb.render import progress_line, summary_rows
 
 pytest.importorskip("ipywidgets")
 
@@ -94,7 +94,7 @@ def test_train_loss_is_the_epoch_mean_everywhere_and_the_last_interval_is_loss(w
     assert result.epochs[-1]["train_loss"] == pytest.approx(mean)
     assert result.final_metrics["train_loss"] == result.epochs[-1]["train_loss"]
     assert result.final_metrics["train_loss"] != result.history[-1]["loss"]
-    rows = dict(result.summary_rows())
+    rows = dict(summary_rows(result))
     assert rows["last loss"] == f"{result.history[-1]['loss']:.4g}"
     assert rows["train_loss"] == f"{result.final_metrics['train_loss']:.4g}"
 
@@ -109,7 +109,7 @@ def test_a_run_stopped_within_an_epoch_reports_that_epochs_mean():
 
 def test_the_summary_says_how_far_a_stopped_run_got():
     result = _fit(epochs=5, callbacks=[_StopAt(25, "stopped from the sidebar")])
-    rows = dict(result.summary_rows())
+    rows = dict(summary_rows(result))
     assert rows["status"] == "stopped (stopped from the sidebar)"
     assert rows["progress"] == "epoch 3 of 5, step 25 of 50"
     assert "(400 samples, " in rows["wall time"]
@@ -117,7 +117,7 @@ def test_the_summary_says_how_far_a_stopped_run_got():
 
 def test_an_interrupted_run_says_interrupted_once():
     result = _fit(epochs=2, callbacks=[_StopAt(3, "interrupted")])
-    rows = dict(result.summary_rows())
+    rows = dict(summary_rows(result))
     assert rows["status"] == "interrupted"
     assert repr(result).count("interrupted") == 1
     assert rows["progress"] == "epoch 1 of 2, step 3 of 20"
@@ -125,4 +125,4 @@ def test_an_interrupted_run_says_interrupted_once():
 
 def test_progress_without_set_epochs_counts_steps_only():
     result = _fit(epochs=None, max_steps=12)
-    assert dict(result.summary_rows())["progress"] == "epoch 2, step 12 of 12"
+    assert dict(summary_rows(result))["progress"] == "epoch 2, step 12 of 12"

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorData
 
 from gpunb import TrainConfig, Trainer
 from gpunb.distributed import launch
-from gpunb.distributed.export import export_script
+from gpunb.notebook.export import export_script
 from gpunb.errors import GpunbError
 from gpunb.runtime.checkpoint import list_checkpoints, load_checkpoint
 
@@ -434,7 +434,7 @@ class FakeShell:
     """What export_script reads from IPython: the history and the user namespace."""
 
     def __init__(self, cells):
-        from gpunb.distributed.export import _python_of
+        from gpunb.notebook.export import _python_of
 
         self.user_ns = {"__name__": "__main__"}
         for cell in cells:

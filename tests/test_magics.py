@@ -143,12 +143,34 @@ def test_help_is_useful(ip):
     assert "NVML" in ip.find_line_magic("gpustatus").__doc__
 
 
-def test_last_setup_is_kept_for_gpuprofile(ip):
+def test_last_setup_is_kept_for_gpuprofile_by_name(ip):
     from gpunb.notebook import session
 
     ip.run_cell_magic("gputrain", "--max-steps 1 --quiet --no-track", CELL)
-    assert session.LAST_TRAIN["model"] is ip.user_ns["model"]
-    assert session.LAST_TRAIN["fit_kwargs"]["loss_fn"] is ip.user_ns["loss_fn"]
+    assert session.LAST_TRAIN.names == {"model": "model", "train_data": "train_data",
+                                        "val_data": "val_data", "loss_fn": "loss_fn"}
+    assert session.LAST_TRAIN.config.max_steps == 1
+
+
+def test_the_last_setup_holds_no_reference_to_the_model(ip):
+    import gc
+    import weakref
+
+    ip.run_cell_magic("gputrain", "--max-steps 1 --quiet --no-track --model net", CELL.replace("model =", "net ="))
+    alive = weakref.ref(ip.user_ns["net"])
+    ip.run_cell("del net", store_history=False)
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_failed_fit_does_not_replace_the_last_setup(ip, monkeypatch):
+    from gpunb.notebook import session
+
+    monkeypatch.setattr(session, "LAST_TRAIN", None)
+    cell = CELL + "def step(model, batch):\n    raise RuntimeError('user bug')\nloss_fn = None\n"
+    with pytest.raises(RuntimeError, match="user bug"):
+        ip.run_cell_magic("gputrain", "--max-steps 1 --quiet --no-track", cell)
+    assert session.LAST_TRAIN is None
 
 
 def test_export_writes_a_script_and_trains_nothing(ip, tmp_path, capsys):

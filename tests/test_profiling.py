@@ -8,7 +8,6 @@ with exact numbers on machines without a GPU.
 import json
 import sys
 import time
-import types
 
 import pytest
 import torch
@@ -425,14 +424,10 @@ def ip():
 @pytest.fixture
 def last_train(monkeypatch):
     """Set (or clear) what the last %%gputrain cell left behind."""
-    try:
-        from gpunb.notebook import session
-    except ImportError:
-        session = types.ModuleType("gpunb.notebook.session")
-        monkeypatch.setitem(sys.modules, "gpunb.notebook.session", session)
+    from gpunb.notebook import session
 
     def set_last(value):
-        monkeypatch.setattr(session, "LAST_TRAIN", value, raising=False)
+        monkeypatch.setattr(session, "LAST_TRAIN", value)
 
     set_last(None)
     return set_last
@@ -454,12 +449,27 @@ def test_cell_magic_profiles_the_cell(ip, tmp_path):
 
 
 def test_train_flag_profiles_the_last_gputrain_setup(ip, last_train):
+    from gpunb.notebook.session import LastTrain
+
     x, y = torch.randn(64, 8), torch.randint(0, 2, (64,))
-    last_train({"config": TrainConfig(batch_size=16), "model": tiny_model(), "train_data": (x, y),
-                "fit_kwargs": {"val_data": (x, y), "optimizer": None, "loss_fn": nn.CrossEntropyLoss(),
-                               "step": None, "metrics": None}})
+    ip.user_ns.update(net=tiny_model(), data=(x, y), held_out=(x, y), loss=nn.CrossEntropyLoss())
+    last_train(LastTrain(TrainConfig(batch_size=16), {"model": "net", "train_data": "data",
+                                                      "val_data": "held_out", "loss_fn": "loss"}))
     result = ip.run_line_magic("gpuprofile", "--train 2 --warmup 0")
     assert result.kind == "training" and result.steps == 2
+
+
+def test_train_flag_says_which_variable_is_gone(ip, last_train):
+    from gpunb.notebook.session import LastTrain
+
+    ip.user_ns.update(data=(torch.randn(8, 8), torch.randint(0, 2, (8,))))
+    ip.user_ns.pop("gone_model", None)
+    last_train(LastTrain(TrainConfig(), {"model": "gone_model", "train_data": "data"}))
+    with pytest.raises(UsageError) as info:
+        ip.run_line_magic("gpuprofile", "--train 2")
+    message = str(info.value)
+    assert "`gone_model` is no longer defined" in message and "HINT: run the %%gputrain cell again" in message
+    assert "`data`" not in message
 
 
 def test_train_flag_after_a_real_gputrain_cell(ip, last_train):

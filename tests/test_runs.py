@@ -650,7 +650,7 @@ def test_prune_keeps_the_newest_and_the_recent_finished_runs_and_every_running_o
 
 
 def test_one_duration_format_for_progress_eta_and_the_run_table():
-    from gpunb.runtime.callbacks import format_duration as in_progress_line
+    from gpunb.render import format_duration as in_progress_line
     from gpunb.units import format_duration
 
     assert in_progress_line is format_duration

@@ -5,7 +5,6 @@
     worker.py    the body of each started rank
     shipping.py  fit's arguments to spawned ranks (cloudpickle), with errors that name the culprit
     fsdp.py      strategy="fsdp": FSDP2 sharding and full state dicts
-    export.py    %%gputrain --export: the cell as a script for torchrun
 
 Importing this package touches neither CUDA nor torch.distributed.
 """

@@ -14,27 +14,19 @@ import pickle
 import re
 import sys
 import types
-from dataclasses import dataclass, fields
+from dataclasses import field, fields, make_dataclass
 from typing import Any
 
 import cloudpickle
 import torch
 
 from gpunb.errors import GpunbError
+from gpunb.runtime.roles import SETUP
 
 
-@dataclass
-class FitArgs:
-    """What each rank needs to run the same fit."""
-
-    config: Any
-    model: Any
-    train_data: Any
-    val_data: Any = None
-    optimizer: Any = None
-    loss_fn: Any = None
-    step: Any = None
-    metrics: Any = None
+# What each rank needs to run the same fit: the config and the set-up roles, in their order.
+FitArgs = make_dataclass("FitArgs", [("config", Any), *((name, Any, field(default=None)) for name in SETUP)])
+FitArgs.__module__ = __name__  # pickled by reference: a spawned rank imports it from here
 
 
 def ship(args: FitArgs) -> bytes:

@@ -1,4 +1,4 @@
-"""The notebook front end: magics, the live dashboard and static renderers.
+"""The notebook front end: magics, the live dashboard, and the export of a cell as a torchrun script.
 
 A thin layer over gpunb.runtime; importing it does not import torch or ipywidgets.
 """

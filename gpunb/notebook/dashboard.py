@@ -12,9 +12,8 @@ import html
 import time
 from collections import deque
 
-from gpunb.charts import loss_chart
-from gpunb.runtime.callbacks import progress_parts
-from gpunb.runtime.result import epoch_table_html
+from gpunb.charts import loss_chart, sparkline
+from gpunb.render import epoch_table_html, progress_parts
 
 
 class Dashboard:
@@ -150,17 +149,6 @@ def gpu_sparklines_html(samples: list) -> str:
         values = [s[key] for s in samples if key in s]
         if not values:
             continue
-        svg = sparkline_svg(values)
+        svg = sparkline(values)
         rows.append((label, f"{values[-1]:,.0f}{unit}", svg))
     return "".join(f"<div>{html.escape(label)} <b>{value}</b>{svg}</div>" for label, value, svg in rows)
-
-
-def sparkline_svg(values: list, width: int = 160, height: int = 32) -> str:
-    """A bare line of recent values scaled to the box: no axes, just the shape."""
-    low, high = min(values), max(values)
-    span = (high - low) or 1.0
-    step = width / max(1, len(values) - 1)
-    coords = " ".join(f"{i * step:.1f},{height - 2 - (v - low) / span * (height - 4):.1f}"
-                      for i, v in enumerate(values))
-    return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}'>"
-            f"<polyline points='{coords}' fill='none' stroke='#1f77b4' stroke-width='1.5'/></svg>")

@@ -8,9 +8,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from gpunb.errors import GpunbError
 from gpunb.notebook.options import make_strict
-
-# The names a %%gputrain cell may define, and the option that renames each.
-ROLES = ("model", "train_data", "val_data", "optimizer", "loss_fn", "step", "metrics", "callbacks")
+from gpunb.runtime.roles import NAMES, REQUIRED, SETUP, by_name
 
 
 @magics_class
@@ -81,10 +79,6 @@ class GpuMagics(Magics):
         found = _collect(self.shell.user_ns, args, before, _named_options(line))
         if args.find_lr:
             return _find_lr(found, config)
-        from gpunb.notebook import session
-
-        session.LAST_TRAIN = {"config": config, "model": found["model"], "train_data": found["train_data"],
-                              "fit_kwargs": {k: found[k] for k in ROLES[2:] if k != "callbacks"}}
         return self._train(config, found, args)
 
     def _train(self, config, found, args):
@@ -103,15 +97,16 @@ class GpuMagics(Magics):
                     callbacks=callbacks)
         except GpunbError as error:
             raise UsageError(str(error)) from None
+        _remember(config, found, args)
         self.shell.user_ns[args.out] = result
         if not any(getattr(cb, "handle", None) for cb in callbacks):
             display(result)  # no dashboard showed the summary in its place
         return None
 
     def _export(self, args, line, cell, config):
-        from gpunb.distributed.export import export_script
+        from gpunb.notebook.export import export_script
 
-        names = {role: getattr(args, f"{role}_name") for role in ROLES}
+        names = {role: getattr(args, f"{role}_name") for role in NAMES}
         try:
             path = export_script(args.export, cell, config, self.shell, names=names, options_line=line)
         except GpunbError as error:
@@ -188,7 +183,7 @@ def _collect(namespace, args, before, named=frozenset()) -> dict:
     import torch
 
     found = {}
-    for role in ROLES:
+    for role in NAMES:
         name = getattr(args, f"{role}_name")
         found[role] = namespace.get(name)
     if found["loss_fn"] is not None and found["step"] is not None:
@@ -197,10 +192,10 @@ def _collect(namespace, args, before, named=frozenset()) -> dict:
                  if before.get(getattr(args, f"{role}_name")) != id(found[role])}
         if len(fresh) == 1:
             found[({"loss_fn", "step"} - fresh).pop()] = None
-    for role in ("model", "train_data"):
+    for role in REQUIRED:
         if found[role] is None:
             name = getattr(args, f"{role}_name")
-            raise UsageError(f"%%gputrain needs a variable `{name}` ({'an nn.Module' if role == 'model' else 'the training data'}), "
+            raise UsageError(f"%%gputrain needs a variable `{name}` ({by_name(role).what}), "
                              f"and the namespace has none.\n{_defined_by_cell(namespace, before)}\n"
                              f"HINT: name it `{name}` in the cell, or pass "
                              f"`--{role.replace('_', '-')} <variable>`.")
@@ -225,10 +220,21 @@ def _collect(namespace, args, before, named=frozenset()) -> dict:
     return found
 
 
+def _remember(config, found, args) -> None:
+    """Keep the variable names (not the objects) of a fit that ran, for `%gpuprofile --train`.
+
+    Holding names lets the model and data be freed when the user deletes them.
+    """
+    from gpunb.notebook import session
+
+    names = {role: getattr(args, f"{role}_name") for role in SETUP if found[role] is not None}
+    session.LAST_TRAIN = session.LastTrain(config, names)
+
+
 def _named_options(line: str) -> frozenset:
     """Roles whose variable the line names (`--model net`): the user chose it, stale or not."""
     tokens = {token.split("=")[0] for token in line.split()}
-    return frozenset(role for role in ROLES if f"--{role.replace('_', '-')}" in tokens)
+    return frozenset(role for role in NAMES if f"--{role.replace('_', '-')}" in tokens)
 
 
 def _refuse_stale(namespace, args, before, found, named) -> None:
@@ -237,7 +243,7 @@ def _refuse_stale(namespace, args, before, found, named) -> None:
     Training would silently use the object from an earlier cell; the new one is almost always
     what the user meant. Naming the variable on the line (`--model model`) keeps the old one.
     """
-    roles = {id(found[role]) for role in ROLES if found[role] is not None}
+    roles = {id(found[role]) for role in NAMES if found[role] is not None}
     parts = _parts_of(found)
     for role, looks_like in (("model", _is_module), ("train_data", _is_data)):
         name = getattr(args, f"{role}_name")
@@ -320,7 +326,7 @@ def _progress_callbacks(shell, quiet: bool) -> list:
             from gpunb.notebook.dashboard import Dashboard
 
             return [Dashboard()]
-    from gpunb.runtime.callbacks import ProgressPrinter
+    from gpunb.render import ProgressPrinter
 
     return [ProgressPrinter()]
 

@@ -46,8 +46,10 @@ class ProfileMagics(Magics):
         The report shows, for training, each step split into data wait, host-to-device copy,
         forward, backward, optimizer and other (ms and %); on a GPU, how busy it was and
         whether it waited on the host or on data; the top ops and kernels; peak memory; and
-        advice that fires on evidence, each with what it saw and an estimated gain. With
-        `--train` the model's weights and optimizer state are put back afterwards.
+        advice that fires on evidence, each with what it saw and an estimated gain. `--train`
+        takes the variables the last %%gputrain trained with (`model`, `train_data`, ...) as
+        they are now in the notebook, and puts the model's weights and optimizer state back
+        afterwards.
         The result is returned: `r = _` keeps it (`r.advice`, `r.phases`, ...).
         Python API: `gpunb.profiling.profile(fn)` or `profile(train=dict(model=..., train_data=...))`.
         """
@@ -67,7 +69,7 @@ class ProfileMagics(Magics):
                 if code and code.strip():
                     raise UsageError("--train profiles the last %%gputrain set-up, so it takes no code.\n"
                                      "Drop the code, or drop --train to profile the code.")
-                return api.profile(train=_last_train(), steps=steps, warmup=args.warmup, save=args.save)
+                return api.profile(train=_last_train(self.shell.user_ns), steps=steps, warmup=args.warmup, save=args.save)
         except GpunbError as error:
             raise UsageError(str(error)) from None
         if not code or not code.strip():
@@ -109,15 +111,20 @@ def _unquote(token: str) -> str:
     return token[1:-1] if len(token) > 1 and token[0] == token[-1] and token[0] in "\"'" else token
 
 
-def _last_train() -> dict:
-    """The last %%gputrain set-up as profile(train=...) takes it."""
-    try:
-        from gpunb.notebook import session
-    except ImportError:
-        session = None
-    last = getattr(session, "LAST_TRAIN", None)
-    if not last:
+def _last_train(namespace: dict) -> dict:
+    """The last %%gputrain set-up as profile(train=...) takes it, its variables looked up again now."""
+    from gpunb.notebook import session
+
+    last = session.LAST_TRAIN
+    if last is None:
         raise UsageError("%gpuprofile --train profiles the last %%gputrain set-up, and there is none yet.\n"
                          "Run a %%gputrain cell first (or profile a statement: `%gpuprofile step()`).")
-    return {"model": last["model"], "train_data": last["train_data"], "config": last.get("config"),
-            **{k: v for k, v in (last.get("fit_kwargs") or {}).items() if v is not None}}
+    missing = [name for name in last.names.values() if name not in namespace]
+    if missing:
+        listed = ", ".join(f"`{name}`" for name in missing)
+        raise UsageError(f"%gpuprofile --train profiles the last %%gputrain set-up, but {listed} "
+                         f"{'is' if len(missing) == 1 else 'are'} no longer defined in the notebook.\n"
+                         "gpunb keeps the names of that set-up, not the objects, so deleted ones are freed.\n"
+                         "HINT: run the %%gputrain cell again (it defines them), or define "
+                         f"{listed} again before `%gpuprofile --train`.")
+    return {"config": last.config, **{role: namespace[name] for role, name in last.names.items()}}

@@ -1,6 +1,20 @@
-"""What the notebook front end remembers between cells (the last %%gputrain set-up)."""
+"""What the notebook front end remembers between cells: the last %%gputrain set-up, by name."""
 
 from __future__ import annotations
 
-# {"config": TrainConfig, "model": ..., "train_data": ..., "fit_kwargs": {...}} or None.
-LAST_TRAIN: dict | None = None
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LastTrain:
+    """The last %%gputrain that ran: its config and, per set-up role, the variable holding it.
+
+    Names, not objects: the model and data stay freeable, and `%gpuprofile --train` looks
+    them up again in the user namespace when it runs.
+    """
+
+    config: object  # the TrainConfig the magic built
+    names: dict  # role -> variable name, for the roles the cell provided (model, train_data, ...)
+
+
+LAST_TRAIN: LastTrain | None = None

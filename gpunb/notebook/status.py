@@ -5,6 +5,8 @@ from __future__ import annotations
 import html
 import json
 
+from gpunb.render import html_table
+
 
 class Status:
     def __init__(self, snapshot: dict):
@@ -32,17 +34,13 @@ class Status:
         if not snap["nvidia"]:
             return (f"<div class='gpunb-status'><b>No NVIDIA GPU</b>: {html.escape(snap['reason'])}"
                     f"<br>{host_line}</div>")
-        rows = "".join(_gpu_row(gpu) for gpu in snap["gpus"])
-        head = "".join(f"<th style='text-align:left'>{h}</th>" for h in
-                       ("GPU", "name", "util", "memory", "power", "temp", "processes"))
+        table = html_table([_gpu_row(gpu) for gpu in snap["gpus"]],
+                           ("GPU", "name", "util", "memory", "power", "temp", "processes"))
         return (f"<div class='gpunb-status'>NVIDIA driver {html.escape(str(snap.get('driver', '?')))}"
-                f"<table><tr>{head}</tr>{rows}</table>{host_line}</div>")
+                f"{table}{host_line}</div>")
 
 
-def _gpu_row(gpu: dict) -> str:
-    def cell(text):
-        return f"<td style='text-align:left'>{html.escape(text)}</td>"
-
+def _gpu_row(gpu: dict) -> tuple[str, ...]:
     memory = (f"{gpu['memory_used_mb'] / 1024:.1f} / {gpu['memory_total_mb'] / 1024:.1f} GiB"
               if "memory_used_mb" in gpu and "memory_total_mb" in gpu else "n/a")
     power = f"{gpu['power_w']:.0f} W" if "power_w" in gpu else "n/a"
@@ -50,7 +48,6 @@ def _gpu_row(gpu: dict) -> str:
         power += f" / {gpu['power_limit_w']:.0f} W"
     processes = ", ".join(f"{p['pid']} ({p['used_memory_mb']:.0f} MiB)" if p.get("used_memory_mb") else str(p["pid"])
                           for p in gpu.get("processes", [])) or "none"
-    return "<tr>" + "".join(cell(t) for t in (
-        str(gpu["index"]), gpu.get("name", "?"),
-        f"{gpu['utilization_gpu']:.0f}%" if "utilization_gpu" in gpu else "n/a", memory, power,
-        f"{gpu['temperature_c']:.0f} C" if "temperature_c" in gpu else "n/a", processes)) + "</tr>"
+    return (str(gpu["index"]), gpu.get("name", "?"),
+            f"{gpu['utilization_gpu']:.0f}%" if "utilization_gpu" in gpu else "n/a", memory, power,
+            f"{gpu['temperature_c']:.0f} C" if "temperature_c" in gpu else "n/a", processes)

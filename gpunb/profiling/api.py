@@ -11,8 +11,8 @@ from gpunb.profiling import analysis, trace
 from gpunb.profiling.advice import advise
 from gpunb.profiling.capture import Recorder, session_steps
 from gpunb.profiling.report import ProfileResult
+from gpunb.runtime.roles import OPTIONAL_SETUP
 
-FIT_KEYS = ("val_data", "optimizer", "loss_fn", "step", "metrics")
 
 
 def profile(target=None, *, train: dict | None = None, steps: int = 10, warmup: int = 2,
@@ -149,10 +149,10 @@ def _profile_training(train, steps, warmup, save, device) -> ProfileResult:
         raise GpunbError("train= needs at least `model` and `train_data`; got "
                          + (", ".join(f"`{k}`" for k in train) or "nothing") + ".",
                          "pass `train=dict(model=model, train_data=data)`.")
-    unknown = sorted(set(spec) - set(FIT_KEYS))
+    unknown = sorted(set(spec) - set(OPTIONAL_SETUP))
     if unknown:
         raise GpunbError(f"train= got unknown keys: {', '.join(unknown)}.",
-                         "use model, train_data, config and the fit() keywords: " + ", ".join(FIT_KEYS) + ".")
+                         "use model, train_data, config and the fit() keywords: " + ", ".join(OPTIONAL_SETUP) + ".")
     if isinstance(config, dict):
         config = make_config(None, **config)
     elif config is not None and not isinstance(config, TrainConfig):

@@ -11,6 +11,8 @@ import html
 import re
 from dataclasses import dataclass, field
 
+from gpunb.render import html_table
+
 PHASE_LABELS = {"data_wait": "data wait", "h2d": "h2d copy", "forward": "forward",
                 "backward": "backward", "optimizer": "optimizer", "other": "other"}
 
@@ -133,22 +135,22 @@ class ProfileResult:
                   f"<b>{_num(self.step_ms)} ms</b> per step")]
         if self.phases:
             rows = [(PHASE_LABELS.get(p.name, p.name), _num(p.ms), _pct(p.pct), _bar(p.pct)) for p in self.phases]
-            parts.append(_section("Step phases", _table(("phase", "ms/step", "%", ""), rows, raw_last=True)))
+            parts.append(_section("Step phases", html_table(rows, ("phase", "ms/step", "%", ""), raw=(3,))))
         if self.device_time:
             parts.append(_section("Device", _e(_device_text(self.device_time))))
         if self.top_ops:
             rows = [(r.name, r.calls, _num(r.self_ms), _pct(r.pct), _num(r.mean_us), r.shapes) for r in self.top_ops]
             parts.append(_section("Top ops (self time)",
-                                  _table(("op", "calls", "self ms", "% of time", "mean µs", "input shapes"), rows)))
+                                  html_table(rows, ("op", "calls", "self ms", "% of time", "mean µs", "input shapes"))))
         if self.top_kernels:
             rows = [(_short(r.name, 90), r.calls, _num(r.total_ms), _pct(r.pct), _num(r.mean_us))
                     for r in self.top_kernels]
-            parts.append(_section("Top kernels", _table(("kernel", "calls", "ms", "% of time", "mean µs"), rows)))
+            parts.append(_section("Top kernels", html_table(rows, ("kernel", "calls", "ms", "% of time", "mean µs"))))
         if self.memory:
             rows = [(op, _bytes(size), count) for op, size, count in self.memory.largest]
             body = _e(_memory_text(self.memory, largest=False))
             if rows:
-                body += _table(("largest allocations (op)", "size", "times"), rows)
+                body += html_table(rows, ("largest allocations (op)", "size", "times"))
             parts.append(_section("Memory", body))
         if self.advice:
             items = "".join(f"<li><b>{_code(a.message)}</b> <code>{_e(a.rule)}</code><br>"
@@ -231,15 +233,3 @@ def _bar(pct: float) -> str:
 
 def _section(title: str, body: str) -> str:
     return f"<div style='margin-top:0.6em'><b>{_e(title)}</b><div>{body}</div></div>"
-
-
-def _table(header, rows, raw_last: bool = False) -> str:
-    th = "".join(f"<th style='text-align:left;padding:0 0.8em 0 0'>{_e(h)}</th>" for h in header)
-    body = []
-    for row in rows:
-        cells = [_e(c) for c in row]
-        if raw_last:
-            cells[-1] = row[-1]  # our own markup (the bar)
-        body.append("<tr>" + "".join(f"<td style='text-align:left;padding:0 0.8em 0 0'>{c}</td>"
-                                     for c in cells) + "</tr>")
-    return f"<table style='border-collapse:collapse'><tr>{th}</tr>{''.join(body)}</table>"

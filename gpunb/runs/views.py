@@ -12,6 +12,7 @@ import time
 
 from gpunb.charts import line_chart
 from gpunb.errors import GpunbError
+from gpunb.render import html_table
 from gpunb.runs.registry import Registry
 from gpunb.units import format_duration
 
@@ -113,17 +114,13 @@ class RunTable:
     def _repr_html_(self) -> str:
         if not self.runs:
             return "<p>No runs recorded yet.</p>"
-        head = "".join(f"<th style='text-align:left'>{html.escape(c)}</th>" for c in _COLUMNS)
-        body = []
+        rows = []
         for run, row in zip(self.runs, self.rows()):
-            cells = [html.escape(cell) for cell in row]
             colour = _STATUS_COLOURS.get(run["status"], "inherit")
-            cells[1] = f"<span style='color:{colour};font-weight:600'>{cells[1]}</span>"
-            title = html.escape(run["error"] or run["id"], quote=True)
-            body.append(f"<tr title='{title}'>" + "".join(f"<td style='text-align:left'>{c}</td>"
-                                                          for c in cells) + "</tr>")
-        return (f"<table class='gpunb-runs'><thead><tr>{head}</tr></thead>"
-                f"<tbody>{''.join(body)}</tbody></table>")
+            status = f"<span style='color:{colour};font-weight:600'>{html.escape(row[1])}</span>"
+            rows.append((row[0], status, *row[2:]))
+        return html_table(rows, _COLUMNS, css_class="gpunb-runs", raw=(1,),
+                          row_titles=[run["error"] or run["id"] for run in self.runs])
 
 
 class RunComparison:

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpunb.charts import line_chart
 from gpunb.errors import GpunbError
 from gpunb.runtime import device as devices
 from gpunb.runtime import snapshot
@@ -35,38 +34,22 @@ class LRFinderResult:
     suggestion: float | None = None
     stopped_early: bool = False
 
+    # Display lives in gpunb.render (imported lazily): the result renders without %load_ext.
     def __repr__(self) -> str:
-        rate = f"{self.suggestion:.2e}" if self.suggestion else "none (the loss never fell)"
-        return (f"LRFinderResult: suggested lr {rate} after {len(self.lrs)} steps "
-                f"({self.lrs[0]:.0e} to {self.lrs[-1]:.0e}"
-                f"{', stopped when the loss diverged' if self.stopped_early else ''})"
-                + (f"\nApply it with: %%gputrain --lr {self.suggestion:.2e}" if self.suggestion else ""))
+        from gpunb.render import lr_find_text
+
+        return lr_find_text(self)
 
     def _repr_html_(self) -> str:
-        # Plot against log10(lr) so the sweep reads evenly from left to right.
-        points = [(math.log10(lr), loss) for lr, loss in zip(self.lrs, self.losses)]
-        names, series = ["smoothed loss"], [points]
-        if self.suggestion:
-            names.append("suggested")
-            series.append([min(points, key=lambda p: abs(p[0] - math.log10(self.suggestion)))])
-        svg = line_chart("loss (smoothed)", names, series, x_label="log10(learning rate)",
-                         width=420, height=210, legend=110)
-        text = repr(self).replace("\n", "<br>")
-        return f"<div class='gpunb-lr-find'>{svg}<div>{text}</div></div>"
+        from gpunb.render import lr_find_html
+
+        return lr_find_html(self)
 
     def plot(self, ax=None):
-        import matplotlib.pyplot as plt
+        """The smoothed loss against the learning rate with matplotlib; returns the Axes."""
+        from gpunb.render import plot_lr_find
 
-        if ax is None:
-            _fig, ax = plt.subplots(figsize=(6, 3.2))
-        ax.plot(self.lrs, self.losses)
-        ax.set_xscale("log")
-        if self.suggestion:
-            ax.axvline(self.suggestion, color="tab:orange", linestyle="--", label=f"{self.suggestion:.1e}")
-            ax.legend()
-        ax.set_xlabel("learning rate")
-        ax.set_ylabel("smoothed loss")
-        return ax
+        return plot_lr_find(self, ax)
 
 
 def find_lr(model, train_data, *, config, optimizer=None, loss_fn=None, step=None,

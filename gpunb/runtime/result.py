@@ -1,12 +1,8 @@
-"""TrainResult: what a run did, for people (HTML, text, plot) and for code (fields)."""
+"""TrainResult: what a run did, as fields; gpunb.render shows it to people (HTML, text, plot)."""
 
 from __future__ import annotations
 
-import html
 from dataclasses import dataclass, field
-
-from gpunb.charts import loss_chart
-from gpunb.units import format_duration
 
 
 @dataclass
@@ -71,87 +67,22 @@ class TrainResult:
             series["val"] = val
         return series
 
+    # Display lives in gpunb.render (imported lazily): the result renders without %load_ext.
     def __repr__(self) -> str:
-        """Deterministic for a given run: no clock readings, metrics rounded to 4 digits."""
-        head = (f"TrainResult({self.run_name!r}: {self.status}, {len(self.epochs)} epochs, "
-                f"{self.steps} steps, {self.samples} samples, device={self.device.split(':')[0]}, "
-                f"precision={self.precision}, batch={self.effective_batch_size})")
-        metrics = "  ".join(f"{k}={_fmt(v)}" for k, v in sorted(self.final_metrics.items()))
-        lines = [head, f"  {metrics}" if metrics else "  no metrics"]
-        if self.oom_recoveries or self.skipped_steps:
-            lines.append(f"  oom_recoveries={self.oom_recoveries} (micro-batch {self.micro_batch_size}), "
-                         f"skipped_fp16_steps={self.skipped_steps}")
-        if self.stop_reason not in (None, self.status):
-            lines.append(f"  stop: {self.stop_reason}")
-        return "\n".join(lines)
+        from gpunb.render import result_text
 
-    def summary_rows(self) -> list[tuple[str, str]]:
-        reason = f" ({self.stop_reason})" if self.stop_reason not in (None, self.status) else ""
-        rows = [("status", self.status + reason),
-                ("device", self.device), ("precision", f"{self.precision} ({self.precision_reason})"),
-                ("batch", f"{self.batch_size} x {self.grad_accum} accumulation x {self.world_size} "
-                          f"device(s) (micro-batch {self.micro_batch_size})"),
-                *([("batch size", self.batch_size_reason)] if self.batch_size_reason else []),
-                ("progress", self.progress_text()),
-                ("wall time", f"{self.wall_time_s:.1f} s ({self.samples:,} samples, {self.samples_per_s:,.0f}/s)")]
-        if self.wall_time_s:
-            share = 100 * self.data_wait_s / self.wall_time_s
-            rows.append(("data wait", f"{self.data_wait_s:.2f} s ({share:.1f}% of wall time)"))
-        if self.peak_memory_mb is not None:
-            rows.append(("peak memory", f"{self.peak_memory_mb:,.0f} MiB"))
-        if self.energy_j is not None:
-            rows.append(("energy", f"{self.energy_wh:.3f} Wh ({self.joules_per_sample:.4f} J/sample)"))
-        if self.oom_recoveries:
-            rows.append(("OOM recoveries", f"{self.oom_recoveries} (micro-batch now {self.micro_batch_size})"))
-        if self.skipped_steps:
-            rows.append(("skipped fp16 steps", str(self.skipped_steps)))
-        if self.checkpoint_path:
-            rows.append(("checkpoint", self.checkpoint_path))
-        if self.history:
-            rows.append(("last loss", _fmt(self.history[-1]["loss"])))  # the last log interval's mean
-        rows += [(k, _fmt(v)) for k, v in sorted(self.final_metrics.items())]
-        return rows
-
-    def progress_text(self) -> str:
-        """`epoch 25 of 200, step 1,125 of 36,000`: how far the run got."""
-        reached = max([row["epoch"] + 1 for row in [*self.epochs[-1:], *self.history[-1:]]], default=0)
-        planned = self.config.get("epochs")
-        epochs = f"epoch {reached}" + (f" of {planned}" if planned else "")
-        steps = f"step {self.steps:,}" + (f" of {self.total_steps:,}" if self.total_steps else "")
-        return f"{epochs}, {steps}"
+        return result_text(self)
 
     def _repr_html_(self) -> str:
-        series = self.loss_series()
-        svg = loss_chart(series["train"], series.get("val", []), x_max=self.steps)
-        return (f"<div class='gpunb-result'><b>{html.escape(self.run_name)}</b>"
-                f"<div style='display:flex;gap:1.5em;flex-wrap:wrap;align-items:flex-start'>"
-                f"{html_table(self.summary_rows())}{svg}</div>{epoch_table_html(self.epochs)}</div>")
+        from gpunb.render import result_html
+
+        return result_html(self)
 
     def plot(self, ax=None):
         """Loss curves with matplotlib; returns the Axes."""
-        try:
-            import matplotlib.pyplot as plt
-        except ImportError as error:
-            from gpunb.errors import GpunbError
+        from gpunb.render import plot_losses
 
-            raise GpunbError("TrainResult.plot() needs matplotlib.",
-                             "`pip install matplotlib`, or display the result for an inline SVG.") from error
-        if ax is None:
-            _fig, ax = plt.subplots(figsize=(6, 3.2))
-        for name, points in self.loss_series().items():
-            if points:
-                xs, ys = zip(*points)
-                ax.plot(xs, ys, marker="o" if name == "val" else None, label=f"{name} loss")
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("loss")
-        ax.legend()
-        return ax
-
-
-def _fmt(value) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
+        return plot_losses(self, ax)
 
 
 def epoch_mean_loss(rows: list) -> float:
@@ -165,28 +96,3 @@ def last_epoch_train_loss(history: list) -> dict:
         return {}
     last = history[-1]["epoch"]
     return {"train_loss": epoch_mean_loss([row for row in history if row["epoch"] == last])}
-
-
-def epoch_table_html(epochs: list[dict]) -> str:
-    """One row per epoch: train_loss (the epoch's mean), the val_* metrics, the epoch's time."""
-    if not epochs:
-        return ""
-    val = sorted({k for row in epochs for k in row if k.startswith("val_")}, key=lambda k: (k != "val_loss", k))
-    columns = ["epoch", "train_loss", *val, "time"]
-    head = "".join(f"<th style='text-align:right;padding:0 .6em'>{html.escape(c)}</th>" for c in columns)
-    body, previous = [], 0.0
-    for row in epochs:
-        elapsed = row.get("elapsed_s")
-        took = "-" if elapsed is None else format_duration(max(0.0, elapsed - previous))
-        previous = elapsed if elapsed is not None else previous
-        cells = [str(row["epoch"] + 1), *(_fmt(row[k]) if k in row else "" for k in ["train_loss", *val]), took]
-        body.append("<tr>" + "".join(f"<td style='text-align:right;padding:0 .6em'>{html.escape(c)}</td>"
-                                     for c in cells) + "</tr>")
-    return (f"<table class='gpunb-epochs'><thead><tr>{head}</tr></thead>"
-            f"<tbody>{''.join(body)}</tbody></table>")
-
-
-def html_table(rows: list[tuple[str, str]]) -> str:
-    cells = "".join(f"<tr><th style='text-align:left;padding-right:1em'>{html.escape(k)}</th>"
-                    f"<td style='text-align:left'>{html.escape(v)}</td></tr>" for k, v in rows)
-    return f"<table>{cells}</table>"

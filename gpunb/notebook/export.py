@@ -28,8 +28,8 @@ from pathlib import Path
 
 from gpunb.config import TrainConfig
 from gpunb.errors import GpunbError
+from gpunb.runtime.roles import NAMES, REQUIRED
 
-ROLES = ("model", "train_data", "val_data", "optimizer", "loss_fn", "step", "metrics", "callbacks")
 _BUILTINS = set(dir(builtins)) | {"__name__", "__file__", "get_ipython"}
 _AFTER_ALL, _BEFORE_ALL = (float("inf"), 0), (-1, 0)  # positions (cell, statement) in the history
 _HEADER = '''"""Training script exported by gpunb from a notebook cell: {magic}
@@ -67,10 +67,10 @@ def export_script(path, cell_source: str, config: TrainConfig, ipython=None, *,
     cell = _parse(cell_source, "the cell")
     namespace = dict(getattr(ipython, "user_ns", None) or {})
     bound = _bound(cell)
-    variables = {role: (names or {}).get(role) or role for role in ROLES}
+    variables = {role: (names or {}).get(role) or role for role in NAMES}
     roles = {role: name for role, name in variables.items()
              if name in bound or _fits(role, namespace.get(name))}
-    for required in ("model", "train_data"):
+    for required in REQUIRED:
         if required not in roles:
             raise GpunbError(f"Cannot export: the cell defines no `{variables[required]}` and the "
                              "notebook has none.",

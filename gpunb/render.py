@@ -1,0 +1,258 @@
+"""Display for people: HTML tables, result summaries, plots and the terminal progress line.
+
+Everything here works on plain values and on the fields of result and state objects
+(duck-typed): no torch, no runtime import, so `runtime/` stays pure PyTorch and the
+result classes render by delegating here.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import sys
+import time
+
+from gpunb.charts import line_chart, loss_chart
+from gpunb.units import format_duration
+
+
+# ---------------------------------------------------------------------- tables
+def html_table(rows, header=None, *, css_class: str | None = None, align: str = "left",
+               pad: str = "0 .8em 0 0", raw: tuple[int, ...] = (), key_column: bool = False,
+               row_titles=None) -> str:
+    """The one HTML table of gpunb: escaped cells, one alignment and padding throughout.
+
+    `raw` lists columns holding our own markup (not escaped); `key_column` sets each
+    row's first cell as a <th> (key/value tables); `row_titles` gives each row a tooltip.
+    """
+    style = f" style='text-align:{align};padding:{pad}'"
+    opening = f"<table class='{css_class}'>" if css_class else "<table style='border-collapse:collapse'>"
+    parts = [opening]
+    if header:
+        head = "".join(f"<th{style}>{html.escape(str(h))}</th>" for h in header)
+        parts.append(f"<thead><tr>{head}</tr></thead>")
+    parts.append("<tbody>")
+    for i, row in enumerate(rows):
+        cells = [str(c) if j in raw else html.escape(str(c)) for j, c in enumerate(row)]
+        tags = ["th" if key_column and j == 0 else "td" for j in range(len(cells))]
+        title = f" title='{html.escape(row_titles[i], quote=True)}'" if row_titles else ""
+        parts.append(f"<tr{title}>" + "".join(f"<{t}{style}>{c}</{t}>" for t, c in zip(tags, cells)) + "</tr>")
+    parts.append("</tbody></table>")
+    return "".join(parts)
+
+
+def fmt(value) -> str:
+    """Floats to 4 significant digits, anything else as str."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+# ---------------------------------------------------------------------- TrainResult
+def result_text(result) -> str:
+    """Deterministic for a given run: no clock readings, metrics rounded to 4 digits."""
+    head = (f"TrainResult({result.run_name!r}: {result.status}, {len(result.epochs)} epochs, "
+            f"{result.steps} steps, {result.samples} samples, device={result.device.split(':')[0]}, "
+            f"precision={result.precision}, batch={result.effective_batch_size})")
+    metrics = "  ".join(f"{k}={fmt(v)}" for k, v in sorted(result.final_metrics.items()))
+    lines = [head, f"  {metrics}" if metrics else "  no metrics"]
+    if result.oom_recoveries or result.skipped_steps:
+        lines.append(f"  oom_recoveries={result.oom_recoveries} (micro-batch {result.micro_batch_size}), "
+                     f"skipped_fp16_steps={result.skipped_steps}")
+    if result.stop_reason not in (None, result.status):
+        lines.append(f"  stop: {result.stop_reason}")
+    return "\n".join(lines)
+
+
+def summary_rows(r) -> list[tuple[str, str]]:
+    """(name, text) pairs describing a TrainResult: the HTML summary and `gpunb demo` print these."""
+    reason = f" ({r.stop_reason})" if r.stop_reason not in (None, r.status) else ""
+    rows = [("status", r.status + reason),
+            ("device", r.device), ("precision", f"{r.precision} ({r.precision_reason})"),
+            ("batch", f"{r.batch_size} x {r.grad_accum} accumulation x {r.world_size} "
+                      f"device(s) (micro-batch {r.micro_batch_size})"),
+            *([("batch size", r.batch_size_reason)] if r.batch_size_reason else []),
+            ("progress", progress_text(r)),
+            ("wall time", f"{r.wall_time_s:.1f} s ({r.samples:,} samples, {r.samples_per_s:,.0f}/s)")]
+    if r.wall_time_s:
+        share = 100 * r.data_wait_s / r.wall_time_s
+        rows.append(("data wait", f"{r.data_wait_s:.2f} s ({share:.1f}% of wall time)"))
+    if r.peak_memory_mb is not None:
+        rows.append(("peak memory", f"{r.peak_memory_mb:,.0f} MiB"))
+    if r.energy_j is not None:
+        rows.append(("energy", f"{r.energy_wh:.3f} Wh ({r.joules_per_sample:.4f} J/sample)"))
+    if r.oom_recoveries:
+        rows.append(("OOM recoveries", f"{r.oom_recoveries} (micro-batch now {r.micro_batch_size})"))
+    if r.skipped_steps:
+        rows.append(("skipped fp16 steps", str(r.skipped_steps)))
+    if r.checkpoint_path:
+        rows.append(("checkpoint", r.checkpoint_path))
+    if r.history:
+        rows.append(("last loss", fmt(r.history[-1]["loss"])))  # the last log interval's mean
+    rows += [(k, fmt(v)) for k, v in sorted(r.final_metrics.items())]
+    return rows
+
+
+def progress_text(r) -> str:
+    """`epoch 25 of 200, step 1,125 of 36,000`: how far the run got."""
+    reached = max([row["epoch"] + 1 for row in [*r.epochs[-1:], *r.history[-1:]]], default=0)
+    planned = r.config.get("epochs")
+    epochs = f"epoch {reached}" + (f" of {planned}" if planned else "")
+    steps = f"step {r.steps:,}" + (f" of {r.total_steps:,}" if r.total_steps else "")
+    return f"{epochs}, {steps}"
+
+
+def result_html(r) -> str:
+    series = r.loss_series()
+    svg = loss_chart(series["train"], series.get("val", []), x_max=r.steps)
+    return (f"<div class='gpunb-result'><b>{html.escape(r.run_name)}</b>"
+            f"<div style='display:flex;gap:1.5em;flex-wrap:wrap;align-items:flex-start'>"
+            f"{html_table(summary_rows(r), key_column=True)}{svg}</div>{epoch_table_html(r.epochs)}</div>")
+
+
+def epoch_table_html(epochs: list[dict]) -> str:
+    """One row per epoch: train_loss (the epoch's mean), the val_* metrics, the epoch's time."""
+    if not epochs:
+        return ""
+    val = sorted({k for row in epochs for k in row if k.startswith("val_")}, key=lambda k: (k != "val_loss", k))
+    rows, previous = [], 0.0
+    for row in epochs:
+        elapsed = row.get("elapsed_s")
+        took = "-" if elapsed is None else format_duration(max(0.0, elapsed - previous))
+        previous = elapsed if elapsed is not None else previous
+        rows.append([str(row["epoch"] + 1), *(fmt(row[k]) if k in row else "" for k in ["train_loss", *val]), took])
+    return html_table(rows, ["epoch", "train_loss", *val, "time"], css_class="gpunb-epochs",
+                      align="right", pad="0 .6em")
+
+
+def plot_losses(r, ax=None):
+    """A TrainResult's loss curves with matplotlib; returns the Axes."""
+    ax = _axes(ax, "TrainResult.plot()")
+    for name, points in r.loss_series().items():
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="o" if name == "val" else None, label=f"{name} loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    return ax
+
+
+# ---------------------------------------------------------------------- LRFinderResult
+def lr_find_text(r) -> str:
+    rate = f"{r.suggestion:.2e}" if r.suggestion else "none (the loss never fell)"
+    return (f"LRFinderResult: suggested lr {rate} after {len(r.lrs)} steps "
+            f"({r.lrs[0]:.0e} to {r.lrs[-1]:.0e}"
+            f"{', stopped when the loss diverged' if r.stopped_early else ''})"
+            + (f"\nApply it with: %%gputrain --lr {r.suggestion:.2e}" if r.suggestion else ""))
+
+
+def lr_find_html(r) -> str:
+    # Plot against log10(lr) so the sweep reads evenly from left to right.
+    points = [(math.log10(lr), loss) for lr, loss in zip(r.lrs, r.losses)]
+    names, series = ["smoothed loss"], [points]
+    if r.suggestion:
+        names.append("suggested")
+        series.append([min(points, key=lambda p: abs(p[0] - math.log10(r.suggestion)))])
+    svg = line_chart("loss (smoothed)", names, series, x_label="log10(learning rate)",
+                     width=420, height=210, legend=110)
+    text = html.escape(lr_find_text(r)).replace("\n", "<br>")
+    return f"<div class='gpunb-lr-find'>{svg}<div>{text}</div></div>"
+
+
+def plot_lr_find(r, ax=None):
+    """The sweep's smoothed loss against the learning rate (log axis); returns the Axes."""
+    ax = _axes(ax, "LRFinderResult.plot()")
+    ax.plot(r.lrs, r.losses)
+    ax.set_xscale("log")
+    if r.suggestion:
+        ax.axvline(r.suggestion, color="tab:orange", linestyle="--", label=f"{r.suggestion:.1e}")
+        ax.legend()
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("smoothed loss")
+    return ax
+
+
+def _axes(ax, caller: str):
+    if ax is not None:
+        return ax
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        from gpunb.errors import GpunbError
+
+        raise GpunbError(f"{caller} needs matplotlib.",
+                         "`pip install matplotlib`, or display the result for an inline SVG.") from error
+    return plt.subplots(figsize=(6, 3.2))[1]
+
+
+# ---------------------------------------------------------------------- terminal progress
+class ProgressPrinter:
+    """One line per log interval (terminal IPython, scripts); rewritten in place on a TTY.
+
+    A plain callback: it reads the fields of the run state it is handed.
+    """
+
+    def __init__(self, stream=None, min_interval_s: float = 0.5):
+        self.stream = stream or sys.stdout
+        self.min_interval_s = min_interval_s
+        self._last = 0.0
+        self._tty = getattr(self.stream, "isatty", lambda: False)()
+
+    def on_log(self, state, metrics) -> None:
+        now = time.monotonic()
+        if now - self._last < self.min_interval_s:
+            return
+        self._last = now
+        self._write(progress_line(state))
+
+    def on_epoch_end(self, state, metrics) -> None:
+        values = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items()
+                           if isinstance(v, float))
+        self._write(f"epoch {state.epoch + 1}: {values}", final=True)
+
+    def on_fit_end(self, state) -> None:
+        if self._tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _write(self, line: str, final: bool = False) -> None:
+        if self._tty:
+            self.stream.write("\r\x1b[2K" + line + ("\n" if final else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def progress_line(state) -> str:
+    """`step 120/450 (27%)  epoch 1/3  loss 0.412  3,210 samples/s  elapsed 4s  ETA 12s`"""
+    return "  ".join(progress_parts(state, with_loss=True))
+
+
+def progress_parts(state, with_loss: bool) -> list[str]:
+    """The pieces of a progress line: step, epoch, (loss), throughput, elapsed time, ETA."""
+    latest = state.latest
+    total = f"/{state.total_steps}" if state.total_steps else ""
+    percent = f" ({100 * state.progress:.0f}%)" if state.progress is not None else ""
+    parts = [f"step {state.step}{total}{percent}",
+             f"epoch {state.epoch + 1}{epochs_suffix(state)}"]
+    if with_loss and "loss" in latest:
+        parts.append(f"loss {latest['loss']:.4g}")
+    if latest.get("samples_per_s"):
+        parts.append(f"{latest['samples_per_s']:,.0f} samples/s")
+    parts.append(f"elapsed {format_duration(time.time() - state.started_at)}")
+    eta = eta_seconds(state)
+    if eta is not None:
+        parts.append(f"ETA {format_duration(eta)}")
+    return parts
+
+
+def epochs_suffix(state) -> str:
+    """"/3" when the run has a set number of epochs; nothing when max_steps decides."""
+    return f"/{state.config.epochs}" if state.config.epochs else ""
+
+
+def eta_seconds(state) -> float | None:
+    if not state.total_steps or not state.step or "step_time_ms" not in state.latest:
+        return None
+    return (state.total_steps - state.step) * state.latest["step_time_ms"] / 1000

@@ -1,0 +1,79 @@
+"""gpunb.render: the one place that turns results into HTML, text and plots."""
+
+import ast
+import io
+import re
+from pathlib import Path
+
+import gpunb
+from gpunb.charts import sparkline
+from gpunb.render import ProgressPrinter, html_table
+from gpunb.runtime.lr_find import LRFinderResult
+from gpunb.runtime.result import TrainResult
+
+PACKAGE = Path(gpunb.__file__).parent
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_runtime_holds_no_display_code():
+    for path in (PACKAGE / "runtime").glob("*.py"):
+        source = path.read_text()
+        for marker in ("<table", "<svg", "<div", "import matplotlib", "sys.stdout", "class ProgressPrinter"):
+            assert marker not in source, f"{path.name} contains {marker!r}"
+        assert not {name for name in _imports(path) if name.startswith(("gpunb.charts", "IPython"))}, path.name
+
+
+def test_render_sits_beside_charts_below_the_runtime():
+    imported = _imports(PACKAGE / "render.py") | _imports(PACKAGE / "charts.py")
+    assert not {name for name in imported if name.split(".")[0] == "torch" or name.startswith(
+        ("gpunb.runtime", "gpunb.notebook", "gpunb.distributed", "gpunb.profiling", "gpunb.runs"))}
+
+
+def test_one_html_table_escapes_cells_but_keeps_raw_columns():
+    page = html_table([("<b>", "<i>x</i>")], ("a&b", "c"), raw=(1,), row_titles=["it's"])
+    assert "<th style='text-align:left;padding:0 .8em 0 0'>a&amp;b</th>" in page
+    assert "&lt;b&gt;" in page and "<i>x</i>" in page and "title='it&#x27;s'" in page
+    assert page.count("<tr") == 2
+
+
+def test_a_key_value_table_heads_each_row_with_its_key():
+    page = html_table([("device", "cpu")], key_column=True, css_class="k")
+    assert page.startswith("<table class='k'>") and "<thead>" not in page
+    assert re.search(r"<th[^>]*>device</th><td[^>]*>cpu</td>", page)
+
+
+def test_results_render_through_render_without_the_extension():
+    result = TrainResult("r", history=[{"step": 1, "epoch": 0, "loss": 0.5}], steps=1, samples=8)
+    assert result._repr_html_().startswith("<div class='gpunb-result'><b>r</b>")
+    assert repr(result).startswith("TrainResult('r': completed, 0 epochs, 1 steps, 8 samples")
+    finder = LRFinderResult(lrs=[1e-4, 1e-3], losses=[1.0, 0.5], suggestion=1e-4)
+    assert repr(finder) == ("LRFinderResult: suggested lr 1.00e-04 after 2 steps (1e-04 to 1e-03)\n"
+                            "Apply it with: %%gputrain --lr 1.00e-04")
+    assert "<svg" in finder._repr_html_() and "Apply it with" in finder._repr_html_()
+
+
+def test_the_sparkline_spans_its_box():
+    svg = sparkline([0.0, 5.0, 10.0], width=100, height=32)
+    assert "points='0.0,30.0 50.0,16.0 100.0,2.0'" in svg
+    assert "points='0.0,30.0 100.0,30.0'" in sparkline([3.0, 3.0], width=100)  # flat: no division by zero
+
+
+def test_the_progress_printer_writes_one_line_per_epoch_off_a_tty():
+    stream = io.StringIO()
+
+    class State:
+        epoch = 1
+
+    printer = ProgressPrinter(stream=stream)
+    printer.on_epoch_end(State(), {"train_loss": 0.25, "epoch": 1})
+    printer.on_fit_end(State())
+    assert stream.getvalue() == "epoch 2: train_loss 0.25\n"

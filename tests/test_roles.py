@@ -1,0 +1,36 @@
+"""The fit roles are named once (gpunb.runtime.roles) and every user follows that list."""
+
+import pickle
+from dataclasses import fields
+
+import pytest
+
+from gpunb.distributed.shipping import FitArgs
+from gpunb.errors import GpunbError
+from gpunb.profiling import profile
+from gpunb.runtime import roles
+
+
+def test_the_roles_in_order():
+    assert roles.NAMES == ("model", "train_data", "val_data", "optimizer", "loss_fn", "step", "metrics", "callbacks")
+    assert roles.REQUIRED == ("model", "train_data")
+    assert roles.OPTIONAL_SETUP == ("val_data", "optimizer", "loss_fn", "step", "metrics")
+
+
+def test_shipped_fit_args_are_the_config_and_the_setup_roles():
+    assert [f.name for f in fields(FitArgs)] == ["config", *roles.SETUP]
+    args = FitArgs("config", "model", "data", loss_fn="loss")  # the launcher builds it positionally
+    assert pickle.loads(pickle.dumps(args)) == args and args.step is None
+
+
+def test_profile_train_lists_the_roles_it_takes():
+    with pytest.raises(GpunbError, match="val_data, optimizer, loss_fn, step, metrics"):
+        profile(train={"model": object(), "train_data": object(), "callbacks": []})
+
+
+def test_every_role_is_a_gputrain_option():
+    from gpunb.notebook.magics import GpuMagics
+
+    doc = GpuMagics.gputrain.__doc__
+    for name in roles.NAMES:
+        assert f"--{name.replace('_', '-')}" in doc
