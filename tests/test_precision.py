@@ -5,10 +5,13 @@ import torch
 from conftest import classification_data, mlp
 from torch import nn
 
-from gpunb import Trainer
+from gpunb import TrainConfig, Trainer
 from gpunb.runtime import device as devices
 from gpunb.runtime.checkpoint import load_checkpoint
+from gpunb.runtime.context import LocalContext
+from gpunb.runtime.loop import run
 from gpunb.runtime.precision import Precision, resolve_precision
+from gpunb.runtime.setup import setup
 
 CUDA = torch.device("cuda", 0)
 
@@ -78,3 +81,69 @@ def result_checkpoint(directory):
     from gpunb.runtime.checkpoint import list_checkpoints
 
     return list_checkpoints(directory)[-1]
+
+
+class RecordingScaler(torch.amp.GradScaler):
+    """A strategy's own loss scaler (as FSDP's ShardedGradScaler): notes each one built and its steps."""
+
+    built = []
+
+    def __init__(self, device):
+        super().__init__(device)
+        self.steps = 0
+        RecordingScaler.built.append(self)
+
+    def step(self, optimizer, *args, **kwargs):
+        self.steps += 1
+        return super().step(optimizer, *args, **kwargs)
+
+
+class ScalingContext(LocalContext):
+    grad_scaler = RecordingScaler
+
+
+def test_the_precision_is_built_with_the_scaler_the_context_hands_over():
+    cpu = torch.device("cpu")
+    assert isinstance(Precision("16-mixed", cpu, scaler_type=RecordingScaler).scaler, RecordingScaler)
+    assert Precision("bf16-mixed", cpu, scaler_type=RecordingScaler).scaler is None
+    assert type(Precision("16-mixed", cpu).scaler) is torch.amp.GradScaler
+    model = mlp()
+    ready = setup(TrainConfig(accelerator="cpu", precision="16-mixed"), ScalingContext(), model,
+                  classification_data(n=32))
+    assert isinstance(ready.precision.scaler, RecordingScaler) and ready.precision.name == "16-mixed"
+    assert ready.val is None and ready.precision_reason == "asked for"
+    assert ready.optimizer.param_groups[0]["params"][0] is model[0].weight  # the default optimizer, built
+
+
+def test_a_run_steps_with_the_scaler_built_at_set_up_and_never_swaps_it():
+    RecordingScaler.built.clear()
+    x, y = classification_data(n=64)
+    config = TrainConfig(epochs=1, batch_size=16, precision="16-mixed", accelerator="cpu", track=False)
+    result = run(config, ScalingContext(), mlp(), (x, y), loss_fn=nn.CrossEntropyLoss())
+    assert result.steps == 4
+    assert [scaler.steps for scaler in RecordingScaler.built] == [4]  # one scaler, every step through it
+
+
+def test_fsdp_hands_its_sharded_scaler_to_the_precision_and_ddp_none():
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from gpunb.distributed.context import ProcessGroupRank
+
+    rank = object.__new__(ProcessGroupRank)  # no process group needed to ask which scaler
+    rank.strategy = "fsdp"
+    assert rank.grad_scaler is ShardedGradScaler
+    rank.strategy = "ddp"
+    assert rank.grad_scaler is None
+    assert LocalContext.grad_scaler is None
+
+
+def test_nothing_replaces_a_precisions_scaler_after_it_is_built():
+    import pathlib
+    import re
+
+    import gpunb
+
+    root = pathlib.Path(gpunb.__file__).parent
+    assigned = [str(path.relative_to(root)) for path in root.rglob("*.py")
+                if re.search(r"\.scaler\s*=[^=]", path.read_text())]
+    assert assigned == ["runtime/precision.py"]

@@ -10,7 +10,8 @@ on either (see runtime/context.py), so it reads the same in both cases:
     reduce_loss(mean_loss, state)  the log interval's one sync (and, in a group, its stop vote)
     sync_stop(state)               the vote alone, at an epoch's end
     reduce_sums(sums, count)       validation means over all ranks
-    wrap(model, device)            DDP, or FSDP2 sharding (then adopt_shards: optimizer, fp16 scaler)
+    wrap(model, device)            DDP, or FSDP2 sharding (then adopt_shards: the optimizer)
+    grad_scaler                    FSDP's fp16 loss scaler, given to Precision when it is built
     state_dicts / load_*           checkpoints (FSDP gathers to rank 0 and scatters back)
 """
 
@@ -109,20 +110,24 @@ class ProcessGroupRank:
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                        gradient_as_bucket_view=True)
 
-    def adopt_shards(self, optimizer, precision) -> None:
-        """FSDP swapped the model's parameters for sharded ones: point the optimizer at those,
-        and make fp16 loss scaling skip a step on every rank when any rank's shard of the
-        gradients holds inf/NaN (each rank sees only its shard)."""
+    @property
+    def grad_scaler(self):
+        """FSDP: fp16 loss scaling must skip a step on every rank when any rank's shard of
+        the gradients holds inf/NaN (each rank sees only its shard). None: torch's own."""
+        if self.strategy != "fsdp":
+            return None
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler
+
+    def adopt_shards(self, optimizer) -> None:
+        """FSDP swapped the model's parameters for sharded ones: point the optimizer at those."""
         if self._sharded is None:
             return
         from gpunb.distributed import fsdp
 
         fsdp.rebind_optimizer(optimizer, *self._sharded)
         self._sharded = None
-        if precision.scaler is not None:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            precision.scaler = ShardedGradScaler(precision.device.type)
 
     def state_dicts(self, model, optimizer) -> tuple[dict | None, dict | None]:
         """Full model and optimizer (when given) state on rank 0, None elsewhere; every rank

@@ -8,6 +8,8 @@ version. This one lives here so that a one-process run needs nothing from above.
     sync_stop(state)               a stop vote at an epoch's end (nothing to vote on here)
     reduce_sums(sums, count)       validation means
     wrap(model, device)            the model the loop calls (here: the model itself)
+    adopt_shards(optimizer)        after wrap: point the optimizer at sharded parameters (nothing here)
+    grad_scaler                    the fp16 loss scaler's class for Precision (None: torch's own)
     state_dicts / load_*           checkpoints
 """
 
@@ -25,6 +27,7 @@ class LocalContext:
     local_rank = 0
     world_size = 1
     state_type = FitState
+    grad_scaler = None  # Precision's default, torch.amp.GradScaler
 
     def reduce_loss(self, mean_loss: torch.Tensor, state) -> float:
         return mean_loss.item()
@@ -45,7 +48,7 @@ class LocalContext:
     def wrap(self, model, device):
         return model
 
-    def adopt_shards(self, optimizer, precision) -> None:
+    def adopt_shards(self, optimizer) -> None:
         pass
 
     def state_dicts(self, model, optimizer) -> tuple[dict, dict]:

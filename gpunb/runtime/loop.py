@@ -21,15 +21,16 @@ from gpunb.runtime.batch_size import find_batch_size
 from gpunb.runtime.data import build_feed
 from gpunb.runtime.epoch import EpochSteps, Timer
 from gpunb.runtime.events import Callbacks, FitState
-from gpunb.runtime.inputs import adapt_data, batch_size_of
+from gpunb.runtime.inputs import batch_size_of
 from gpunb.runtime.interrupt import InterruptFlag
 from gpunb.runtime.nan_guard import StepLosses
 from gpunb.runtime.objective import Objective
-from gpunb.runtime.optim import check_optimizer, default_optimizer, make_scheduler
-from gpunb.runtime.precision import Precision, resolve_precision
+from gpunb.runtime.optim import make_scheduler
+from gpunb.runtime.precision import Precision
 from gpunb.runtime.preflight import preflight
 from gpunb.runtime.result import TrainResult, epoch_mean_loss, last_epoch_train_loss
 from gpunb.runtime.saving import Checkpointer, resume
+from gpunb.runtime.setup import setup
 from gpunb.runtime.step import Stepper
 from gpunb.runtime.teardown import Teardown
 from gpunb.runtime.wrap import wrap_model
@@ -94,25 +95,19 @@ class _Run:
 def _prepare(config, dist, model, train_data, val_data, optimizer, objective, user_callbacks) -> _Run:
     __tracebackhide__ = True  # noqa: F841
     config = config.replace(extras=dict(config.extras))  # the run's notes stay out of the caller's config
-    device = devices.select_device(config.accelerator, dist.local_rank)
+    ready = setup(config, dist, model, train_data, val_data, optimizer)
+    device, precision, optimizer = ready.device, ready.precision, ready.optimizer
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
         torch.cuda.reset_peak_memory_stats(device)
-    precision_name, reason = resolve_precision(config.precision, device)
-    precision = Precision(precision_name, device)
-    train = adapt_data(train_data, "train_data")
-    val = adapt_data(val_data, "val_data") if val_data is not None else None
-    model.to(device)
-    if optimizer is None:
-        optimizer = default_optimizer(model, config.lr, device)
-    check_optimizer(optimizer, model)
-    train, val = preflight(model, train, val, objective, precision, device, config)  # one batch, before any work
+    # one batch, before any work
+    train, val = preflight(model, ready.train, ready.val, objective, precision, device, config)
 
     batch_size = config.batch_size
     if batch_size == "auto":
         batch_size = find_batch_size(model, optimizer, objective, precision, train, device, config)
         batch_size = dist.smallest(batch_size)  # ranks must agree: the smallest fits on all
-    config = config.replace(batch_size=batch_size, precision=precision_name)
+    config = config.replace(batch_size=batch_size, precision=precision.name)
     feed = build_feed(train, batch_size=batch_size, device=device, config=config,
                       rank=dist.rank, world_size=dist.world_size)
     val_feed = (build_feed(val, batch_size=batch_size, device=device, config=config,
@@ -128,7 +123,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
     run_name = config.name or type(model).__name__  # before FSDP renames the class
     train_model, unwrap = wrap_model(model, config, dist, device)
     try:
-        dist.adopt_shards(optimizer, precision)  # FSDP replaced the parameters with sharded ones
+        dist.adopt_shards(optimizer)  # FSDP replaced the parameters with sharded ones
         state = dist.state_type(config=config, model=train_model, optimizer=optimizer, device=device,
                                 run_name=run_name,
                                 steps_per_epoch=steps_per_epoch, total_steps=total_steps,
@@ -137,8 +132,8 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
         no_sync = getattr(train_model, "no_sync", None)
         stepper = Stepper(train_model, optimizer, objective, precision, scheduler, config, phase, no_sync)
         callbacks = Callbacks(list(user_callbacks))
-        run = _Run(config, dist, state, callbacks, model, train_model, objective, precision, reason,
-                   feed, val_feed, stepper, batch_size, unwrap)
+        run = _Run(config, dist, state, callbacks, model, train_model, objective, precision,
+                   ready.precision_reason, feed, val_feed, stepper, batch_size, unwrap)
         if config.checkpoint_dir:  # first: saved before others hear of the step
             callbacks.run_first(Checkpointer(config, dist=dist, model=model, stepper=stepper,
                                              precision=precision, losses=run.losses,

@@ -14,13 +14,11 @@ from dataclasses import dataclass, field
 import torch
 
 from gpunb.errors import GpunbError
-from gpunb.runtime import device as devices
 from gpunb.runtime import snapshot
+from gpunb.runtime.context import LocalContext
 from gpunb.runtime.data import build_feed
-from gpunb.runtime.inputs import adapt_data
 from gpunb.runtime.objective import Objective
-from gpunb.runtime.optim import check_optimizer, default_optimizer
-from gpunb.runtime.precision import Precision, resolve_precision
+from gpunb.runtime.setup import setup
 from gpunb.runtime.step import Stepper
 
 SMOOTHING = 0.98  # exponential moving average of the loss, as fastai uses
@@ -56,20 +54,17 @@ def find_lr(model, train_data, *, config, optimizer=None, loss_fn=None, step=Non
             min_lr: float = 1e-7, max_lr: float = 10.0, steps: int = 200) -> LRFinderResult:
     if not 0 < min_lr < max_lr:
         raise GpunbError(f"The learning-rate sweep needs 0 < min_lr < max_lr, got {min_lr} and {max_lr}.")
-    device = devices.select_device(config.accelerator)
-    precision = Precision(resolve_precision(config.precision, device)[0], device)
+    ready = setup(config, LocalContext(), model, train_data, optimizer=optimizer)  # as fit sets up
+    device, optimizer = ready.device, ready.optimizer
     objective = Objective(loss_fn, step)
-    model.to(device)
-    optimizer = optimizer or default_optimizer(model, config.lr, device)
-    check_optimizer(optimizer, model)
     batch_size = 64 if config.batch_size == "auto" else config.batch_size
-    feed = build_feed(adapt_data(train_data), batch_size=batch_size, device=device, config=config)
+    feed = build_feed(ready.train, batch_size=batch_size, device=device, config=config)
     saved = snapshot.capture(model, optimizer, device)  # RNG states included: seeding below is undone too
     if config.seed is not None:
         torch.manual_seed(config.seed)  # the same sweep every time, as fit is the same run every time
     result = LRFinderResult()
     try:
-        stepper = Stepper(model, optimizer, objective, precision, None, config.replace(grad_accum=1))
+        stepper = Stepper(model, optimizer, objective, ready.precision, None, config.replace(grad_accum=1))
         _sweep(model, stepper, feed, result, min_lr, max_lr, steps)
     finally:
         snapshot.restore(saved, model, optimizer, device)

@@ -30,11 +30,15 @@ def resolve_precision(requested: str, device: torch.device) -> tuple[str, str]:
 class Precision:
     """Autocast, scaled backward and the optimizer step for one precision."""
 
-    def __init__(self, name: str, device: torch.device):
+    def __init__(self, name: str, device: torch.device, scaler_type=None):
+        """`scaler_type`: the fp16 loss scaler's class, when the strategy needs its own
+        (FSDP: one that skips a step on every rank when any rank's shard holds inf/NaN);
+        the context hands it over (see setup.py), so the precision is complete once built."""
         self.name = name
         self.device = device
         self.dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(name)
-        self.scaler = torch.amp.GradScaler(device.type) if name == "16-mixed" else None
+        scaler_type = scaler_type or torch.amp.GradScaler
+        self.scaler = scaler_type(device.type) if name == "16-mixed" else None
         # Counted on the device (no sync per step); read at the end of the run.
         self._skipped = torch.zeros((), dtype=torch.int64, device=device) if self.scaler else None
 
