@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import classification_data
+from test_checkpoint import StopAt
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -36,15 +37,6 @@ def fit(model, data, **options):
     result = Trainer(**settings).fit(model, data, loss_fn=nn.CrossEntropyLoss(), optimizer=optimizer,
                                      callbacks=callbacks)
     return result, optimizer
-
-
-class StopAt:
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, state):
-        if state.step == self.step:
-            state.request_stop("test stop")
 
 
 def assert_same_weights(a, b):
