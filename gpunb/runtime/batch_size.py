@@ -21,11 +21,11 @@ from __future__ import annotations
 import time
 
 import torch
-from torch.utils.data import DataLoader, default_collate
+from torch.utils.data import DataLoader
 
 from gpunb.errors import GpunbError
 from gpunb.runtime import snapshot
-from gpunb.runtime.inputs import data_length, move_batch
+from gpunb.runtime.inputs import data_length, first_batch
 from gpunb.runtime.precision import Precision
 from gpunb.runtime.step import Stepper
 
@@ -179,9 +179,7 @@ class _Probe:
         self.stepper.update()
 
     def _batch(self, size: int):
-        if isinstance(self.data, tuple):
-            return tuple(t[:size].to(self.device) for t in self.data)
-        return move_batch(default_collate([self.data[i] for i in range(size)]), self.device)
+        return first_batch(self.data, size, self.device)
 
 
 def _synchronize(device) -> None:

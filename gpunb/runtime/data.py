@@ -197,10 +197,10 @@ def _maybe_resident(tensors, device, gpu_resident) -> tuple:
 def _transformed(batches, transforms) -> Iterator:
     if not transforms:
         return batches
-    return (_apply(batch, transforms) for batch in batches)
+    return (apply_transforms(batch, transforms) for batch in batches)
 
 
-def _apply(batch, transforms):
+def apply_transforms(batch, transforms):
     """Transforms act on the inputs: a tensor batch, or the first element of a tuple batch."""
     if isinstance(batch, torch.Tensor):
         for transform in transforms:

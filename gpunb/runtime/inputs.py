@@ -6,11 +6,12 @@ zero-copy with `torch.from_dlpack` / `torch.from_numpy`, never through Python li
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
 from gpunb.errors import GpunbError
 
@@ -151,3 +152,22 @@ def batch_tensors(batch: Any) -> list[torch.Tensor]:
     if isinstance(batch, (list, tuple)):
         return [t for v in batch for t in batch_tensors(v)]
     return []
+
+
+def first_batch(data, size: int, device):
+    """A batch like training's first (its first samples), on the device, drawn without a DataLoader
+    iterator so that no worker starts and no sampler moves on."""
+    if isinstance(data, tuple):
+        return tuple(t[:size].to(device) for t in data)
+    collate, dataset = default_collate, data
+    if isinstance(data, DataLoader):
+        collate, dataset = data.collate_fn, data.dataset
+        if data.batch_sampler is None:  # the loader yields the dataset's items as batches
+            size = None
+        else:
+            size = data.batch_size or getattr(data.batch_sampler, "batch_size", None) or 2
+    if isinstance(dataset, IterableDataset):
+        items = list(itertools.islice(iter(dataset), size or 1))
+    else:
+        items = [dataset[i] for i in range(min(size or 1, len(dataset)))]
+    return move_batch(collate(items[0]) if size is None else collate(items), device)

@@ -49,17 +49,17 @@ def run(config: TrainConfig, context, model, train_data, val_data=None, *, optim
     teardown = Teardown(model)
     prepared = None
     try:
-        with InterruptFlag() as setup:  # a Ctrl-C in set-up: stop before the first step
+        with InterruptFlag() as setting_up:  # a Ctrl-C in set-up: stop before the first step
             teardown.saved_globals = devices.seed_everything(config.seed, config.deterministic)
             prepared = _prepare(config, context, model, train_data, val_data, optimizer,
-                                Objective(loss_fn, step, metrics), callbacks)
-        if setup.raised:
+                                Objective(loss_fn, step, metrics), callbacks, teardown)
+        if setting_up.raised:
             prepared.state.request_stop("interrupted")
         result = _train(prepared)
     except BaseException:
-        teardown(prepared, failed=True)  # never replaces the error (or KeyboardInterrupt) raised here
-        raise
-    teardown(prepared, failed=False)
+        teardown(failed=True, trained=prepared is not None and prepared.state.step > 0)
+        raise  # the teardown never replaces this error (or KeyboardInterrupt)
+    teardown(failed=False)
     return result
 
 
@@ -86,13 +86,12 @@ class _Run:
     val_feed: object
     stepper: Stepper
     batch_size: int
-    unwrap: object  # undoes wrap_model's changes to the user's module
     start_epoch: int = 0
     skip_batches: int = 0
     losses: StepLosses = field(default_factory=StepLosses)  # step losses since the last log
 
 
-def _prepare(config, dist, model, train_data, val_data, optimizer, objective, user_callbacks) -> _Run:
+def _prepare(config, dist, model, train_data, val_data, optimizer, objective, user_callbacks, teardown) -> _Run:
     __tracebackhide__ = True  # noqa: F841
     config = config.replace(extras=dict(config.extras))  # the run's notes stay out of the caller's config
     ready = setup(config, dist, model, train_data, val_data, optimizer)
@@ -121,29 +120,25 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
     config = config.replace(log_every=config.resolved_log_every(total_steps, steps_per_epoch))
 
     run_name = config.name or type(model).__name__  # before FSDP renames the class
-    train_model, unwrap = wrap_model(model, config, dist, device)
-    try:
-        dist.adopt_shards(optimizer)  # FSDP replaced the parameters with sharded ones
-        state = dist.state_type(config=config, model=train_model, optimizer=optimizer, device=device,
-                                run_name=run_name,
-                                steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-                                rank=dist.rank, world_size=dist.world_size)
-        phase = _phase_annotator(state)
-        no_sync = getattr(train_model, "no_sync", None)
-        stepper = Stepper(train_model, optimizer, objective, precision, scheduler, config, phase, no_sync)
-        callbacks = Callbacks(list(user_callbacks))
-        run = _Run(config, dist, state, callbacks, model, train_model, objective, precision,
-                   ready.precision_reason, feed, val_feed, stepper, batch_size, unwrap)
-        if config.checkpoint_dir:  # first: saved before others hear of the step
-            callbacks.run_first(Checkpointer(config, dist=dist, model=model, stepper=stepper,
-                                             precision=precision, losses=run.losses,
-                                             batches_per_epoch=feed.num_batches, events=callbacks,
-                                             rank=dist.rank))
-        if config.resume:
-            resume(run, ckpt.find_checkpoint(config.resume, config.checkpoint_dir))
-    except BaseException:
-        unwrap()  # no _Run reaches the teardown yet: give the user's module its own forwards back
-        raise
+    train_model, teardown.unwrap = wrap_model(model, config, dist, device)  # undone whatever happens next
+    dist.adopt_shards(optimizer)  # FSDP replaced the parameters with sharded ones
+    state = dist.state_type(config=config, model=train_model, optimizer=optimizer, device=device,
+                            run_name=run_name,
+                            steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+                            rank=dist.rank, world_size=dist.world_size)
+    phase = _phase_annotator(state)
+    no_sync = getattr(train_model, "no_sync", None)
+    stepper = Stepper(train_model, optimizer, objective, precision, scheduler, config, phase, no_sync)
+    callbacks = Callbacks(list(user_callbacks))
+    run = _Run(config, dist, state, callbacks, model, train_model, objective, precision,
+               ready.precision_reason, feed, val_feed, stepper, batch_size)
+    if config.checkpoint_dir:  # first: saved before others hear of the step
+        callbacks.run_first(Checkpointer(config, dist=dist, model=model, stepper=stepper,
+                                         precision=precision, losses=run.losses,
+                                         batches_per_epoch=feed.num_batches, events=callbacks,
+                                         rank=dist.rank))
+    if config.resume:
+        resume(run, ckpt.find_checkpoint(config.resume, config.checkpoint_dir))
     return run
 
 

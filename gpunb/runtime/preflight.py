@@ -14,16 +14,15 @@ log); the data checks still apply.
 
 from __future__ import annotations
 
-import itertools
 import warnings
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, default_collate
+from torch.utils.data import DataLoader
 
 from gpunb.errors import GpunbError
 from gpunb.runtime import device as devices
-from gpunb.runtime.data import _apply as apply_transforms
-from gpunb.runtime.inputs import data_length, move_batch
+from gpunb.runtime.data import apply_transforms
+from gpunb.runtime.inputs import data_length, first_batch
 
 AUTO_PROBE = 8  # samples in the checked batch under batch_size="auto" (the probe's first size)
 
@@ -114,25 +113,6 @@ def _check_batch(model, objective, precision, data, device, config, what, traini
             raise
         raise GpunbError(f"One batch of {what} failed in the model or the loss before training "
                          f"started: {type(error).__name__}: {_first_line(error)}\n{found}", hint) from error
-
-
-def first_batch(data, size: int, device):
-    """A batch like training's first (its first samples), on the device, drawn without a DataLoader
-    iterator so that no worker starts and no sampler moves on."""
-    if isinstance(data, tuple):
-        return tuple(t[:size].to(device) for t in data)
-    collate, dataset = default_collate, data
-    if isinstance(data, DataLoader):
-        collate, dataset = data.collate_fn, data.dataset
-        if data.batch_sampler is None:  # the loader yields the dataset's items as batches
-            size = None
-        else:
-            size = data.batch_size or getattr(data.batch_sampler, "batch_size", None) or 2
-    if isinstance(dataset, IterableDataset):
-        items = list(itertools.islice(iter(dataset), size or 1))
-    else:
-        items = [dataset[i] for i in range(min(size or 1, len(dataset)))]
-    return move_batch(collate(items[0]) if size is None else collate(items), device)
 
 
 def diagnose(error: Exception, batch, model, loss_fn) -> str | None:

@@ -157,9 +157,8 @@ def _adopt_run(run, payload: dict, path: Path) -> None:
         state.checkpoint_run = run_id
         if state.rank == 0:
             ckpt.remove_leftovers(path.parent)
-    saved_at = payload.get("saved_at")
     state.resumed = {"path": str(path), "run": run_id, "run_name": payload.get("run_name"),
-                               "step": payload["step"], "epoch": payload["epoch"], "saved_at": saved_at}
+                     "step": payload["step"], "epoch": payload["epoch"], "saved_at": payload.get("saved_at")}
     if state.rank == 0:
         # Deterministic text (tutorials show it): the time and run id are in result.resumed_from.
         print(f"Resuming run {payload.get('run_name')!r} at step {payload['step']} (epoch {payload['epoch']}) "

@@ -20,10 +20,11 @@ class Teardown:
         self.device = _device_of(model)  # where the model came from
         self.matmul_precision = torch.get_float32_matmul_precision()
         self.saved_globals = None  # set once seed_everything has changed them
+        self.unwrap = None  # set once wrap_model has changed the module
 
-    def __call__(self, run, failed: bool) -> None:
-        steps = [run.unwrap] if run is not None else []
-        if failed and self.device is not None and (run is None or run.state.step == 0):
+    def __call__(self, failed: bool, trained: bool = True) -> None:
+        steps = [self.unwrap] if self.unwrap is not None else []
+        if failed and not trained and self.device is not None:
             # Nothing was trained: leave the model where it was (not on the GPU fit chose).
             steps.append(lambda: self.model.to(self.device))
         steps += [lambda: self.model.train(self.was_training),  # the mode it came in
