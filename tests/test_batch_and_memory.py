@@ -105,17 +105,6 @@ def test_auto_batch_size_respects_fake_gpu_memory_limits(monkeypatch):
     assert result.oom_recoveries == 0
 
 
-def test_auto_batch_size_rejects_a_dataloader():
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from gpunb.errors import GpunbError
-
-    x, y = classification_data(n=64)
-    with pytest.raises(GpunbError, match="pass the Dataset"):
-        Trainer(batch_size="auto", track=False).fit(mlp(), DataLoader(TensorDataset(x, y), batch_size=8),
-                                                    loss_fn=nn.CrossEntropyLoss())
-
-
 def test_auto_batch_size_on_cpu_is_reproducible_and_says_how_it_chose():
     """The README's first example: the same seed picks the same size and trains to the same result."""
     from gpunb.demo import digits_data

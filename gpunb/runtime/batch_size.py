@@ -12,7 +12,8 @@ the fixed per-step cost (optimizer, Python) small. One real step at that size ch
 that it fits. The same seed therefore gives the same batch size, and the same result.
 
 Afterwards the model, optimizer and RNG states are put back exactly as they were, so
-probing leaves no trace on training. The probes and the reason for the choice are
+probing leaves no trace on training. A DataLoader is rebuilt at each probed size (its
+dataset, sampler, collate_fn and workers kept). The probes and the reason for the choice are
 recorded in config.extras ('batch_probe', 'batch_size_reason').
 """
 
@@ -25,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from gpunb.errors import GpunbError
 from gpunb.runtime import snapshot
+from gpunb.runtime.data import with_batch_size
 from gpunb.runtime.inputs import data_length, first_batch
 from gpunb.runtime.precision import Precision
 from gpunb.runtime.step import Stepper
@@ -41,9 +43,7 @@ CPU_STEP_FLOPS = 3e8
 def find_batch_size(model, optimizer, objective, precision, data, device, config) -> int:
     """The batch size to train with; notes in config.extras['batch_probe'] and ['batch_size_reason']."""
     if isinstance(data, DataLoader):
-        raise GpunbError("batch_size='auto' cannot change the batch size of a DataLoader.",
-                         "pass the Dataset (or tensors) as train_data so gpunb builds the loader, "
-                         "or give the DataLoader's batch size explicitly.")
+        with_batch_size(data, START)  # refused here, before probing, when it cannot be resized
     n = data_length(data)
     if not n:
         raise GpunbError("batch_size='auto' needs data with a known length.",
@@ -179,7 +179,8 @@ class _Probe:
         self.stepper.update()
 
     def _batch(self, size: int):
-        return first_batch(self.data, size, self.device)
+        data = with_batch_size(self.data, size) if isinstance(self.data, DataLoader) else self.data
+        return first_batch(data, size, self.device)
 
 
 def _synchronize(device) -> None:

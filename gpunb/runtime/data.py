@@ -152,7 +152,19 @@ def _needs_sharding(loader: DataLoader) -> bool:
     return True
 
 
-def _rebuilt(loader: DataLoader, sampler: Sampler) -> DataLoader:
+def with_batch_size(loader: DataLoader, batch_size: int) -> DataLoader:
+    """The same loader (dataset, sampler, collate_fn, workers, ...) yielding batches of `batch_size`."""
+    if loader.batch_size is None:
+        how = (f"its own batch_sampler ({type(loader.batch_sampler).__name__})"
+               if loader.batch_sampler is not None else "`batch_size=None` (the dataset yields batches)")
+        raise GpunbError(f"batch_size='auto' cannot resize this DataLoader: it batches with {how}, "
+                         "which gpunb cannot rebuild at another size.",
+                         "give the DataLoader `batch_size=` (with `shuffle=` or `sampler=`), pass the "
+                         "Dataset itself as train_data, or set an int batch size, e.g. `batch_size=32`.")
+    return _rebuilt(loader, loader.sampler, batch_size)
+
+
+def _rebuilt(loader: DataLoader, sampler: Sampler, batch_size: int | None = None) -> DataLoader:
     """The same loader (collate_fn, workers, pinning, ...) drawing its indices from `sampler`."""
     options = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn,
                    pin_memory=loader.pin_memory, timeout=loader.timeout,
@@ -160,7 +172,7 @@ def _rebuilt(loader: DataLoader, sampler: Sampler) -> DataLoader:
                    multiprocessing_context=loader.multiprocessing_context)
     if loader.num_workers:
         options.update(prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers)
-    batches = BatchSampler(sampler, loader.batch_size, drop_last=loader.drop_last)
+    batches = BatchSampler(sampler, batch_size or loader.batch_size, drop_last=loader.drop_last)
     return DataLoader(loader.dataset, batch_sampler=batches, **options)
 
 

@@ -15,8 +15,39 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from gpunb.errors import GpunbError
 
-_SUPPORTED = ("a torch Dataset, a DataLoader, a tensor, a tuple of tensors, or arrays that "
-              "support DLPack or the NumPy protocol (NumPy, CuPy, JAX)")
+_SUPPORTED = ("a torch Dataset, a DataLoader, a tensor, a tuple of tensors, arrays that "
+              "support DLPack or the NumPy protocol (NumPy, CuPy, JAX), or any object with "
+              "`__len__` and `__getitem__` (e.g. a Hugging Face `datasets.Dataset`)")
+
+
+class MapDataset(Dataset):
+    """Any object with `__len__` and `__getitem__` (a Hugging Face `datasets.Dataset`, a plain
+    class) seen as a torch map-style Dataset; its `__getitems__` (batched reads) is kept."""
+
+    def __init__(self, source):
+        self.source = source
+        if hasattr(source, "__getitems__"):
+            self.__getitems__ = source.__getitems__
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index):
+        return self.source[index]
+
+    def __getstate__(self):
+        return {"source": self.source}  # the bound __getitems__ is rebuilt, not pickled
+
+    def __setstate__(self, state):
+        self.__init__(state["source"])
+
+
+def _is_map_style(data) -> bool:
+    """Indexable with a length, and not an array that as_tensor takes whole."""
+    array_like = any(hasattr(data, name) for name in
+                     ("to_numpy", "__dlpack__", "__array_interface__", "__array__"))
+    return (hasattr(data, "__len__") and hasattr(data, "__getitem__") and not array_like
+            and not isinstance(data, (str, bytes)))
 
 
 def as_tensor(array: Any, what: str) -> torch.Tensor:
@@ -78,6 +109,8 @@ def adapt_data(data: Any, what: str = "train_data") -> tuple[torch.Tensor, ...] 
     elif isinstance(data, dict):
         raise GpunbError(f"{what} is a dict; gpunb batches positional tensors.",
                          "pass a tuple such as `(x, y)`, or a Dataset whose items are dicts.")
+    elif _is_map_style(data):
+        return MapDataset(data)
     else:
         tensors = (as_tensor(data, what),)
     lengths = {tuple(t.shape[:1]) for t in tensors}

@@ -12,13 +12,14 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.data import DataLoader
 
 from gpunb.config import TrainConfig
 from gpunb.errors import GpunbError
 from gpunb.runtime import checkpoint as ckpt
 from gpunb.runtime import device as devices
 from gpunb.runtime.batch_size import find_batch_size
-from gpunb.runtime.data import build_feed
+from gpunb.runtime.data import build_feed, with_batch_size
 from gpunb.runtime.epoch import EpochSteps, Timer
 from gpunb.runtime.events import Callbacks, FitState
 from gpunb.runtime.inputs import batch_size_of
@@ -106,6 +107,8 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
     if batch_size == "auto":
         batch_size = find_batch_size(model, optimizer, objective, precision, train, device, config)
         batch_size = dist.smallest(batch_size)  # ranks must agree: the smallest fits on all
+        if isinstance(train, DataLoader):
+            train = with_batch_size(train, batch_size)
     config = config.replace(batch_size=batch_size, precision=precision.name)
     feed = build_feed(train, batch_size=batch_size, device=device, config=config,
                       rank=dist.rank, world_size=dist.world_size)
