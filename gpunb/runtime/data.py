@@ -22,6 +22,7 @@ from gpunb.errors import GpunbError
 from gpunb.runtime.inputs import move_batch
 from gpunb.runtime.prefetch import CudaPrefetcher
 from gpunb.runtime.worker_seed import SeededBatchSampler, SeededDataset, loader_generator
+from gpunb.runtime.workers import SHIPPED, for_workers
 
 RESIDENT_FRACTION = 0.25  # share of free GPU memory a dataset may take to live on the GPU
 
@@ -119,14 +120,15 @@ def build_feed(data, *, batch_size, device, config, rank=0, world_size=1, train=
         tensors = _maybe_resident(data, device, config.gpu_resident)
         return TensorFeed(tensors, batch_size, order, device, config.drop_last and train, transforms)
     if isinstance(data, DataLoader):
+        data = _workable(data)
         if world_size > 1 and _needs_sharding(data):
             sampler = _EpochSampler(EpochOrder(len(data.dataset), isinstance(data.sampler, RandomSampler),
                                                config.seed, rank, world_size))
             return LoaderFeed(_rebuilt(data, sampler), device, transforms, sampler)
         return LoaderFeed(data, device, transforms)
     if isinstance(data, IterableDataset):
-        loader = DataLoader(data, batch_size=batch_size, generator=loader_generator(config.seed),
-                            **_loader_options(config, device))
+        loader = _own_loader(data, _loader_options(config, device), batch_size=batch_size,
+                             generator=loader_generator(config.seed))
         return LoaderFeed(loader, device, transforms)
     sampler = _EpochSampler(EpochOrder(len(data), config.shuffle and train, config.seed, rank, world_size))
     batch_sampler = BatchSampler(sampler, batch_size, drop_last=config.drop_last and train)
@@ -134,7 +136,7 @@ def build_feed(data, *, batch_size, device, config, rank=0, world_size=1, train=
     if options["num_workers"]:  # workers' randomness from (seed, epoch, batch): exact resume
         data = SeededDataset(data)
         batch_sampler = SeededBatchSampler(batch_sampler, sampler, config.seed)
-    loader = DataLoader(data, batch_sampler=batch_sampler, generator=loader_generator(config.seed), **options)
+    loader = _own_loader(data, options, batch_sampler=batch_sampler, generator=loader_generator(config.seed))
     return LoaderFeed(loader, device, transforms, sampler)
 
 
@@ -164,16 +166,47 @@ def with_batch_size(loader: DataLoader, batch_size: int) -> DataLoader:
     return _rebuilt(loader, loader.sampler, batch_size)
 
 
-def _rebuilt(loader: DataLoader, sampler: Sampler, batch_size: int | None = None) -> DataLoader:
-    """The same loader (collate_fn, workers, pinning, ...) drawing its indices from `sampler`."""
-    options = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+def _rebuilt(loader: DataLoader, sampler: Sampler | None = None, batch_size: int | None = None,
+             **changes) -> DataLoader:
+    """The same loader (collate_fn, workers, pinning, ...) drawing its indices from `sampler` in
+    batches of `batch_size` where given, with `changes` to its other arguments."""
+    options = dict(dataset=loader.dataset, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
                    pin_memory=loader.pin_memory, timeout=loader.timeout,
                    worker_init_fn=loader.worker_init_fn, generator=loader.generator,
                    multiprocessing_context=loader.multiprocessing_context)
-    if loader.num_workers:
+    options.update(changes)
+    if options["num_workers"]:
         options.update(prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers)
-    batches = BatchSampler(sampler, batch_size or loader.batch_size, drop_last=loader.drop_last)
-    return DataLoader(loader.dataset, batch_sampler=batches, **options)
+    if isinstance(loader.dataset, IterableDataset):  # a stream has no sampler to replace
+        return DataLoader(batch_size=loader.batch_size, drop_last=loader.drop_last, **options)
+    if sampler is None and batch_size is None and loader.batch_sampler is None:
+        return DataLoader(sampler=loader.sampler, batch_size=None, **options)
+    if sampler is None and batch_size is None:
+        return DataLoader(batch_sampler=loader.batch_sampler, **options)
+    batches = BatchSampler(sampler or loader.sampler, batch_size or loader.batch_size, drop_last=loader.drop_last)
+    return DataLoader(batch_sampler=batches, **options)
+
+
+def _workable(loader: DataLoader) -> DataLoader:
+    """The user's loader, rebuilt only where its workers could not unpickle what it sends them."""
+    sent = {name: getattr(loader, name) for name in SHIPPED}
+    objects, workers, method = for_workers(sent, loader.num_workers, loader.multiprocessing_context)
+    if objects is sent and workers == loader.num_workers:
+        return loader
+    return _rebuilt(loader, num_workers=workers, multiprocessing_context=method if workers else None,
+                    **objects)
+
+
+def _own_loader(dataset, options: dict, **arguments) -> DataLoader:
+    """A loader gpunb builds, its dataset sent to workers by value where it must be."""
+    objects, workers, method = for_workers({"dataset": dataset}, options["num_workers"])
+    options = dict(options, num_workers=workers)
+    if not workers:
+        options.pop("persistent_workers", None)
+        options.pop("prefetch_factor", None)
+    if method:
+        options["multiprocessing_context"] = method
+    return DataLoader(objects["dataset"], **arguments, **options)
 
 
 def resolve_num_workers(requested, device: torch.device) -> int:
