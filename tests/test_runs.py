@@ -21,6 +21,7 @@ from gpunb.config import TrainConfig
 from gpunb.errors import GpunbError
 from gpunb.runs import Registry, RunRecorder, compare, default_path, prune, recorder, remove, runs
 from gpunb.runs import registry as registry_module
+from gpunb.runs.journal import enable_wal
 
 RUN_KEYS = {"id", "name", "notebook", "kernel_id", "pid", "host", "status", "config", "started_at",
             "ended_at", "updated_at", "progress", "step", "total_steps", "epoch", "eta_s", "latest",
@@ -58,12 +59,51 @@ def test_switching_to_wal_retries_while_another_process_creates_the_file():
             self.calls += 1
             if self.calls <= self.failures:
                 raise sqlite3.OperationalError("database is locked")
+            return SimpleNamespace(fetchone=lambda: ("wal",))
 
     twice = Busy(failures=2)
-    registry_module._enable_wal(twice, timeout=5.0)
+    enable_wal(twice, timeout=5.0)
     assert twice.calls == 3
     with pytest.raises(sqlite3.OperationalError, match="locked"):
-        registry_module._enable_wal(Busy(failures=10**6), timeout=0.05)
+        enable_wal(Busy(failures=10**6), timeout=0.05)
+
+
+def _without_wal(answer):
+    """A sqlite3.connect whose connections answer the switch to WAL as a network file system does."""
+    class NoWal(sqlite3.Connection):
+        def execute(self, sql, *args):
+            if sql == "PRAGMA journal_mode=WAL":
+                if isinstance(answer, Exception):
+                    raise answer
+                return super().execute("SELECT ?", (answer,))
+            return super().execute(sql, *args)
+
+    real = sqlite3.connect
+    return lambda *args, **kwargs: real(*args, factory=NoWal, **kwargs)
+
+
+@pytest.mark.parametrize("answer", ["delete", sqlite3.OperationalError("disk I/O error"),
+                                    sqlite3.OperationalError("locking protocol")])
+def test_a_file_system_without_wal_gets_a_rollback_journal_and_one_warning(home, monkeypatch, answer):
+    monkeypatch.setattr(registry_module.sqlite3, "connect", _without_wal(answer))
+    monkeypatch.setattr("gpunb.runs.journal._warned_no_wal", set())
+    with pytest.warns(UserWarning, match="cannot use SQLite's WAL journal") as caught:
+        reg = Registry()
+        run_id = reg.start_run("on-nfs")
+        reg.add_metrics(run_id, 1, {"loss": 1.0})
+        Registry().list_runs()  # a second registry object on the same file: no second warning
+    assert len(caught) == 1
+    assert "GPUNB_HOME" in str(caught[0].message) and str(reg.path) in str(caught[0].message)
+    assert reg.get_run(run_id)["name"] == "on-nfs"
+    monkeypatch.undo()
+    with sqlite3.connect(reg.path) as db:
+        assert db.execute("PRAGMA journal_mode").fetchone() == ("delete",)
+
+
+def test_an_unrelated_error_while_switching_to_wal_is_not_hidden(home, monkeypatch):
+    monkeypatch.setattr(registry_module.sqlite3, "connect", _without_wal(sqlite3.OperationalError("no such thing")))
+    with pytest.raises(sqlite3.OperationalError, match="no such thing"):
+        Registry().list_runs()
 
 
 def test_registry_defaults_to_the_jupyter_data_dir(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""The run registry: one SQLite file (WAL) shared by every kernel and the Jupyter server.
+"""The run registry: one SQLite file (WAL where the file system allows) shared by every kernel and the Jupyter server.
 
 Connections are never shared between threads: with `keep_open=True` (the default)
 each thread keeps one of its own, opened on first use (closing the last connection
@@ -29,6 +29,7 @@ from typing import Any
 
 from gpunb.errors import GpunbError
 from gpunb.runs.errors import RegistryDamaged, RegistryLocked, registry_error
+from gpunb.runs.journal import enable_wal
 from gpunb.runs.liveness import STALE_AFTER_S, alive, process_start  # noqa: F401 (STALE_AFTER_S re-exported)
 from gpunb.runs.liveness import kernel_id as current_kernel_id
 
@@ -321,30 +322,12 @@ class Registry:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None)
         try:
-            _enable_wal(db, self.timeout)
+            enable_wal(db, self.timeout, self.path)
             db.executescript(_SCHEMA)
             _add_missing_columns(db)
         finally:
             db.close()
         self._ready = True
-
-
-def _enable_wal(db: sqlite3.Connection, timeout: float) -> None:
-    """Switch the file to WAL (a property of the file: every later connection gets it).
-
-    The switch needs a moment alone with the file and, unlike other statements, answers
-    "database is locked" at once instead of waiting on busy_timeout when another
-    process is creating the file too, so it is retried here.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            db.execute("PRAGMA journal_mode=WAL")
-            return
-        except sqlite3.OperationalError as error:
-            if "locked" not in str(error) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
 
 
 def _add_missing_columns(db: sqlite3.Connection) -> None:
