@@ -97,6 +97,7 @@ def fake_nvml(monkeypatch, processes=()):
         "nvmlDeviceGetTemperature": lambda handle, sensor: 61,
         "nvmlDeviceGetClockInfo": lambda handle, clock: 1980,
         "nvmlDeviceGetPcieThroughput": not_supported,
+        "nvmlDeviceGetMigMode": not_supported,
         "nvmlDeviceGetTotalEnergyConsumption": lambda handle: 5_000_000,  # mJ
         "nvmlDeviceGetComputeRunningProcesses": lambda handle: [
             SimpleNamespace(pid=pid, usedGpuMemory=mib * 1024**2) for pid, mib in processes],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -55,8 +56,9 @@ class FakeNvml:
     counter by 50 J, so the energy over n samples is 50 * (n - 1).
     """
 
-    def __init__(self, monkeypatch, count: int = 2, energy_supported: bool = True):
+    def __init__(self, monkeypatch, count: int = 2, energy_supported: bool = True, migs=None):
         self.count = count
+        self.migs = migs or {}  # GPU index -> [(GPU instance id, compute instance id), ...]: MIG mode on
         self.energy_supported = energy_supported
         self.inits = 0
         self.shutdowns = 0
@@ -71,10 +73,17 @@ class FakeNvml:
             "nvmlDeviceGetHandleByIndex": lambda i: handle(i=i),
             "nvmlDeviceGetHandleByUUID": self.handle_by_uuid,
             "nvmlDeviceGetIndex": lambda h: h.i,
-            "nvmlDeviceGetName": lambda h: b"NVIDIA H100 80GB HBM3" if h.i == 0 else "NVIDIA A10",
-            "nvmlDeviceGetUUID": lambda h: f"GPU-0000000{h.i}-aaaa",
+            "nvmlDeviceGetName": self.name,
+            "nvmlDeviceGetUUID": lambda h: f"MIG-0000000{h.i}-{h.m}bbb" if hasattr(h, "m") else f"GPU-0000000{h.i}-aaaa",
             "nvmlDeviceGetUtilizationRates": lambda h: SimpleNamespace(gpu=97, memory=41),
-            "nvmlDeviceGetMemoryInfo": lambda h: SimpleNamespace(used=1024 * MB, total=81920 * MB, free=0),
+            "nvmlDeviceGetMemoryInfo": lambda h: (SimpleNamespace(used=256 * MB, total=10240 * MB, free=0)
+                                                  if hasattr(h, "m") else
+                                                  SimpleNamespace(used=1024 * MB, total=81920 * MB, free=0)),
+            "nvmlDeviceGetMigMode": lambda h: (1, 1) if h.i in self.migs else _not_supported(),
+            "nvmlDeviceGetMaxMigDeviceCount": lambda h: 7,
+            "nvmlDeviceGetMigDeviceHandleByIndex": self.mig_handle,
+            "nvmlDeviceGetGpuInstanceId": lambda h: self.migs[h.i][h.m][0],
+            "nvmlDeviceGetComputeInstanceId": lambda h: self.migs[h.i][h.m][1],
             "nvmlDeviceGetPowerUsage": lambda h: 350_500,  # mW
             "nvmlDeviceGetEnforcedPowerLimit": lambda h: 700_000,
             "nvmlDeviceGetTemperature": self.temperature,
@@ -94,6 +103,16 @@ class FakeNvml:
     def shutdown(self):
         with self.lock:
             self.shutdowns += 1
+
+    def name(self, handle):
+        if hasattr(handle, "m"):
+            return "NVIDIA A100 MIG 1g.10gb"
+        return b"NVIDIA H100 80GB HBM3" if handle.i == 0 else "NVIDIA A10"
+
+    def mig_handle(self, handle, index):
+        if index >= len(self.migs.get(handle.i, ())):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        return SimpleNamespace(i=handle.i, m=index)
 
     def handle_by_uuid(self, uuid):
         if uuid == "GPU-00000001-aaaa":
@@ -173,13 +192,90 @@ def test_import_touches_neither_nvml_nor_the_registry(tmp_path):
 
 
 def test_cuda_index_maps_to_nvml_index(monkeypatch):
-    FakeNvml(monkeypatch)
+    FakeNvml(monkeypatch, count=4)
     assert nvml.nvml_index_for_cuda_device(0, "GPU-00000001-aaaa") == 1  # the UUID wins
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
     assert nvml.nvml_index_for_cuda_device(0, "GPU-unknown") == 3
     assert nvml.nvml_index_for_cuda_device(1) == 1
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert nvml.nvml_index_for_cuda_device(2) == 2
+
+
+@pytest.mark.parametrize("value, expected", [
+    (None, [0, 1, 2, 3]),  # unset: every GPU
+    ("3,1", [3, 1]),
+    (" 2 , 0", [2, 0]),
+    ("2abc", [2]),  # CUDA reads the digits of an entry
+    ("GPU-00000002-aaaa", [2]),
+    ("GPU-00000002", [2]),  # a unique UUID prefix
+    ("gpu-00000003", [3]),
+    ("GPU-0000000", []),  # a prefix of several GPUs names none
+    ("0,5,1", [0]),  # the list ends at the first entry that names no device
+    ("1,GPU-00000002-aaaa", [1]),  # indices and UUIDs do not mix
+    ("1,1", []),  # a repeated entry hides every device
+    ("", []),
+    ("-1", []),
+])
+def test_cuda_visible_devices_is_read_as_cuda_reads_it(monkeypatch, value, expected):
+    from gpunb.telemetry.visible import inventory, visible_devices
+
+    FakeNvml(monkeypatch, count=4)
+    assert visible_devices(value, inventory()) == expected
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("MIG-00000001-1bbb", [(1, 1)]),
+    ("MIG-00000001-0", [(1, 0)]),  # a MIG UUID prefix
+    ("MIG-GPU-00000001-aaaa/2/0", [(1, 1)]),  # GPU UUID / GPU instance / compute instance
+    ("MIG-GPU-00000001/1/0", [(1, 0)]),  # ... with an abbreviated GPU UUID
+    ("MIG-GPU-00000001-aaaa/9/0", []),
+    ("MIG-00000001-1bbb,MIG-00000001-0bbb", [(1, 1)]),  # one MIG instance at most
+    ("0,1", [(1, 0)]),  # a GPU in MIG mode shows its first instance and hides the others
+    ("0", [0]),
+    (None, [(1, 0)]),
+])
+def test_mig_instances_in_cuda_visible_devices(monkeypatch, value, expected):
+    from gpunb.telemetry.visible import inventory, visible_devices
+
+    FakeNvml(monkeypatch, migs={1: [(1, 0), (2, 0)]})
+    assert visible_devices(value, inventory()) == expected
+
+
+def test_a_cuda_device_maps_to_its_mig_instance(monkeypatch):
+    FakeNvml(monkeypatch, migs={1: [(1, 0), (2, 0)]})
+    # torch spells a MIG instance's UUID "GPU-...": it still finds the instance
+    assert nvml.nvml_index_for_cuda_device(0, "GPU-00000001-1bbb") == (1, 1)
+    assert nvml.nvml_index_for_cuda_device(0, "MIG-00000001-0bbb") == (1, 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-GPU-00000001-aaaa/2/0")
+    assert nvml.nvml_index_for_cuda_device(0) == (1, 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-00000000")
+    assert nvml.nvml_index_for_cuda_device(0) == 0
+
+
+def test_snapshot_and_status_list_mig_instances_as_devices_with_their_memory(monkeypatch):
+    FakeNvml(monkeypatch, migs={1: [(1, 0), (2, 0)]})
+    snap = snapshot()
+    json.dumps(snap, allow_nan=False)
+    assert [gpu["index"] for gpu in snap["gpus"]] == [0, 1, "1:0", "1:1"]
+    mig = snap["gpus"][3]
+    assert mig == {"index": "1:1", "name": "NVIDIA A100 MIG 1g.10gb", "uuid": "MIG-00000001-1bbb",
+                   "parent_index": 1, "memory_used_mb": 256.0, "memory_total_mb": 10240.0,
+                   "processes": [{"pid": 4242, "used_memory_mb": 512.0}, {"pid": 4343, "used_memory_mb": None}]}
+    text = status_text(snap)
+    assert "2 GPUs, 2 MIG instances" in text and "GPU 1:1   NVIDIA A100 MIG 1g.10gb   mem 0.2/10.0 GiB" in text
+    from gpunb.notebook.status import Status
+
+    page = Status(snap)._repr_html_()
+    assert re.search(r">1:1</td><td[^>]*>NVIDIA A100 MIG 1g.10gb</td><td[^>]*>n/a</td><td[^>]*>0.2 / 10.0 GiB<", page)
+
+
+def test_the_sampler_reads_a_mig_instance(monkeypatch):
+    FakeNvml(monkeypatch, migs={1: [(1, 0)]})
+    gpu = GpuSampler((1, 0), interval=0.5).start()
+    gpu.stop()
+    assert gpu.error is None
+    sample = gpu.samples()[-1]
+    assert sample["index"] == "1:0" and sample["memory_total_mb"] == 10240.0
 
 
 # ---------------------------------------------------------------------- energy

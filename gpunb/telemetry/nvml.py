@@ -7,7 +7,6 @@ that does not support a field (an NVMLError from its call) simply lacks that key
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -15,6 +14,8 @@ from typing import Any
 
 import psutil
 import pynvml
+
+from gpunb.telemetry.visible import DeviceId, cuda_to_nvml, label, mig_handles
 
 NO_DRIVER_REASON = "No NVIDIA GPU: the NVIDIA driver (NVML) is not available on this machine."
 NO_DEVICE_REASON = "No NVIDIA GPU: the NVIDIA driver is loaded but reports no devices."
@@ -110,6 +111,8 @@ SAMPLE_READERS: tuple[Callable[[Any], dict], ...] = (
 SNAPSHOT_READERS: tuple[Callable[[Any], dict], ...] = (
     _utilization, _memory, _power, _power_limit, _temperature, _clock_sm, _clock_mem, _pcie,
     _energy, _processes)
+# A MIG instance has its own memory and processes; the rest belongs to its GPU.
+MIG_READERS: tuple[Callable[[Any], dict], ...] = (_memory, _processes)
 
 
 def read_fields(handle, readers=SAMPLE_READERS) -> dict:
@@ -123,9 +126,9 @@ def read_fields(handle, readers=SAMPLE_READERS) -> dict:
     return out
 
 
-def device_identity(index: int, handle) -> dict:
-    """index, name and uuid (each left out when NVML cannot tell)."""
-    out: dict = {"index": index}
+def device_identity(index: DeviceId, handle) -> dict:
+    """index ("0:1" for MIG instance 1 of GPU 0), name and uuid (each left out when NVML cannot tell)."""
+    out: dict = {"index": label(index)}
     for key, getter in (("name", pynvml.nvmlDeviceGetName), ("uuid", pynvml.nvmlDeviceGetUUID)):
         try:
             out[key] = _text(getter(handle))
@@ -165,31 +168,31 @@ def snapshot() -> dict:
     except pynvml.NVMLError:
         out["driver"] = "unknown"
     out["host"] = host_stats()
-    out["gpus"] = [_read_gpu(index) for index in range(count)]
+    out["gpus"] = [device for index in range(count) for device in _read_gpu(index)]
     return out
 
 
-def _read_gpu(index: int) -> dict:
+def _read_gpu(index: int) -> list[dict]:
+    """The GPU's fields, then each of its MIG instances as a device of its own (its memory,
+    its processes) after it."""
     try:
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
     except pynvml.NVMLError:
-        return {"index": index}  # e.g. a GPU that fell off the bus: still listed, no fields
-    return device_identity(index, handle) | read_fields(handle, SNAPSHOT_READERS)
+        return [{"index": index}]  # e.g. a GPU that fell off the bus: still listed, no fields
+    gpu = device_identity(index, handle) | read_fields(handle, SNAPSHOT_READERS)
+    migs = [device_identity((index, m), mig) | {"parent_index": index} | read_fields(mig, MIG_READERS)
+            for m, mig in mig_handles(handle)]
+    return [gpu, *migs]
 
 
-def nvml_index_for_cuda_device(cuda_index: int, uuid: str | None = None) -> int:
-    """The NVML index of CUDA device `cuda_index`.
+def nvml_index_for_cuda_device(cuda_index: int, uuid: str | None = None) -> DeviceId:
+    """The NVML device of CUDA device `cuda_index`: an index, or (GPU, MIG) for a MIG instance.
 
-    CUDA numbers only the visible GPUs (CUDA_VISIBLE_DEVICES) and, by default, fastest
-    first, while NVML numbers all GPUs in PCI order; the UUID is the one sure link.
-    Call after ensure_nvml() succeeded.
+    CUDA numbers only the visible devices (CUDA_VISIBLE_DEVICES: indices, UUIDs or MIG
+    ids) and, by default, fastest first, while NVML numbers all GPUs in PCI order; the
+    UUID is the one sure link. Call after ensure_nvml() succeeded.
     """
-    if uuid:
-        try:
-            return int(pynvml.nvmlDeviceGetIndex(pynvml.nvmlDeviceGetHandleByUUID(uuid)))
-        except pynvml.NVMLError:
-            pass  # e.g. a MIG instance: fall back to the environment
-    visible = [entry.strip() for entry in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
-    if cuda_index < len(visible) and visible[cuda_index].isdigit():
-        return int(visible[cuda_index])
-    return cuda_index
+    try:
+        return cuda_to_nvml(cuda_index, uuid)
+    except pynvml.NVMLError:
+        return cuda_index

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import pynvml
 
 from gpunb.telemetry.nvml import SAMPLE_READERS, device_identity, read_fields
+from gpunb.telemetry.visible import DeviceId, handle_of, label
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +63,14 @@ class EnergyMeter:
 
 
 class GpuSampler:
-    """Samples NVML device `index` every `interval` s (>= 0.5) on a daemon thread.
+    """Samples NVML device `index` (a GPU, or (GPU, MIG) for a MIG instance) every `interval` s (>= 0.5) on a daemon thread.
 
     `samples()` is a ring buffer of the most recent `history` samples; `energy` covers
     the whole time between `start()` and `stop()` however long the run. `on_sample` is
     called on the sampler thread with each new sample (keep it trivial).
     """
 
-    def __init__(self, index: int, interval: float = MIN_INTERVAL_S, history: int = 600,
+    def __init__(self, index: DeviceId, interval: float = MIN_INTERVAL_S, history: int = 600,
                  on_sample: Callable[[dict], None] | None = None):
         self.index = index
         self.interval = max(float(interval), MIN_INTERVAL_S)
@@ -84,7 +85,7 @@ class GpuSampler:
     def start(self, wait_s: float = 2.0) -> GpuSampler:
         """Start the thread and wait (up to `wait_s`) for the first sample, the energy baseline."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=f"gpunb-gpu{self.index}-sampler",
+            self._thread = threading.Thread(target=self._run, name=f"gpunb-gpu{label(self.index)}-sampler",
                                             daemon=True)
             self._thread.start()
             self._first_sample_taken.wait(wait_s)
@@ -119,7 +120,7 @@ class GpuSampler:
             self._first_sample_taken.set()
             return
         try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(self.index)
+            handle = handle_of(self.index)
             identity = device_identity(self.index, handle)
             while True:
                 self._record(identity, handle)
@@ -127,7 +128,7 @@ class GpuSampler:
                     break
             self._record(identity, handle)  # the end point, so energy covers the whole run
         except pynvml.NVMLError as error:
-            self.error = f"NVML failed on GPU {self.index}: {error}"
+            self.error = f"NVML failed on GPU {label(self.index)}: {error}"
         finally:
             self._first_sample_taken.set()
             try:

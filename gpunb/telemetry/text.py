@@ -9,8 +9,10 @@ def status_text(snap: dict | None = None) -> str:
     """`snap` (default: a fresh `snapshot()`) as a few lines; fields a GPU lacks are skipped."""
     snap = snapshot() if snap is None else snap
     if snap["nvidia"]:
-        count = len(snap["gpus"])
-        lines = [f"NVIDIA driver {snap.get('driver', 'unknown')}, {count} GPU{'s' if count != 1 else ''}"]
+        migs = sum("parent_index" in gpu for gpu in snap["gpus"])
+        count = len(snap["gpus"]) - migs
+        instances = f", {migs} MIG instance{'s' if migs != 1 else ''}" if migs else ""
+        lines = [f"NVIDIA driver {snap.get('driver', 'unknown')}, {count} GPU{'s' if count != 1 else ''}{instances}"]
         lines += [_gpu_line(gpu) for gpu in snap["gpus"]]
     else:
         lines = [snap["reason"]]

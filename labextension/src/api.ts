@@ -9,9 +9,10 @@ export interface IGpuProcess {
   notebook?: string | null;
 }
 
-/** One GPU as NVML sees it; a field the GPU does not support is absent. */
+/** One GPU (or MIG instance) as NVML sees it; a field the device does not support is absent. */
 export interface IGpu {
-  index: number;
+  index: number | string; // "0:1" for MIG instance 1 of GPU 0
+  parent_index?: number; // a MIG instance's GPU
   name?: string; // name and uuid too are absent when NVML cannot read them
   uuid?: string;
   utilization_gpu?: number;
