@@ -188,3 +188,13 @@ def test_two_ranks_train_a_tiny_gpt2_on_dict_batches_like_one_process():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert result.world_size == 2 and result.steps == single.steps == 4
     assert result.final_metrics["val_loss"] == pytest.approx(single.final_metrics["val_loss"], abs=1e-4)
+
+
+def test_gpu_transforms_act_on_the_pixel_values_of_a_dict_batch():
+    from gpunb.runtime.data import apply_transforms
+
+    batch = {"pixel_values": torch.ones(2, 3), "labels": torch.tensor([0, 1])}
+    out = apply_transforms(batch, [lambda x: x * 2])
+    assert torch.equal(out["pixel_values"], torch.full((2, 3), 2.0)) and out["labels"] is batch["labels"]
+    with pytest.raises(GpunbError, match="no 'pixel_values' \\(its keys: 'input_ids'\\)"):
+        apply_transforms({"input_ids": torch.ones(2, 3)}, [lambda x: x])

@@ -246,11 +246,19 @@ def _transformed(batches, transforms) -> Iterator:
 
 
 def apply_transforms(batch, transforms):
-    """Transforms act on the inputs: a tensor batch, or the first element of a tuple batch."""
+    """Transforms act on the inputs: a tensor batch, the first element of a tuple batch, or a
+    dict batch's "pixel_values" (the Hugging Face name for images)."""
     if isinstance(batch, torch.Tensor):
         for transform in transforms:
             batch = transform(batch)
         return batch
+    if isinstance(batch, dict):
+        if "pixel_values" not in batch:
+            raise GpunbError(f"GPU transforms act on images, and this dict batch has no 'pixel_values' "
+                             f"(its keys: {', '.join(map(repr, batch))}).",
+                             "name the images 'pixel_values' in the dataset's rows, or drop `transforms=` "
+                             "and transform inside the Dataset.")
+        return {**batch, "pixel_values": apply_transforms(batch["pixel_values"], transforms)}
     inputs = batch[0]
     for transform in transforms:
         inputs = transform(inputs)
