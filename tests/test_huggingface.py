@@ -198,3 +198,13 @@ def test_gpu_transforms_act_on_the_pixel_values_of_a_dict_batch():
     assert torch.equal(out["pixel_values"], torch.full((2, 3), 2.0)) and out["labels"] is batch["labels"]
     with pytest.raises(GpunbError, match="no 'pixel_values' \\(its keys: 'input_ids'\\)"):
         apply_transforms({"input_ids": torch.ones(2, 3)}, [lambda x: x])
+
+
+def test_a_dict_batch_with_a_column_of_strings_counts_and_splits_by_sample():
+    from gpunb.runtime.inputs import batch_size_of, split_batch
+
+    batch = {"text": ["a", "b", "c", "d"], "input_ids": torch.arange(8).view(4, 2), "labels": [0, 1, 0, 1]}
+    assert batch_size_of(batch) == 4 and batch_size_of((["a", "b", "c"], torch.zeros(3))) == 3
+    first, second = split_batch(batch, 2)
+    assert first["text"] == ["a", "b"] and second["labels"] == [0, 1]
+    assert torch.equal(second["input_ids"], torch.tensor([[4, 5], [6, 7]]))

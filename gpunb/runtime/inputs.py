@@ -139,14 +139,22 @@ def data_length(data) -> int | None:
 
 
 def batch_size_of(batch: Any) -> int:
-    """Samples in a batch: the first dimension of its first tensor."""
+    """Samples in a batch: the first dimension of its first tensor (a dict's first tensor value),
+    or the length of a list of plain values (a column of strings)."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.ndim else 1
     if isinstance(batch, dict):
-        return batch_size_of(next(iter(batch.values())))
+        values = list(batch.values())
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        return batch_size_of(tensors[0] if tensors else values[0]) if values else 1
     if isinstance(batch, (list, tuple)) and batch:
-        return batch_size_of(batch[0])
+        return batch_size_of(batch[0]) if _nested(batch) else len(batch)
     return 1
+
+
+def _nested(items) -> bool:
+    """A list of tensors or containers (a batch's parts), not of plain per-sample values."""
+    return isinstance(items[0], (torch.Tensor, dict, list, tuple))
 
 
 def split_batch(batch: Any, parts: int) -> list:
@@ -159,6 +167,13 @@ def split_batch(batch: Any, parts: int) -> list:
 
 
 def slice_batch(batch: Any, start: int, stop: int) -> Any:
+    """Samples start:stop of every tensor, and of every list of plain values (strings), in `batch`."""
+    if isinstance(batch, (list, tuple)) and batch and not _nested(batch):
+        return batch[start:stop]
+    if isinstance(batch, dict):
+        return {k: slice_batch(v, start, stop) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(slice_batch(v, start, stop) for v in batch)
     return map_tensors(batch, lambda t: t[start:stop])
 
 

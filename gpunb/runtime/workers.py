@@ -40,9 +40,11 @@ def for_workers(objects: dict, num_workers: int, context=None) -> tuple[dict, in
     if not num_workers:
         return objects, num_workers, None
     method = start_method(context)
+    if method == "fork":  # workers inherit everything: nothing travels by pickle
+        return objects, num_workers, None
     stuck = [name for name in SHIPPED if objects.get(name) is not None
              and not _pickles_by_reference(objects[name])]
-    if method == "fork" or not stuck:
+    if not stuck:
         return objects, num_workers, None
     import cloudpickle
 
