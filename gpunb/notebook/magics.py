@@ -53,8 +53,9 @@ class GpuMagics(Magics):
         """Train the model a cell defines, under gpunb's managed runtime.
 
         The cell is ordinary PyTorch. It runs first, in the notebook's namespace, and
-        must define `model` (an nn.Module) and `train_data` (a Dataset, DataLoader,
-        tensor, tuple of tensors, or NumPy/DLPack arrays). It may define `val_data`,
+        must define `model` (an nn.Module) and `train_data` (a Dataset, a Hugging Face
+        `datasets.Dataset` or any object with `__len__` and `__getitem__`, a DataLoader,
+        a tensor, a tuple of tensors, or NumPy/DLPack arrays). It may define `val_data`,
         `optimizer` (default AdamW), `loss_fn` (or a model that returns its loss, or
         `step(model, batch) -> loss`), `metrics` and `callbacks`; `--model net` etc.
         use other names. Afterwards `model` is trained in place and the TrainResult
