@@ -208,3 +208,21 @@ def test_a_dict_batch_with_a_column_of_strings_counts_and_splits_by_sample():
     first, second = split_batch(batch, 2)
     assert first["text"] == ["a", "b"] and second["labels"] == [0, 1]
     assert torch.equal(second["input_ids"], torch.tensor([[4, 5], [6, 7]]))
+
+
+def test_a_datasets_dataset_without_the_torch_format_is_refused_with_the_fix():
+    plain = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3, 4]], "labels": [0, 1]})
+    with pytest.raises(GpunbError, match="rows of train_data hold Python lists") as error:
+        Trainer(track=False).fit(tiny_bert(), plain)
+    assert "`train_data = train_data.with_format('torch')`" in str(error.value)
+
+    class Rows:
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            return [1.0, 2.0], 0
+
+    with pytest.raises(GpunbError, match="rows of val_data hold Python lists") as error:
+        Trainer(track=False).fit(DictMLP(), Indexed(*classification_data(n=8)), Rows())
+    assert "torch.tensor(row)" in str(error.value)

@@ -50,6 +50,19 @@ def _is_map_style(data) -> bool:
             and not isinstance(data, (str, bytes)))
 
 
+def _refuse_python_lists(data, what: str) -> None:
+    """Rows holding Python lists (a `datasets.Dataset` without the torch format) would be
+    collated column-wise into lists of tensors, shapes silently transposed."""
+    row = data[0] if len(data) else None
+    values = row.values() if isinstance(row, dict) else row if isinstance(row, (list, tuple)) else ()
+    lists = [v for v in values if isinstance(v, list)]
+    if lists:
+        fix = ("`{what} = {what}.with_format('torch')`" if hasattr(data, "with_format")
+               else "return tensors from `__getitem__` (e.g. `torch.tensor(row)`)").format(what=what)
+        raise GpunbError(f"The rows of {what} hold Python lists, which gpunb cannot stack into "
+                         "batches of tensors.", f"give it rows of tensors: {fix}.")
+
+
 def as_tensor(array: Any, what: str) -> torch.Tensor:
     if isinstance(array, torch.Tensor):
         return array
@@ -110,6 +123,7 @@ def adapt_data(data: Any, what: str = "train_data") -> tuple[torch.Tensor, ...] 
         raise GpunbError(f"{what} is a dict; gpunb batches positional tensors.",
                          "pass a tuple such as `(x, y)`, or a Dataset whose items are dicts.")
     elif _is_map_style(data):
+        _refuse_python_lists(data, what)
         return MapDataset(data)
     else:
         tensors = (as_tensor(data, what),)
