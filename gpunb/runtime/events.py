@@ -62,6 +62,8 @@ class FitState:
     stop_reason: str | None = None
     result: Any = None  # the TrainResult, set before on_fit_end
     epochs: list = field(default_factory=list)  # one row per finished epoch (train_loss, val_*)
+    validations: list = field(default_factory=list)  # one row per validation: step, epoch, val_*
+    val_names: tuple | None = None  # the metrics validation produces (None: no validation data)
     checkpoint_path: str | None = None  # the newest checkpoint this run wrote
     checkpoint_run: str | None = None  # the id of the run directory checkpoints go to
     resumed: dict | None = None  # what the run resumed from: path, run, run_name, step, epoch, saved_at
