@@ -30,7 +30,12 @@ class GpuMagics(Magics):
     @argument("--checkpointing", action="store_true", help="activation checkpointing (saves memory)")
     @argument("--checkpoint-dir", help="write checkpoints here")
     @argument("--checkpoint-every", type=int, help="optimizer steps between checkpoints (default: each epoch)")
-    @argument("--resume", nargs="?", const="last", help="resume from a checkpoint path, or the last one")
+    @argument("--resume", nargs="?", const="last", help="resume from a checkpoint path, 'best', or the last one")
+    @argument("--save-top-k", type=int, help="also keep the k best checkpoints by --monitor")
+    @argument("--monitor", help="validation metric ranking the best checkpoints (default val_loss)")
+    @argument("--mode", help="min or max (default: max for acc/f1/auroc/precision/recall..., else min)")
+    @argument("--restore-best", action="store_true", help="load the best checkpoint's weights at the end")
+    @argument("--val-every-steps", type=int, help="validate every N optimizer steps instead of each epoch")
     @argument("--seed", type=int, help="seed for python, numpy and torch (default 0)")
     @argument("--log-every", help="steps between metric reads, or 'auto' (default: ~100 a run, >= 1 an epoch)")
     @argument("--num-workers", help="DataLoader workers: an integer or 'auto'")
@@ -148,11 +153,13 @@ def _config(args):
         "warmup_steps": args.warmup_steps, "checkpoint_dir": args.checkpoint_dir,
         "checkpoint_every": args.checkpoint_every, "resume": args.resume, "seed": args.seed,
         "log_every": _int_or(args.log_every, "log_every"), "num_workers": _int_or(args.num_workers, "num_workers"),
-        "name": args.name,
+        "name": args.name, "save_top_k": args.save_top_k, "monitor": args.monitor, "mode": args.mode,
+        "val_every_steps": args.val_every_steps,
     }
     chosen = {k: v for k, v in fields.items() if v is not None}
     chosen.update({k: True for k, flag in (("compile", args.compile),
-                                            ("activation_checkpointing", args.checkpointing)) if flag})
+                                            ("activation_checkpointing", args.checkpointing),
+                                            ("restore_best", args.restore_best)) if flag})
     if args.no_track:
         chosen["track"] = False
     try:
