@@ -138,3 +138,16 @@ def test_gputrain_options_reach_the_config():
         (2, "val_acc", "max", True, 5)
     with pytest.raises(UsageError, match="--checkpoint-dir checkpoints"):
         _config(parse_argstring(GpuMagics.gputrain, "--save-top-k 2"))
+
+
+def test_restore_best_warns_and_keeps_the_last_weights_when_the_file_is_gone(tmp_path):
+    class RemoveBest:
+        def on_validation_end(self, state, metrics):
+            for path in (tmp_path / f"run-{state.checkpoint_run}").glob("best-step-*.pt"):
+                path.unlink()
+
+    model = mlp()
+    with pytest.warns(RuntimeWarning, match="no longer on disk"):
+        _, result = fit(model, epochs=2, checkpoint_dir=tmp_path, save_top_k=1, restore_best=True,
+                        callbacks=[RemoveBest()])
+    assert not result.restored_best and result.best_step is not None

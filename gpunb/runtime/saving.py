@@ -71,7 +71,7 @@ class Checkpointer:
             self.save(state)
             state.result.checkpoint_path = state.checkpoint_path
         if self.best is not None:
-            restore_best(self, state)
+            finish_best(self, state)
 
     def save(self, state) -> None:
         if state.step == self.saved_step:
@@ -147,24 +147,27 @@ def kept_file(kept: list, step: int) -> str:
     return next(e["file"] for e in kept if e["step"] == step)
 
 
-def restore_best(checkpointer, state) -> None:
+def finish_best(checkpointer, state) -> None:
     """The result names the best checkpoint; with restore_best its weights go into the model.
 
-    Rank 0 reads the file (it wrote it); under FSDP every rank takes part in loading it."""
-    best = checkpointer.best.best
-    result = state.result
+    Rank 0 reads the file (it wrote it); under FSDP every rank takes part in loading it.
+    With DDP the other ranks keep their last weights (the notebook receives rank 0's)."""
+    best, result, config = checkpointer.best.best, state.result, checkpointer.config
     if best is None:
         return
-    result.best_monitor, result.best_value, result.best_step = checkpointer.best.monitor.name, best["value"], best["step"]
+    result.best_monitor, result.best_value, result.best_step = (checkpointer.best.monitor.name,
+                                                                best["value"], best["step"])
     if state.checkpoint_run is not None:
-        result.best_checkpoint = str(ckpt.run_directory(checkpointer.config.checkpoint_dir, state.checkpoint_run)
-                                     / best["file"])
-    if not checkpointer.config.restore_best:
-        return
+        result.best_checkpoint = str(ckpt.run_directory(config.checkpoint_dir, state.checkpoint_run) / best["file"])
     sharded = getattr(checkpointer.dist, "strategy", None) == "fsdp"
-    if state.rank == 0 or sharded:
-        weights = ckpt.load_checkpoint(result.best_checkpoint)["model"] if state.rank == 0 else {}
-        checkpointer.dist.load_model_state(checkpointer.model, weights)
+    if not config.restore_best or not (state.rank == 0 or sharded):
+        return
+    if state.rank == 0 and not Path(result.best_checkpoint or "").is_file():
+        warnings.warn(f"restore_best: the best checkpoint ({best['file']}) is no longer on disk; the model "
+                      "keeps the weights of the last step.", RuntimeWarning, stacklevel=2)
+        return  # (FSDP's other ranks would wait here: a file removed during the run is not expected)
+    weights = ckpt.load_checkpoint(result.best_checkpoint)["model"] if state.rank == 0 else {}
+    checkpointer.dist.load_model_state(checkpointer.model, weights)
     result.restored_best = True
 
 
