@@ -6,7 +6,7 @@ with `getattr` and calls it with the `FitState` (no base class to inherit).
     on_fit_start(state)            after set-up, before the first step
     on_step_end(state)             after every optimizer step (keep it cheap: no syncs)
     on_log(state, metrics)         every `log_every` steps, with host-side floats
-    on_validation_end(state, metrics)
+    on_validation_end(state, metrics)  at epoch ends, or every val_every_steps steps (before on_step_end)
     on_epoch_end(state, metrics)
     on_checkpoint(state, path)     after a checkpoint is written
     on_fit_end(state)              always last on success or interrupt; state.result is set
