@@ -46,7 +46,10 @@ class Dashboard:
         header = w.HTML(_header_html(state))
         self.box = _Dashboard([header, w.HBox([self.progress, self.status]), self.metrics,
                                w.HBox([self.curve, self.gpu]), self.epochs], run_name=state.run_name)
-        self.handle = display(self.box, display_id=True)
+        # The bundle by hand: ipywidgets 7 shows a widget through `_ipython_display_`, which
+        # drops the display id, and the summary at the end could not take the widget's place.
+        view = {"text/plain": repr(self.box), "application/vnd.jupyter.widget-view+json": self.box.get_view_spec()}
+        self.handle = display(view, raw=True, display_id=True)
         self._draw(state)
 
     def on_step_end(self, state) -> None:
