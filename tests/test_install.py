@@ -13,12 +13,13 @@ import os
 import subprocess
 import sys
 import textwrap
-import tomllib
 from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -59,7 +60,7 @@ def core_venv(tmp_path_factory) -> Path:
     """A venv holding the core closure and gpunb; returns its python."""
     home = tmp_path_factory.mktemp("core-venv")
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(home / "venv")], check=True)
-    python = home / "venv" / "bin" / "python"
+    python = home / "venv" / ("Scripts" if os.name == "nt" else "bin") / "python"
     site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                                check=True, capture_output=True, text=True).stdout.strip())
     linked = set()
