@@ -77,6 +77,8 @@ class GpuMagics(Magics):
         config = _config(args)
         if args.export:
             return self._export(args, line, cell, config)
+        if not args.quiet and not args.find_lr:
+            _dashboard_mode(self.shell)  # a bad GPUNB_DASHBOARD is refused before the cell runs
         before = {name: id(value) for name, value in self.shell.user_ns.items()}
         outcome = self.shell.run_cell(cell, store_history=False)
         if not outcome.success:
@@ -321,21 +323,21 @@ def _defined_by_cell(namespace, before) -> str:
 
 
 def _progress_callbacks(shell, quiet: bool) -> list:
-    """The live dashboard in a kernel with ipywidgets, a text line in a terminal."""
+    """The live view this front end can show: widgets, HTML or a text line."""
     if quiet:
         return []
-    if getattr(shell, "kernel", None) is not None:
-        try:
-            import ipywidgets  # noqa: F401
-        except ImportError:
-            pass
-        else:
-            from gpunb.notebook.dashboard import Dashboard
+    from gpunb.notebook.frontends import live_view
 
-            return [Dashboard()]
-    from gpunb.render import ProgressPrinter
+    return live_view(_dashboard_mode(shell))
 
-    return [ProgressPrinter()]
+
+def _dashboard_mode(shell) -> str:
+    from gpunb.notebook.frontends import dashboard_mode
+
+    try:
+        return dashboard_mode(shell)
+    except GpunbError as error:
+        raise UsageError(str(error)) from None
 
 
 def _find_lr(found, config):
