@@ -49,14 +49,17 @@ class Trainer:
             if launch.needs_processes(config):
                 # One process per device; this one drives them, the registry is written here.
                 parent = [*_registry_callbacks(config), *callbacks]
-                return launch.fit(config, _rank_entry, model, train_data, val_data, callbacks=parent,
-                                  **arguments)
+                result = launch.fit(config, _rank_entry, model, train_data, val_data, callbacks=parent,
+                                    **arguments)
+                return result.attach(model, loss_fn=loss_fn, step=step, metrics=metrics,
+                                     transforms=config.transforms)
         context = LocalContext()
         if _in_process_group():
             from gpunb.distributed.context import current_context
 
             context = current_context(config)  # joins torchrun's group when it is not joined yet
-        return _rank_entry(config, context, model, train_data, val_data, callbacks=callbacks, **arguments)
+        result = _rank_entry(config, context, model, train_data, val_data, callbacks=callbacks, **arguments)
+        return result.attach(model, loss_fn=loss_fn, step=step, metrics=metrics, transforms=config.transforms)
 
 
 def _rank_entry(config, context, model, train_data, val_data=None, *, callbacks=(), **arguments) -> TrainResult:

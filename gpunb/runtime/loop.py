@@ -20,6 +20,7 @@ from gpunb.runtime import device as devices
 from gpunb.runtime.batch_size import find_batch_size
 from gpunb.runtime.data import build_feed
 from gpunb.runtime.epoch import EpochSteps, Timer
+from gpunb.runtime.evaluation import validation_sums
 from gpunb.runtime.events import Callbacks, FitState
 from gpunb.runtime.inputs import batch_size_of
 from gpunb.runtime.interrupt import InterruptFlag
@@ -241,20 +242,12 @@ def _end_epoch(run: _Run, logged: list, timer) -> None:
     run.dist.sync_stop(state)  # ranks: a stop asked for at the epoch's end (early stopping) applies now
 
 
-@torch.no_grad()
 def _validate(run: _Run) -> dict:
     __tracebackhide__ = True  # noqa: F841
     run.train_model.eval()
-    sums, count = {}, 0
-    for batch in run.val_feed.epoch(0):
-        with run.precision.autocast():
-            batch_sums = run.objective.evaluate(run.train_model, batch)
-        for name, value in batch_sums.items():
-            sums[name] = value if name not in sums else sums[name] + value
-        count += batch_size_of(batch)
+    sums, count = validation_sums(run.train_model, run.val_feed.epoch(0), run.objective, run.precision)
     run.train_model.train()
-    totals = run.dist.reduce_sums(sums, count)  # one sync; sums across ranks when distributed
-    return {name: value for name, value in totals.items()}
+    return run.dist.reduce_sums(sums, count)  # one sync; sums across ranks when distributed
 
 
 def _result(run: _Run, timer) -> TrainResult:
