@@ -163,6 +163,14 @@ def test_a_result_without_a_model_says_how_to_predict():
         TrainResult("copy").predict(torch.zeros(2, 10))
 
 
+def test_a_result_whose_model_was_deleted_says_so():
+    x, y = classification_data(n=32)
+    result = Trainer(max_steps=1, batch_size=16, track=False).fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss())
+    gc.collect()
+    with pytest.raises(GpunbError, match="has been deleted(.|\n)*HINT: keep a reference"):
+        result.evaluate((x, y))
+
+
 def test_the_model_stays_out_of_a_pickled_result():
     import pickle
 

@@ -68,9 +68,12 @@ class TrainResult:
         return series
 
     def attach(self, model, **fit_arguments) -> "TrainResult":
-        """Keep the trained model and fit's loss_fn/step/metrics/transforms for predict and
-        evaluate (an attribute, not a field: never saved, shipped or compared)."""
-        self._fitted = (model, fit_arguments)
+        """Point at the trained model and keep fit's loss_fn/step/metrics/transforms for predict
+        and evaluate (an attribute, not a field: never saved, shipped or compared). The model
+        is held weakly: deleting it in the notebook frees it."""
+        import weakref
+
+        self._fitted = (weakref.ref(model), fit_arguments)
         return self
 
     def __getstate__(self) -> dict:
@@ -103,7 +106,13 @@ class TrainResult:
             raise GpunbError(f"This TrainResult holds no model to {what} with (it was not returned by "
                              "Trainer.fit or %%gputrain in this process).",
                              f"call `gpunb.{what}(model, data)` with the model itself.")
-        return fitted
+        model = fitted[0]()
+        if model is None:
+            from gpunb.errors import GpunbError
+
+            raise GpunbError(f"The model this run trained has been deleted, so the result cannot {what}.",
+                             f"keep a reference to the model, or call `gpunb.{what}(model, data)` with one.")
+        return model, fitted[1]
 
     # Display lives in gpunb.render (imported lazily): the result renders without %load_ext.
     def __repr__(self) -> str:
