@@ -62,6 +62,22 @@ class Trainer:
         return result.attach(model, loss_fn=loss_fn, step=step, metrics=metrics, transforms=config.transforms)
 
 
+    def summary(self, model, train_data, val_data=None, *, optimizer=None, loss_fn=None, step=None,
+                metrics=None):
+        """What fit would train and need, without training: parameters (trainable / frozen),
+        FLOPs per sample, memory (weights, gradients, optimizer state, activations at the batch
+        size) against free memory. One forward + backward, undone: no optimizer step, no
+        checkpoint, no registry run. Returns a RunSummary (in one process: this device's view)."""
+        __tracebackhide__ = True  # noqa: F841
+        from gpunb.runtime.summary import dry_run
+
+        check_model(model)
+        return dry_run(self.config, LocalContext(), model, train_data, val_data, optimizer=optimizer,
+                       loss_fn=loss_fn, step=step, metrics=metrics)
+
+    dry_run = summary
+
+
 def _rank_entry(config, context, model, train_data, val_data=None, *, callbacks=(), **arguments) -> TrainResult:
     """One process's fit (alone, or one rank of a group): the defaults, then the runtime's loop.
     Top-level, so that the launcher can hand it to spawned ranks."""

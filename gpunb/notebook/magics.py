@@ -41,7 +41,7 @@ class GpuMagics(Magics):
     @argument("--find-lr", action="store_true", help="run a learning-rate range test instead of training")
     @argument("--export", metavar="PATH", help="write a standalone torchrun script instead of training")
     @argument("--eval", action="store_true", help="evaluate the model on val_data (or train_data) instead of training")
-    @argument("--dry-run", action="store_true", help="show the summary (parameters, FLOPs, memory) without training")
+    @argument("--dry-run", action="store_true", help="show the run's summary (parameters, FLOPs, memory) without training")
     @argument("--model", dest="model_name", default="model", help="variable holding the model")
     @argument("--train-data", dest="train_data_name", default="train_data", help="variable holding the data")
     @argument("--val-data", dest="val_data_name", default="val_data")

@@ -36,6 +36,7 @@ class TrainResult:
     stop_reason: str | None = None
     energy_j: float | None = None  # GPU energy over the run (NVIDIA only)
     per_rank: list = field(default_factory=list)  # timings of each rank in multi-process runs
+    summary: object = None  # RunSummary: parameters, FLOPs, memory, measured before the first step
 
     @property
     def effective_batch_size(self) -> int:
