@@ -95,6 +95,24 @@ def test_a_custom_step_is_not_run_ahead_of_time():
     assert "FLOPs per sample: not counted (not measured: a custom step" in repr(summary)
 
 
+def test_a_forward_that_fails_is_left_to_the_first_step_and_the_summary_says_so():
+    class OutOfMemory(nn.Module):
+        def forward(self, x):
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+
+    class Broken(nn.Linear):
+        def forward(self, x):
+            raise RuntimeError("user bug")
+
+    data = classification_data(n=32)
+    tight = summary_of(nn.Sequential(nn.Linear(10, 3), OutOfMemory()), data, batch_size=16)
+    assert tight.activations_bytes is None and tight.activations_note == "not measured: out of memory at batch 16"
+    model = Broken(10, 3)
+    broken = summary_of(model, data)
+    assert broken.train_flops is None and "not measured: RuntimeError" in repr(broken)
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_the_text_is_deterministic_and_leaves_the_machine_out():
     summary = summary_of(nn.Linear(10, 2), classification_data(n=32, classes=2), batch_size=8)
     assert repr(summary) == (

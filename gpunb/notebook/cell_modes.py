@@ -1,6 +1,7 @@
 """`%%gputrain --eval` and `%%gputrain --dry-run`: the cell's objects, not trained.
 
 --eval     gpunb.evaluate on val_data (or train_data when the cell has none); prints the metrics
+           (not with --quiet) and stores them in gputrain_result (or --out)
 --dry-run  the run's summary (parameters, FLOPs, memory) from one step that is undone
 """
 
@@ -12,7 +13,7 @@ from gpunb.render import fmt
 
 
 def evaluate_cell(found: dict, config, args) -> dict:
-    """The metrics validation would report, printed on one line and returned."""
+    """The metrics validation would report, printed on one line (not with --quiet) and returned."""
     from gpunb.runtime.inputs import adapt_data, data_length
     from gpunb.runtime.predict import DEFAULT_BATCH, evaluate
 
@@ -27,6 +28,8 @@ def evaluate_cell(found: dict, config, args) -> dict:
     metrics = evaluate(found["model"], data, metrics=found["metrics"], loss_fn=found["loss_fn"],
                        step=found["step"], batch_size=batch, precision=config.precision,
                        accelerator=config.accelerator, transforms=config.transforms)
+    if args.quiet:
+        return metrics
     samples = data_length(adapt_data(data, role))
     counted = f" ({samples} samples)" if samples is not None else ""
     values = "  ".join(f"{name}={fmt(value)}" for name, value in sorted(metrics.items()))

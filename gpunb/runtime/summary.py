@@ -103,7 +103,14 @@ def summarize(model, optimizer, objective, precision, data, device, batch_size: 
     if objective.step_fn is not None:
         summary.activations_note = "not measured: a custom step is not run ahead of time"
     elif measure and params and params[0].device.type != "meta":
-        _measure(summary, model, objective, precision, data, device, batch_size, config)
+        try:
+            _measure(summary, model, objective, precision, data, device, batch_size, config)
+        except torch.OutOfMemoryError:
+            summary.activations_note = f"not measured: out of memory at batch {batch_size}"
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        except Exception as error:  # noqa: BLE001 - the loop's first step reports it, to the callbacks
+            summary.activations_note = f"not measured: {type(error).__name__} in the model or loss"
     return summary
 
 
@@ -174,14 +181,19 @@ def _measure(summary, model, objective, precision, data, device, batch_size, con
             held["loss"] = objective.loss(model, batch)
 
     with _untouched(model, device):
-        model.train()
-        base = _start_peak(device)
-        forward_flops = count_flops(forward)
-        if "loss" not in held:  # the counter could not trace an op: run it plain
-            forward()
-        backward_flops = count_flops(lambda: held.pop("loss").backward())
-        if "loss" in held:
-            held.pop("loss").backward()
+        try:
+            model.train()
+            base = _start_peak(device)
+            forward_flops = count_flops(forward)
+            if "loss" not in held:  # the counter could not trace an op: run it plain
+                forward()
+            backward_flops = count_flops(lambda: held.pop("loss").backward())
+            if "loss" in held:
+                held.pop("loss").backward()
+        finally:
+            held.clear()
+            for param, grad in grads:
+                param.grad = grad
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device) - base - summary.gradients_bytes
             summary.activations_bytes = max(0, peak)
@@ -189,8 +201,6 @@ def _measure(summary, model, objective, precision, data, device, batch_size, con
         else:
             summary.activations_bytes = saved.bytes
             summary.activations_note = "tensors saved for backward in one step"
-        for param, grad in grads:
-            param.grad = grad
     size = max(1, batch_size_of(batch))
     if forward_flops is not None:
         summary.forward_flops = round(forward_flops / size)
