@@ -35,6 +35,7 @@ from gpunb.runtime import validation
 from gpunb.runtime.best import BestCheckpoints
 from gpunb.runtime.monitor import monitor_of, validation_names
 from gpunb.runtime.step import Stepper
+from gpunb.runtime.summary import RunSummary, summarize
 from gpunb.runtime.teardown import Teardown
 from gpunb.runtime.wrap import wrap_model
 
@@ -127,6 +128,9 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
     scheduler = make_scheduler(optimizer, config.lr_schedule, total_steps, config.warmup_steps)
     config = config.replace(log_every=config.resolved_log_every(total_steps, steps_per_epoch))
 
+    # one forward + backward, undone; FSDP: the whole model's step may not fit on one device
+    summary = summarize(model, optimizer, objective, precision, train, device, batch_size, config,
+                        measure=not (dist.world_size > 1 and config.strategy == "fsdp"))
     run_name = config.name or type(model).__name__  # before FSDP renames the class
     train_model, teardown.unwrap = wrap_model(model, config, dist, device)  # undone whatever happens next
     dist.adopt_shards(optimizer)  # FSDP replaced the parameters with sharded ones
@@ -134,6 +138,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
                             run_name=run_name,
                             steps_per_epoch=steps_per_epoch, total_steps=total_steps,
                             rank=dist.rank, world_size=dist.world_size, val_names=val_names)
+    state.extras["summary"] = summary.as_plain()  # plain data: ranks send it to the kernel
     phase = _phase_annotator(state)
     no_sync = getattr(train_model, "no_sync", None)
     stepper = Stepper(train_model, optimizer, objective, precision, scheduler, config, phase, no_sync)
@@ -271,7 +276,8 @@ def _result(run: _Run, timer) -> TrainResult:
         peak_memory_mb=peak, oom_recoveries=run.stepper.oom_recoveries,
         skipped_steps=run.precision.skipped_steps, checkpoint_path=state.checkpoint_path,
         resumed_from=state.resumed,
-        interrupted=state.stop_reason == "interrupted", stop_reason=state.stop_reason)
+        interrupted=state.stop_reason == "interrupted", stop_reason=state.stop_reason,
+        summary=RunSummary.from_plain(state.extras["summary"]))
 
 
 def _phase_annotator(state: FitState):

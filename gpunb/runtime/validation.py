@@ -8,9 +8,7 @@ a run resumed from there neither repeats it nor skips it.
 
 from __future__ import annotations
 
-import torch
-
-from gpunb.runtime.inputs import batch_size_of
+from gpunb.runtime.evaluation import validation_sums
 
 
 def due_at_step(run) -> bool:
@@ -50,16 +48,9 @@ def epoch_metrics(state) -> dict:
     return {}
 
 
-@torch.no_grad()
 def _evaluate(run) -> dict:
     __tracebackhide__ = True  # noqa: F841
     run.train_model.eval()
-    sums, count = {}, 0
-    for batch in run.val_feed.epoch(0):
-        with run.precision.autocast():
-            batch_sums = run.objective.evaluate(run.train_model, batch)
-        for name, value in batch_sums.items():
-            sums[name] = value if name not in sums else sums[name] + value
-        count += batch_size_of(batch)
+    sums, count = validation_sums(run.train_model, run.val_feed.epoch(0), run.objective, run.precision)
     run.train_model.train()
     return run.dist.reduce_sums(sums, count)  # one sync; sums across ranks when distributed
