@@ -106,10 +106,46 @@ def test_an_unrelated_error_while_switching_to_wal_is_not_hidden(home, monkeypat
         Registry().list_runs()
 
 
-def test_registry_defaults_to_the_jupyter_data_dir(tmp_path, monkeypatch):
-    monkeypatch.delenv("GPUNB_HOME", raising=False)
+@pytest.mark.parametrize("platform, env, expected", [
+    ("linux", {"XDG_DATA_HOME": "xdg"}, "xdg/gpunb"),
+    ("linux", {}, "home/.local/share/gpunb"),
+    ("darwin", {"XDG_DATA_HOME": "xdg"}, "home/Library/Application Support/gpunb"),
+    ("win32", {"APPDATA": "roaming"}, "roaming/gpunb"),
+    ("win32", {}, "home/AppData/Roaming/gpunb"),
+])
+def test_registry_defaults_to_the_platform_data_dir(tmp_path, monkeypatch, platform, env, expected):
+    # No jupyter_core involved: the core install has none, and the server asks the same function.
+    from gpunb.runs import paths
+
+    for name in ("GPUNB_HOME", "XDG_DATA_HOME", "APPDATA", "JUPYTER_DATA_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "jupyter"))  # ignored
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(tmp_path / value))
+    monkeypatch.setattr(paths.sys, "platform", platform)
+    monkeypatch.setattr(paths.Path, "home", classmethod(lambda cls: tmp_path / "home"))
+    assert default_path() == tmp_path / expected / "runs.sqlite"
+    monkeypatch.setenv("GPUNB_HOME", str(tmp_path / "mine"))  # GPUNB_HOME wins everywhere
+    assert default_path() == tmp_path / "mine" / "runs.sqlite"
+
+
+def test_a_registry_an_earlier_gpunb_kept_in_jupyters_data_dir_stays_in_use(tmp_path, monkeypatch):
+    from gpunb.runs import paths
+
+    for name in ("GPUNB_HOME", "APPDATA"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(paths.sys, "platform", "linux")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "jupyter"))
-    assert default_path() == tmp_path / "jupyter" / "gpunb" / "runs.sqlite"
+    assert default_path() == tmp_path / "data" / "gpunb" / "runs.sqlite"  # none anywhere: the new place
+    earlier = tmp_path / "jupyter" / "gpunb" / "runs.sqlite"
+    earlier.parent.mkdir(parents=True)
+    earlier.touch()
+    assert default_path() == earlier  # its runs stay listed
+    new = tmp_path / "data" / "gpunb" / "runs.sqlite"
+    new.parent.mkdir(parents=True)
+    new.touch()
+    assert default_path() == new  # once the new one exists it wins
 
 
 def test_a_run_round_trips_as_json(registry, monkeypatch):

@@ -163,6 +163,7 @@ class Relay:
                     "samples_seen": state.samples_seen, "steps_per_epoch": state.steps_per_epoch,
                     "total_steps": state.total_steps, "latest": dict(state.latest),
                     "rows": state.history[self.rows_sent:], "epochs": list(state.epochs),
+                    "validations": list(state.validations), "val_names": state.val_names,
                     "checkpoint_path": state.checkpoint_path, "resumed": state.resumed,
                     "extras": {k: v for k, v in state.extras.items() if _plain(v)}, **fields}
         self.rows_sent = len(state.history)

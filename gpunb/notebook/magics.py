@@ -30,7 +30,12 @@ class GpuMagics(Magics):
     @argument("--checkpointing", action="store_true", help="activation checkpointing (saves memory)")
     @argument("--checkpoint-dir", help="write checkpoints here")
     @argument("--checkpoint-every", type=int, help="optimizer steps between checkpoints (default: each epoch)")
-    @argument("--resume", nargs="?", const="last", help="resume from a checkpoint path, or the last one")
+    @argument("--resume", nargs="?", const="last", help="resume from a checkpoint path, 'best', or the last one")
+    @argument("--save-top-k", type=int, help="also keep the k best checkpoints by --monitor")
+    @argument("--monitor", help="validation metric ranking the best checkpoints (default val_loss)")
+    @argument("--mode", help="min or max (default: max for acc/f1/auroc/precision/recall..., else min)")
+    @argument("--restore-best", action="store_true", help="load the best checkpoint's weights at the end")
+    @argument("--val-every-steps", type=int, help="validate every N optimizer steps instead of each epoch")
     @argument("--seed", type=int, help="seed for python, numpy and torch (default 0)")
     @argument("--log-every", help="steps between metric reads, or 'auto' (default: ~100 a run, >= 1 an epoch)")
     @argument("--num-workers", help="DataLoader workers: an integer or 'auto'")
@@ -40,6 +45,8 @@ class GpuMagics(Magics):
     @argument("--no-track", action="store_true", help="do not record the run in the run registry")
     @argument("--find-lr", action="store_true", help="run a learning-rate range test instead of training")
     @argument("--export", metavar="PATH", help="write a standalone torchrun script instead of training")
+    @argument("--eval", action="store_true", help="evaluate the model on val_data (or train_data) instead of training")
+    @argument("--dry-run", action="store_true", help="show the run's summary (parameters, FLOPs, memory) without training")
     @argument("--model", dest="model_name", default="model", help="variable holding the model")
     @argument("--train-data", dest="train_data_name", default="train_data", help="variable holding the data")
     @argument("--val-data", dest="val_data_name", default="val_data")
@@ -73,11 +80,18 @@ class GpuMagics(Magics):
         config = _config(args)
         if args.export:
             return self._export(args, line, cell, config)
+        if not args.quiet and not args.find_lr:
+            _dashboard_mode(self.shell)  # a bad GPUNB_DASHBOARD is refused before the cell runs
         before = {name: id(value) for name, value in self.shell.user_ns.items()}
         outcome = self.shell.run_cell(cell, store_history=False)
         if not outcome.success:
             return None  # the user's own traceback has been shown; nothing to train
-        found = _collect(self.shell.user_ns, args, before, _named_options(line))
+        found = _collect(self.shell.user_ns, args, before, _named_options(line),
+                         required=("model",) if args.eval else REQUIRED)
+        if args.eval:
+            return _evaluate(self.shell, found, config, args)
+        if args.dry_run:
+            return _dry_run(self.shell, found, config, args)
         if args.find_lr:
             return _find_lr(found, config)
         return self._train(config, found, args)
@@ -149,11 +163,13 @@ def _config(args):
         "warmup_steps": args.warmup_steps, "checkpoint_dir": args.checkpoint_dir,
         "checkpoint_every": args.checkpoint_every, "resume": args.resume, "seed": args.seed,
         "log_every": _int_or(args.log_every, "log_every"), "num_workers": _int_or(args.num_workers, "num_workers"),
-        "name": args.name,
+        "name": args.name, "save_top_k": args.save_top_k, "monitor": args.monitor, "mode": args.mode,
+        "val_every_steps": args.val_every_steps,
     }
     chosen = {k: v for k, v in fields.items() if v is not None}
     chosen.update({k: True for k, flag in (("compile", args.compile),
-                                            ("activation_checkpointing", args.checkpointing)) if flag})
+                                            ("activation_checkpointing", args.checkpointing),
+                                            ("restore_best", args.restore_best)) if flag})
     if args.no_track:
         chosen["track"] = False
     try:
@@ -176,7 +192,7 @@ def _as_option_hint(message: str) -> str:
                   f"{m.group(2).strip(chr(39))}`", message)
 
 
-def _collect(namespace, args, before, named=frozenset()) -> dict:
+def _collect(namespace, args, before, named=frozenset(), required=REQUIRED) -> dict:
     """The objects the cell defined for each role, type-checked; UsageError names the fix.
 
     `named`: the roles whose variable the magic line names explicitly (`--model net`).
@@ -193,7 +209,7 @@ def _collect(namespace, args, before, named=frozenset()) -> dict:
                  if before.get(getattr(args, f"{role}_name")) != id(found[role])}
         if len(fresh) == 1:
             found[({"loss_fn", "step"} - fresh).pop()] = None
-    for role in REQUIRED:
+    for role in required:
         if found[role] is None:
             name = getattr(args, f"{role}_name")
             raise UsageError(f"%%gputrain needs a variable `{name}` ({by_name(role).what}), "
@@ -315,21 +331,21 @@ def _defined_by_cell(namespace, before) -> str:
 
 
 def _progress_callbacks(shell, quiet: bool) -> list:
-    """The live dashboard in a kernel with ipywidgets, a text line in a terminal."""
+    """The live view this front end can show: widgets, HTML or a text line."""
     if quiet:
         return []
-    if getattr(shell, "kernel", None) is not None:
-        try:
-            import ipywidgets  # noqa: F401
-        except ImportError:
-            pass
-        else:
-            from gpunb.notebook.dashboard import Dashboard
+    from gpunb.notebook.frontends import live_view
 
-            return [Dashboard()]
-    from gpunb.render import ProgressPrinter
+    return live_view(_dashboard_mode(shell))
 
-    return [ProgressPrinter()]
+
+def _dashboard_mode(shell) -> str:
+    from gpunb.notebook.frontends import dashboard_mode
+
+    try:
+        return dashboard_mode(shell)
+    except GpunbError as error:
+        raise UsageError(str(error)) from None
 
 
 def _find_lr(found, config):
@@ -338,5 +354,23 @@ def _find_lr(found, config):
     try:
         return find_lr(found["model"], found["train_data"], config=config, optimizer=found["optimizer"],
                        loss_fn=found["loss_fn"], step=found["step"])
+    except GpunbError as error:
+        raise UsageError(str(error)) from None
+
+
+def _evaluate(shell, found, config, args):
+    from gpunb.notebook.cell_modes import evaluate_cell
+
+    try:
+        shell.user_ns[args.out] = evaluate_cell(found, config, args)
+    except GpunbError as error:
+        raise UsageError(str(error)) from None
+
+
+def _dry_run(shell, found, config, args):
+    from gpunb.notebook.cell_modes import dry_run_cell
+
+    try:
+        shell.user_ns[args.out] = dry_run_cell(found, config)
     except GpunbError as error:
         raise UsageError(str(error)) from None

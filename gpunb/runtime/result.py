@@ -10,6 +10,7 @@ class TrainResult:
     run_name: str
     history: list = field(default_factory=list)  # per log interval: step, epoch, loss (the interval's mean), lr, ...
     epochs: list = field(default_factory=list)  # per epoch: epoch, step, train_loss (the epoch's mean), val_*, elapsed_s
+    validations: list = field(default_factory=list)  # per validation pass: step, epoch, val_*, elapsed_s
     final_metrics: dict = field(default_factory=dict)  # train_loss of the last epoch, the last val_* metrics
     config: dict = field(default_factory=dict)  # the config actually used
     device: str = "cpu"
@@ -31,11 +32,17 @@ class TrainResult:
     oom_recoveries: int = 0
     skipped_steps: int = 0  # fp16 steps skipped by the GradScaler (inf/NaN gradients)
     checkpoint_path: str | None = None
+    best_checkpoint: str | None = None  # the best of the save_top_k checkpoints by best_monitor
+    best_monitor: str | None = None
+    best_value: float | None = None
+    best_step: int | None = None
+    restored_best: bool = False  # restore_best: the model holds the best checkpoint's weights
     resumed_from: dict | None = None  # path, run, step, epoch, saved_at of the checkpoint resumed
     interrupted: bool = False
     stop_reason: str | None = None
     energy_j: float | None = None  # GPU energy over the run (NVIDIA only)
     per_rank: list = field(default_factory=list)  # timings of each rank in multi-process runs
+    summary: object = None  # RunSummary: parameters, FLOPs, memory, measured before the first step
 
     @property
     def effective_batch_size(self) -> int:
@@ -62,10 +69,57 @@ class TrainResult:
 
     def loss_series(self) -> dict:
         series = {"train": [(row["step"], row["loss"]) for row in self.history if "loss" in row]}
-        val = [(row["step"], row["val_loss"]) for row in self.epochs if "val_loss" in row]
+        val = [(row["step"], row["val_loss"]) for row in self.validations or self.epochs if "val_loss" in row]
         if val:
             series["val"] = val
         return series
+
+    def attach(self, model, **fit_arguments) -> "TrainResult":
+        """Point at the trained model and keep fit's loss_fn/step/metrics/transforms for predict
+        and evaluate (an attribute, not a field: never saved, shipped or compared). The model
+        is held weakly: deleting it in the notebook frees it."""
+        import weakref
+
+        self._fitted = (weakref.ref(model), fit_arguments)
+        return self
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_fitted"}  # the model stays here
+
+    def predict(self, data, **overrides):
+        """gpunb.predict with this run's model, device, precision and batch size."""
+        from gpunb.runtime.predict import predict
+
+        model, fit_arguments = self._fitted_or_error("predict")
+        return predict(model, data, **{**self._feeding(fit_arguments), **overrides})
+
+    def evaluate(self, data, **overrides) -> dict:
+        """gpunb.evaluate with this run's model, loss, metrics, device, precision and batch size."""
+        from gpunb.runtime.predict import evaluate
+
+        model, fit_arguments = self._fitted_or_error("evaluate")
+        chosen = {k: fit_arguments.get(k) for k in ("loss_fn", "step", "metrics")}
+        return evaluate(model, data, **{**chosen, **self._feeding(fit_arguments), **overrides})
+
+    def _feeding(self, fit_arguments) -> dict:
+        return {"batch_size": self.batch_size, "precision": self.precision,
+                "accelerator": self.device.split(":")[0], "transforms": fit_arguments.get("transforms", ())}
+
+    def _fitted_or_error(self, what: str):
+        fitted = getattr(self, "_fitted", None)
+        if fitted is None:
+            from gpunb.errors import GpunbError
+
+            raise GpunbError(f"This TrainResult holds no model to {what} with (it was not returned by "
+                             "Trainer.fit or %%gputrain in this process).",
+                             f"call `gpunb.{what}(model, data)` with the model itself.")
+        model = fitted[0]()
+        if model is None:
+            from gpunb.errors import GpunbError
+
+            raise GpunbError(f"The model this run trained has been deleted, so the result cannot {what}.",
+                             f"keep a reference to the model, or call `gpunb.{what}(model, data)` with one.")
+        return model, fitted[1]
 
     # Display lives in gpunb.render (imported lazily): the result renders without %load_ext.
     def __repr__(self) -> str:
