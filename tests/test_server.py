@@ -141,6 +141,32 @@ async def test_devices_with_fake_gpu(jp_fetch, monkeypatch):
     assert gpu["processes"] == [{"pid": 999_999_999, "used_memory_mb": 512}]
 
 
+async def test_devices_list_mig_instances_as_devices_with_their_memory(jp_fetch, monkeypatch):
+    fake_nvml(monkeypatch)
+    migs = {0: "MIG-aaaa", 1: "MIG-bbbb"}
+
+    def mig_handle(handle, index):
+        if index not in migs:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        return f"mig-{index}"
+
+    fakes = {
+        "nvmlDeviceGetMigMode": lambda handle: (pynvml.NVML_DEVICE_MIG_ENABLE, pynvml.NVML_DEVICE_MIG_ENABLE),
+        "nvmlDeviceGetMaxMigDeviceCount": lambda handle: 7,
+        "nvmlDeviceGetMigDeviceHandleByIndex": mig_handle,
+        "nvmlDeviceGetName": lambda h: "NVIDIA H100 MIG 3g.40gb" if h.startswith("mig") else "NVIDIA H100 80GB HBM3",
+        "nvmlDeviceGetUUID": lambda h: migs[int(h[-1])] if h.startswith("mig") else "GPU-1234",
+        "nvmlDeviceGetMemoryInfo": lambda h: SimpleNamespace(used=GIB, total=(40 if h.startswith("mig") else 80) * GIB),
+    }
+    for name, fake in fakes.items():
+        monkeypatch.setattr(pynvml, name, fake)
+    code, body = await fetch_json(jp_fetch, "GET", "devices")
+    assert code == 200
+    assert [(g["index"], g.get("parent_index"), g["uuid"]) for g in body["gpus"]] == [
+        (0, None, "GPU-1234"), ("0:0", 0, "MIG-aaaa"), ("0:1", 0, "MIG-bbbb")]
+    assert body["gpus"][2]["name"] == "NVIDIA H100 MIG 3g.40gb" and body["gpus"][2]["memory_total_mb"] == 40 * 1024
+
+
 async def test_devices_maps_gpu_processes_to_kernels_and_notebooks(jp_fetch, jp_serverapp, monkeypatch):
     response = await jp_fetch("api", "sessions", method="POST", body=json.dumps(
         {"path": "work/train.ipynb", "type": "notebook", "name": "train.ipynb", "kernel": {"name": "python3"}}))
