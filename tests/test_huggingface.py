@@ -75,6 +75,23 @@ def test_a_tiny_bert_classifier_trains_and_validates_on_dict_batches():
         after = model(**val[:32]).loss.item()
     assert result.final_metrics["val_loss"] == pytest.approx(after, rel=1e-4)
     assert after < before
+    # classification logits and integer labels: accuracy for free, from `.logits` and batch["labels"]
+    with torch.no_grad():
+        accuracy = (model(**val[:32]).logits.argmax(-1) == val[:32]["labels"]).float().mean().item()
+    assert result.final_metrics["val_acc"] == pytest.approx(accuracy)
+
+
+def test_metrics_of_a_model_that_computes_its_own_loss_take_its_logits_and_the_labels():
+    seen = []
+
+    def top_logit(logits, labels):
+        seen.append((tuple(logits.shape), tuple(labels.shape)))
+        return logits.max()
+
+    data = counting_text(n=32)
+    result = Trainer(epochs=1, batch_size=16, track=False).fit(tiny_gpt2(), data, data, metrics={"top": top_logit})
+    assert "val_top" in result.final_metrics and "val_acc" not in result.final_metrics
+    assert seen[-1] == ((16, LENGTH, VOCAB), (16, LENGTH))
 
 
 class Indexed:

@@ -6,7 +6,8 @@ Three ways, checked in this order:
   a single-tensor batch x gives loss_fn(model(x), x) (reconstruction);
 - neither: the model computes its own loss from model(*batch) / model(**batch) and
   returns a scalar, an object with a `.loss` (Hugging Face style), or a tuple holding
-  exactly one scalar such as nanoGPT's `(logits, loss)`.
+  exactly one scalar such as nanoGPT's `(logits, loss)`. Validation metrics then take
+  the output's `.logits` and the batch's "labels" when it has both.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class Objective:
         __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
         n = batch_size_of(batch)
         if self.loss_fn is None:
-            sums = {"val_loss": self.loss(model, batch).float() * n}
+            sums = self._own_loss_sums(model, batch, n)
         else:
             output, target = self._forward(model, batch)
             sums = {"val_loss": _scalar(self._apply_loss(output, target), "loss_fn").float() * n}
@@ -55,6 +56,20 @@ class Objective:
             for name, fn in metrics.items():
                 sums[f"val_{name}"] = torch.as_tensor(fn(output, target), device=output.device).float() * n
         self.val_names = tuple(sums)
+        return sums
+
+    def _own_loss_sums(self, model, batch, n: int) -> dict[str, torch.Tensor]:
+        """Validation of a model that computes its own loss; metrics take its `.logits` and the
+        batch's "labels" (Hugging Face style), when it has both."""
+        if self.step_fn is not None:
+            return {"val_loss": self.loss(model, batch).float() * n}
+        output = _call(model, batch)
+        sums = {"val_loss": _scalar(output, "the model's forward", tuples=True).float() * n}
+        logits = getattr(output, "logits", None)
+        labels = batch.get("labels") if isinstance(batch, dict) else None
+        if isinstance(logits, torch.Tensor) and isinstance(labels, torch.Tensor):
+            for name, fn in (self.metrics or _default_metrics(logits, labels)).items():
+                sums[f"val_{name}"] = torch.as_tensor(fn(logits, labels), device=logits.device).float() * n
         return sums
 
     def _apply_loss(self, output, target):
