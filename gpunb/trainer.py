@@ -43,19 +43,22 @@ class Trainer:
         check_model(model)
         config = self.config
         arguments = dict(optimizer=optimizer, loss_fn=loss_fn, step=step, metrics=metrics)
+        loggers = _loggers(config)  # a missing package fails here, before any work
         if config.devices != 1 and not _in_process_group():
             from gpunb.distributed import launch
 
             if launch.needs_processes(config):
-                # One process per device; this one drives them, the registry is written here.
-                parent = [*_registry_callbacks(config), *callbacks]
-                return launch.fit(config, _rank_entry, model, train_data, val_data, callbacks=parent,
-                                  **arguments)
+                # One process per device; this one drives them: the registry and the loggers write here.
+                parent = [*_registry_callbacks(config), *callbacks, *loggers]
+                return launch.fit(config.replace(loggers=()), _rank_entry, model, train_data, val_data,
+                                  callbacks=parent, **arguments)
         context = LocalContext()
         if _in_process_group():
             from gpunb.distributed.context import current_context
 
             context = current_context(config)  # joins torchrun's group when it is not joined yet
+        if context.rank == 0:
+            callbacks = [*callbacks, *loggers]  # last: they see what the others noted (a profile trace)
         return _rank_entry(config, context, model, train_data, val_data, callbacks=callbacks, **arguments)
 
 
@@ -88,6 +91,14 @@ def _default_callbacks(config, context) -> list:
     if context.rank == 0:
         found.extend(_registry_callbacks(config))
     return found
+
+
+def _loggers(config) -> list:
+    if not config.loggers:
+        return []
+    from gpunb.loggers import make_loggers
+
+    return make_loggers(config)
 
 
 def _registry_callbacks(config) -> list:

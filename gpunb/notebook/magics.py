@@ -35,6 +35,8 @@ class GpuMagics(Magics):
     @argument("--log-every", help="steps between metric reads, or 'auto' (default: ~100 a run, >= 1 an epoch)")
     @argument("--num-workers", help="DataLoader workers: an integer or 'auto'")
     @argument("--name", help="run name for the dashboard and the run registry")
+    @argument("--log", help="loggers, comma-separated: csv, tensorboard, mlflow, wandb")
+    @argument("--log-dir", help="where loggers write (default: <checkpoint-dir>/logs, else ./gpunb_logs)")
     @argument("--out", default="gputrain_result", help="variable that receives the TrainResult")
     @argument("--quiet", action="store_true", help="no live dashboard; only the final summary")
     @argument("--no-track", action="store_true", help="do not record the run in the run registry")
@@ -148,7 +150,7 @@ def _config(args):
         "warmup_steps": args.warmup_steps, "checkpoint_dir": args.checkpoint_dir,
         "checkpoint_every": args.checkpoint_every, "resume": args.resume, "seed": args.seed,
         "log_every": _int_or(args.log_every, "log_every"), "num_workers": _int_or(args.num_workers, "num_workers"),
-        "name": args.name,
+        "name": args.name, "loggers": args.log, "log_dir": args.log_dir,
     }
     chosen = {k: v for k, v in fields.items() if v is not None}
     chosen.update({k: True for k, flag in (("compile", args.compile),

@@ -31,6 +31,7 @@ class TrainResult:
     oom_recoveries: int = 0
     skipped_steps: int = 0  # fp16 steps skipped by the GradScaler (inf/NaN gradients)
     checkpoint_path: str | None = None
+    log_dir: str | None = None  # where the run's loggers wrote (set by them at the end)
     resumed_from: dict | None = None  # path, run, step, epoch, saved_at of the checkpoint resumed
     interrupted: bool = False
     stop_reason: str | None = None
