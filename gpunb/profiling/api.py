@@ -98,12 +98,6 @@ class ProfilerCallback:
             self.recorder.stop()
             _note_trace(state, self.recorder)
 
-
-def _note_trace(state, recorder: Recorder) -> None:
-    """Where the trace is, for the loggers (TensorBoardLogger copies it into its log directory)."""
-    if recorder.trace_path is not None:
-        state.extras["profile_trace"] = recorder.trace_path
-
     def result(self) -> ProfileResult:
         """The ProfileResult of the profiled steps (after `fit` returned)."""
         if self.recorder is None:
@@ -112,6 +106,12 @@ def _note_trace(state, recorder: Recorder) -> None:
         if self._result is None:
             self._result = summarise(self.recorder, kind="training")
         return self._result
+
+
+def _note_trace(state, recorder: Recorder) -> None:
+    """Where the trace is, for the loggers (TensorBoardLogger copies it into its log directory)."""
+    if recorder.trace_path is not None:
+        state.extras["profile_trace"] = recorder.trace_path
 
 
 def summarise(recorder: Recorder, kind: str) -> ProfileResult:
