@@ -169,7 +169,13 @@ def test_tensorboard_has_every_metric_by_step_the_config_and_the_final_hparams(t
     assert events.Scalars("hparam/val_acc")[0].value == pytest.approx(result.final_metrics["val_acc"])
     config_text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "batch_size: 32" in config_text
-    assert "hparams" in events.PluginTagToContent("hparams") or events.PluginTagToContent("hparams")
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    hparams = events.PluginTagToContent("hparams")
+    experiment = HParamsPluginData.FromString(hparams["_hparams_/experiment"]).experiment
+    assert {"hparam/val_acc", "hparam/train_loss"} <= {m.name.tag for m in experiment.metric_infos}
+    session = HParamsPluginData.FromString(hparams["_hparams_/session_start_info"]).session_start_info
+    assert session.hparams["batch_size"].number_value == 32
     assert not glob.glob(os.path.join(result.log_dir, "plugins", "profile", "*"))  # no profile taken
 
 
