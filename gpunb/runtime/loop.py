@@ -33,6 +33,7 @@ from gpunb.runtime.saving import Checkpointer, resume
 from gpunb.runtime.setup import setup
 from gpunb.runtime.step import Stepper
 from gpunb.runtime.teardown import Teardown
+from gpunb.runtime.validation import validate
 from gpunb.runtime.wrap import wrap_model
 
 
@@ -99,6 +100,9 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
         torch.cuda.reset_peak_memory_stats(device)
+    if objective.stateful is not None:
+        objective.stateful.to(device)  # torchmetrics' states live where the outputs are
+        objective.stateful.reset()  # nothing left from an earlier use of the same objects
     # one batch, before any work
     train, val = preflight(model, ready.train, ready.val, objective, precision, device, config)
 
@@ -231,7 +235,7 @@ def _end_epoch(run: _Run, logged: list, timer) -> None:
         row["train_loss"] = epoch_mean_loss(logged)
     if run.val_feed is not None and (state.epoch + 1) % config.val_every == 0:
         with timer.validating():
-            metrics = _validate(run)
+            metrics = validate(run.train_model, run.val_feed, run.objective, run.precision, run.dist)
         row.update(metrics)
         state.latest.update(metrics)
         run.callbacks.call("on_validation_end", state, metrics)
@@ -239,22 +243,6 @@ def _end_epoch(run: _Run, logged: list, timer) -> None:
     state.epochs.append(row)
     run.callbacks.call("on_epoch_end", state, row)
     run.dist.sync_stop(state)  # ranks: a stop asked for at the epoch's end (early stopping) applies now
-
-
-@torch.no_grad()
-def _validate(run: _Run) -> dict:
-    __tracebackhide__ = True  # noqa: F841
-    run.train_model.eval()
-    sums, count = {}, 0
-    for batch in run.val_feed.epoch(0):
-        with run.precision.autocast():
-            batch_sums = run.objective.evaluate(run.train_model, batch)
-        for name, value in batch_sums.items():
-            sums[name] = value if name not in sums else sums[name] + value
-        count += batch_size_of(batch)
-    run.train_model.train()
-    totals = run.dist.reduce_sums(sums, count)  # one sync; sums across ranks when distributed
-    return {name: value for name, value in totals.items()}
 
 
 def _result(run: _Run, timer) -> TrainResult:
