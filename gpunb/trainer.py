@@ -31,6 +31,9 @@ class Trainer:
     samples. The learning rate is never scaled for you: when moving from one device to
     N, raise `lr` yourself if the larger batch calls for it. Under torchrun (or any
     initialised process group) fit joins the group instead of starting processes.
+
+    `loggers=["tensorboard", "csv"]` (or logger objects from gpunb.loggers) write the run
+    from rank 0; `metrics=` takes functions and torchmetrics metrics.
     """
 
     def __init__(self, config: TrainConfig | None = None, **overrides):
