@@ -108,7 +108,7 @@ def test_csv_rows_grow_a_column_for_each_new_metric_and_match_the_result(tmp_pat
         (e["step"], e["epoch"], e["val_acc"]) for e in result.epochs]
     assert all(r["val_acc"] == "" for r in log_rows)  # a row leaves the metrics it has not empty
     config = json.loads((folder / "config.json").read_text())
-    assert config["batch_size"] == 32 and config["run_name"] == "Sequential" and config["loggers"] == '["csv"]'
+    assert config["batch_size"] == 32 and config["run_name"] == "Sequential" and config["loggers"] == ["csv"]
     final = json.loads((folder / "result.json").read_text())
     assert final["status"] == "completed" and final["steps"] == result.steps
     assert final["val_acc"] == pytest.approx(result.final_metrics["val_acc"])

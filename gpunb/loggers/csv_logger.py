@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from gpunb.loggers.base import Logger, final_metrics, flat_config, run_dir
+from gpunb.loggers.base import Logger, final_metrics, run_dir
 
 _FIRST = ["step", "epoch"]
 
@@ -31,7 +31,8 @@ class CSVLogger(Logger):
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rows, self.columns = [], list(_FIRST)
         (self.dir / "metrics.csv").unlink(missing_ok=True)
-        _write_json(self.dir / "config.json", flat_config(state))
+        _write_json(self.dir / "config.json", {"run_name": state.run_name, "world_size": state.world_size,
+                                               **state.config.to_dict()})
 
     def write(self, step: int, metrics: dict, state) -> None:
         row = {"step": step, "epoch": state.epoch, **{k: v for k, v in metrics.items() if k != "epoch"}}
