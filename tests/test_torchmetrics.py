@@ -102,13 +102,14 @@ def test_bad_metrics_still_name_the_forms_that_work():
         Objective(nn.CrossEntropyLoss(), metrics=42)
 
 
-@pytest.mark.parametrize("n, world", [(5, 2), (7, 3), (6, 4), (4, 2)])
+@pytest.mark.parametrize("n, world", [(5, 2), (7, 3), (6, 4), (4, 2), (1, 3)])
 def test_the_shares_repeat_at_most_one_sample_each_and_say_so(n, world):
     orders = [EpochOrder(n, shuffle=True, seed=1, rank=r, world_size=world) for r in range(world)]
     shares = [o.indices(0).tolist() for o in orders]
     unique = [share[:len(share) - o.padding] for share, o in zip(shares, orders)]
     assert sorted(i for share in unique for i in share) == list(range(n))  # each sample once
     assert sum(o.padding for o in orders) == len(orders[0]) * world - n
+    assert {len(share) for share in shares} == {len(orders[0])}  # equal shares: the same forward passes
 
 
 # --- two ranks (gloo): an odd number of validation samples
@@ -129,3 +130,16 @@ def test_two_ranks_count_each_validation_sample_once_and_torchmetrics_see_all_ra
     expected = f1_score(val[1].numpy(), predictions(model, val[0]).argmax(1).numpy(), average="macro")
     assert two.final_metrics["val_f1"] == pytest.approx(expected, abs=1e-6)
     assert one.final_metrics["val_f1"] == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("rank, padding", [(0, 0), (1, 1)])
+def test_a_users_distributed_sampler_says_which_rank_repeats_a_sample(rank, padding):
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from gpunb import TrainConfig
+    from gpunb.runtime.data import build_feed
+
+    dataset = TensorDataset(torch.arange(5.0))
+    loader = DataLoader(dataset, batch_size=2, sampler=DistributedSampler(dataset, num_replicas=2, rank=rank))
+    feed = build_feed(loader, batch_size=2, device=torch.device("cpu"), config=TrainConfig(), train=False)
+    assert feed.padding == padding

@@ -50,7 +50,8 @@ class EpochOrder:
             order = torch.arange(self.n)
         if self.world_size > 1:
             padding = len(self) * self.world_size - self.n
-            order = torch.cat([order, order[:padding]])[self.rank::self.world_size]
+            repeats = -(-padding // max(1, self.n))  # fewer samples than ranks: repeat them all
+            order = torch.cat([order, order.repeat(repeats)[:padding]])[self.rank::self.world_size]
         return order
 
 
