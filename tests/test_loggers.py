@@ -190,6 +190,14 @@ def test_tensorboard_gets_the_profile_trace_in_the_profiler_plugins_layout(tmp_p
     assert profiler.result().steps == 2  # the profiler's own temporary trace is still there for it
 
 
+def test_tensorboard_records_a_failed_run_and_closes_its_file(tmp_path):
+    with pytest.raises(ValueError):
+        fit(tmp_path, "tensorboard", callbacks=[Boom(ValueError("boom"))])
+    events = event_file(tmp_path / "logs" / "Sequential-1")
+    assert events.Tensors("status/text_summary")[0].tensor_proto.string_val[0] == b"failed"
+    assert [e.step for e in events.Scalars("loss")] == [2]  # what was logged before the error stays
+
+
 # --- MLflow
 
 
@@ -231,6 +239,13 @@ def test_mlflow_run_ends_failed_or_killed(tmp_path, monkeypatch, error, status):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     _client, [run] = mlflow_run(tmp_path)
     assert run.info.status == status
+
+
+def test_a_logger_that_cannot_start_raises_its_own_error_and_is_not_finished(tmp_path):
+    from mlflow.exceptions import MlflowException
+
+    with pytest.raises(MlflowException):
+        fit(tmp_path, [MLflowLogger(tracking_uri="nosuchscheme://here")])
 
 
 # --- Weights & Biases
