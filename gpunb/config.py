@@ -22,6 +22,8 @@ _PRECISION_ALIASES = {
 LR_SCHEDULES = ("none", "one-cycle", "cosine")
 _SCHEDULE_ALIASES = {"none": "none", "constant": "none", "one-cycle": "one-cycle",
                      "onecycle": "one-cycle", "cosine": "cosine"}
+LOGGERS = ("csv", "tensorboard", "mlflow", "wandb")
+_LOGGER_ALIASES = {name: name for name in LOGGERS} | {"tb": "tensorboard", "w&b": "wandb"}
 ACCELERATORS = ("auto", "cuda", "mps", "cpu")
 STRATEGIES = ("ddp", "fsdp")
 LOG_POINTS = 100  # log_every="auto" aims at about this many log points a run
@@ -64,6 +66,9 @@ class TrainConfig:
     detect_nan: bool = True  # stop with advice when the loss becomes NaN/inf
     name: str | None = None  # run name shown in dashboards and the run registry
     track: bool = True  # record the run in the run registry (sidebar, gpunb.runs())
+    # "csv", "tensorboard", "mlflow", "wandb" (or "tensorboard,csv") or logger objects; rank 0 writes
+    loggers: Union[str, Sequence[Any]] = ()
+    log_dir: str | None = None  # where loggers write; None: <checkpoint_dir>/logs, else ./gpunb_logs
     # --- checkpoints
     checkpoint_dir: str | None = None  # where checkpoints go; None disables them
     checkpoint_every: int | None = None  # optimizer steps between checkpoints; None: each epoch
@@ -97,6 +102,7 @@ class TrainConfig:
         self.grad_accum = _positive_int("grad_accum", self.grad_accum)
         self.log_every = _positive_or_auto("log_every", self.log_every)
         self.val_every = _positive_int("val_every", self.val_every)
+        self.loggers = _loggers(self.loggers)
         self.keep_last = _positive_int("keep_last", self.keep_last)
         self.warmup_steps = _count("warmup_steps", self.warmup_steps)
         if self.max_steps is not None:
@@ -164,6 +170,8 @@ class TrainConfig:
             value = getattr(self, f.name)
             if f.name == "transforms":
                 value = [getattr(t, "__name__", type(t).__name__) for t in value]
+            elif f.name == "loggers":
+                value = [v if isinstance(v, str) else type(v).__name__ for v in value]
             out[f.name] = value
         return out
 
@@ -189,6 +197,27 @@ def check_mode(mode, owner: str) -> str | None:
                          "pass `mode='min'` for losses or `mode='max'` for accuracy-like metrics, "
                          "or leave it unset to choose by the metric's name.")
     return mode
+
+
+def _loggers(value: Any) -> tuple:
+    """Logger names made canonical ("tb" -> "tensorboard"); logger objects kept as they are."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [part for part in value.split(",") if part.strip()]
+    elif not isinstance(value, (list, tuple)):
+        value = [value]
+    hint = "use " + ", ".join(f"`{name}`" for name in LOGGERS) + ", or a logger object"
+    resolved = []
+    for item in value:
+        if isinstance(item, str):
+            item = _choice("logger", item, _LOGGER_ALIASES, hint)
+        elif not any(callable(getattr(item, event, None)) for event in ("on_log", "on_epoch_end", "on_fit_end")):
+            raise GpunbError(f"loggers got a {type(item).__name__}, which is neither a logger name nor a "
+                             "logger (an object with on_log / on_epoch_end / on_fit_end).", hint + ".")
+        if item not in resolved:
+            resolved.append(item)
+    return tuple(resolved)
 
 
 def _choice(name: str, value: Any, aliases: dict, hint: str) -> str:

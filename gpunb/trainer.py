@@ -31,6 +31,9 @@ class Trainer:
     samples. The learning rate is never scaled for you: when moving from one device to
     N, raise `lr` yourself if the larger batch calls for it. Under torchrun (or any
     initialised process group) fit joins the group instead of starting processes.
+
+    `loggers=["tensorboard", "csv"]` (or logger objects from gpunb.loggers) write the run
+    from rank 0; `metrics=` takes functions and torchmetrics metrics.
     """
 
     def __init__(self, config: TrainConfig | None = None, **overrides):
@@ -43,14 +46,15 @@ class Trainer:
         check_model(model)
         config = self.config
         arguments = dict(optimizer=optimizer, loss_fn=loss_fn, step=step, metrics=metrics)
+        loggers = _loggers(config)  # a missing package fails here, before any work
         if config.devices != 1 and not _in_process_group():
             from gpunb.distributed import launch
 
             if launch.needs_processes(config):
-                # One process per device; this one drives them, the registry is written here.
-                parent = [*_registry_callbacks(config), *callbacks]
-                result = launch.fit(config, _rank_entry, model, train_data, val_data, callbacks=parent,
-                                    **arguments)
+                # One process per device; this one drives them: the registry and the loggers write here.
+                parent = [*_registry_callbacks(config), *callbacks, *loggers]
+                result = launch.fit(config.replace(loggers=()), _rank_entry, model, train_data, val_data,
+                                    callbacks=parent, **arguments)
                 return result.attach(model, loss_fn=loss_fn, step=step, metrics=metrics,
                                      transforms=config.transforms)
         context = LocalContext()
@@ -58,9 +62,10 @@ class Trainer:
             from gpunb.distributed.context import current_context
 
             context = current_context(config)  # joins torchrun's group when it is not joined yet
+        if context.rank == 0:
+            callbacks = [*callbacks, *loggers]  # last: they see what the others noted (a profile trace)
         result = _rank_entry(config, context, model, train_data, val_data, callbacks=callbacks, **arguments)
         return result.attach(model, loss_fn=loss_fn, step=step, metrics=metrics, transforms=config.transforms)
-
 
     def summary(self, model, train_data, val_data=None, *, optimizer=None, loss_fn=None, step=None,
                 metrics=None):
@@ -107,6 +112,14 @@ def _default_callbacks(config, context) -> list:
     if context.rank == 0:
         found.extend(_registry_callbacks(config))
     return found
+
+
+def _loggers(config) -> list:
+    if not config.loggers:
+        return []
+    from gpunb.loggers import make_loggers
+
+    return make_loggers(config)
 
 
 def _registry_callbacks(config) -> list:

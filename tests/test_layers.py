@@ -16,7 +16,7 @@ LAYERS = [
     {"config", "errors", "charts", "units", "render"},
     {"telemetry", "runs"},
     {"runtime"},
-    {"distributed", "profiling"},
+    {"distributed", "profiling", "loggers"},
     {"trainer"},  # the front door: one process, launched processes or a torchrun group
     {"notebook", "server"},  # the magics are a thin front-end over the front door
     {"__init__", "__main__", "cli", "demo"},  # the package's names and the commands

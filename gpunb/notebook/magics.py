@@ -40,6 +40,8 @@ class GpuMagics(Magics):
     @argument("--log-every", help="steps between metric reads, or 'auto' (default: ~100 a run, >= 1 an epoch)")
     @argument("--num-workers", help="DataLoader workers: an integer or 'auto'")
     @argument("--name", help="run name for the dashboard and the run registry")
+    @argument("--log", help="loggers, comma-separated: csv, tensorboard, mlflow, wandb")
+    @argument("--log-dir", help="where loggers write (default: <checkpoint-dir>/logs, else ./gpunb_logs)")
     @argument("--out", default="gputrain_result", help="variable that receives the TrainResult")
     @argument("--quiet", action="store_true", help="no live dashboard; only the final summary")
     @argument("--no-track", action="store_true", help="do not record the run in the run registry")
@@ -165,6 +167,7 @@ def _config(args):
         "log_every": _int_or(args.log_every, "log_every"), "num_workers": _int_or(args.num_workers, "num_workers"),
         "name": args.name, "save_top_k": args.save_top_k, "monitor": args.monitor, "mode": args.mode,
         "val_every_steps": args.val_every_steps,
+        "loggers": args.log, "log_dir": args.log_dir,
     }
     chosen = {k: v for k, v in fields.items() if v is not None}
     chosen.update({k: True for k, flag in (("compile", args.compile),

@@ -82,6 +82,7 @@ class ProfilerCallback:
     def on_step_end(self, state) -> None:
         if self.recorder is not None and not self.recorder.done and self.recorder.step():
             state.profile = False
+            _note_trace(state, self.recorder)
             if self.stop:
                 state.request_stop(f"profiled {self.steps} steps")
 
@@ -95,6 +96,7 @@ class ProfilerCallback:
         state.profile = False
         if self.recorder is not None:
             self.recorder.stop()
+            _note_trace(state, self.recorder)
 
     def result(self) -> ProfileResult:
         """The ProfileResult of the profiled steps (after `fit` returned)."""
@@ -104,6 +106,12 @@ class ProfilerCallback:
         if self._result is None:
             self._result = summarise(self.recorder, kind="training")
         return self._result
+
+
+def _note_trace(state, recorder: Recorder) -> None:
+    """Where the trace is, for the loggers (TensorBoardLogger copies it into its log directory)."""
+    if recorder.trace_path is not None:
+        state.extras["profile_trace"] = recorder.trace_path
 
 
 def summarise(recorder: Recorder, kind: str) -> ProfileResult:

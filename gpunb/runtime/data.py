@@ -37,6 +37,12 @@ class EpochOrder:
     def __len__(self) -> int:
         return -(-self.n // self.world_size)
 
+    @property
+    def padding(self) -> int:
+        """Samples at the end of this rank's share that repeat others' (0 or 1): the shares are
+        made equal by repeating the first samples, as DistributedSampler does."""
+        return int(self.world_size > 1 and (len(self) - 1) * self.world_size + self.rank >= self.n)
+
     def indices(self, epoch: int) -> torch.Tensor:
         if self.shuffle:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
@@ -45,7 +51,8 @@ class EpochOrder:
             order = torch.arange(self.n)
         if self.world_size > 1:
             padding = len(self) * self.world_size - self.n
-            order = torch.cat([order, order[:padding]])[self.rank::self.world_size]
+            repeats = -(-padding // max(1, self.n))  # fewer samples than ranks: repeat them all
+            order = torch.cat([order, order.repeat(repeats)[:padding]])[self.rank::self.world_size]
         return order
 
 
@@ -68,6 +75,7 @@ class TensorFeed:
         self.device, self.drop_last, self.transforms = device, drop_last, transforms
         self.prefetch = (CudaPrefetcher(device) if device.type == "cuda"
                          and tensors[0].device.type == "cpu" else None)
+        self.padding = order.padding  # repeated samples at the end of each epoch (see EpochOrder)
 
     @property
     def num_batches(self) -> int:
@@ -90,6 +98,7 @@ class LoaderFeed:
         self.loader, self.device, self.transforms, self.sampler = loader, device, transforms, sampler
         self.prefetch = CudaPrefetcher(device) if device.type == "cuda" else None
         self.batch_size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+        self.padding = sampler.order.padding if sampler is not None else _sampler_padding(loader.sampler)
         try:
             self.num_batches = len(loader)  # measured before any resume offset is set
         except TypeError:  # an IterableDataset without __len__
@@ -138,6 +147,18 @@ def build_feed(data, *, batch_size, device, config, rank=0, world_size=1, train=
         batch_sampler = SeededBatchSampler(batch_sampler, sampler, config.seed)
     loader = _own_loader(data, options, batch_sampler=batch_sampler, generator=loader_generator(config.seed))
     return LoaderFeed(loader, device, transforms, sampler)
+
+
+def _sampler_padding(sampler) -> int:
+    """A user's DistributedSampler repeats samples to even out the shares: 1 at the end of this
+    rank's share, or 0 (as EpochOrder.padding)."""
+    if not hasattr(sampler, "num_replicas") or getattr(sampler, "drop_last", True):
+        return 0
+    try:
+        n = len(sampler.dataset)
+    except TypeError:
+        return 0
+    return int((sampler.num_samples - 1) * sampler.num_replicas + sampler.rank >= n)
 
 
 def _needs_sharding(loader: DataLoader) -> bool:

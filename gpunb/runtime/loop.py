@@ -105,6 +105,9 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
         torch.cuda.reset_peak_memory_stats(device)
+    if objective.stateful is not None:
+        objective.stateful.to(device)  # torchmetrics' states live where the outputs are
+        objective.stateful.reset()  # nothing left from an earlier use of the same objects
     # one batch, before any work
     train, val = preflight(model, ready.train, ready.val, objective, precision, device, config)
     val_names = validation_names(objective, val is not None)

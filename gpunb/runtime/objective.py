@@ -18,6 +18,7 @@ import torch
 
 from gpunb.errors import GpunbError
 from gpunb.runtime.inputs import batch_size_of
+from gpunb.runtime.metrics import StatefulMetrics, is_stateful, stateful_name
 
 
 class Objective:
@@ -30,7 +31,8 @@ class Objective:
                 raise GpunbError(f"`{name}` must be callable, got a {type(value).__name__}.",
                                  "pass e.g. `loss_fn=torch.nn.CrossEntropyLoss()`.")
         self.loss_fn, self.step_fn = loss_fn, step
-        self.metrics = _metric_functions(metrics)
+        self.metrics, stateful = _metric_functions(metrics)
+        self.stateful = StatefulMetrics(stateful) if stateful else None  # torchmetrics
         self.val_names = None  # the names evaluate() gave, once it has run (see monitor.py)
 
     def loss(self, model, batch) -> torch.Tensor:
@@ -43,33 +45,47 @@ class Objective:
             return _scalar(self._apply_loss(output, target), "loss_fn(output, target)")
         return _scalar(_call(model, batch), "the model's forward", tuples=True)
 
-    def evaluate(self, model, batch) -> dict[str, torch.Tensor]:
-        """Device-side sums for validation: loss and each metric, weighted by batch size."""
+    def evaluate(self, model, batch, score: bool = True) -> dict[str, torch.Tensor]:
+        """Device-side sums for validation: loss and each metric, weighted by batch size;
+        torchmetrics are updated with the batch (computed once the pass is over).
+        `score=False`: the forward pass alone, nothing counted (see validation.py)."""
         __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
         n = batch_size_of(batch)
         if self.loss_fn is None:
-            sums = self._own_loss_sums(model, batch, n)
+            sums = self._own_loss_sums(model, batch, n, score)
         else:
             output, target = self._forward(model, batch)
+            if not score:
+                return {}
             sums = {"val_loss": _scalar(self._apply_loss(output, target), "loss_fn").float() * n}
-            metrics = self.metrics or _default_metrics(output, target)
-            for name, fn in metrics.items():
-                sums[f"val_{name}"] = torch.as_tensor(fn(output, target), device=output.device).float() * n
-        self.val_names = tuple(sums)
+            sums.update(self._metric_sums(output, target, n))
+        if score:
+            self.val_names = tuple(sums) + (self.stateful.names() if self.stateful is not None else ())
         return sums
 
-    def _own_loss_sums(self, model, batch, n: int) -> dict[str, torch.Tensor]:
+    def _own_loss_sums(self, model, batch, n: int, score: bool) -> dict[str, torch.Tensor]:
         """Validation of a model that computes its own loss; metrics take its `.logits` and the
         batch's "labels" (Hugging Face style), when it has both."""
         if self.step_fn is not None:
-            return {"val_loss": self.loss(model, batch).float() * n}
+            loss = self.loss(model, batch)
+            return {"val_loss": loss.float() * n} if score else {}
         output = _call(model, batch)
+        if not score:
+            return {}
         sums = {"val_loss": _scalar(output, "the model's forward", tuples=True).float() * n}
         logits = getattr(output, "logits", None)
         labels = batch.get("labels") if isinstance(batch, dict) else None
         if isinstance(logits, torch.Tensor) and isinstance(labels, torch.Tensor):
-            for name, fn in (self.metrics or _default_metrics(logits, labels)).items():
-                sums[f"val_{name}"] = torch.as_tensor(fn(logits, labels), device=logits.device).float() * n
+            sums.update(self._metric_sums(logits, labels, n))
+        return sums
+
+    def _metric_sums(self, output, target, n: int) -> dict[str, torch.Tensor]:
+        """Each plain metric weighted by the batch size; the torchmetrics take the batch."""
+        if self.stateful is not None:
+            self.stateful.update(output, target)
+        metrics = self.metrics if self.metrics or self.stateful else _default_metrics(output, target)
+        return {f"val_{name}": torch.as_tensor(fn(output, target), device=output.device).float() * n
+                for name, fn in metrics.items()}
         return sums
 
     def _apply_loss(self, output, target):
@@ -129,27 +145,42 @@ def _default_metrics(output, target) -> dict:
     return {}
 
 
-def _metric_functions(metrics) -> dict:
+def _metric_functions(metrics) -> tuple[dict, dict]:
+    """(plain functions by name, torchmetrics by name) from what `metrics=` was given."""
     if metrics is None:
-        return {}
-    if callable(metrics) and not isinstance(metrics, (list, tuple, dict)):
-        metrics = {getattr(metrics, "__name__", "metric"): metrics}
+        return {}, {}
+    if is_stateful(metrics):
+        metrics = [metrics]
+    if isinstance(metrics, str) or (callable(metrics) and not isinstance(metrics, (list, tuple, dict))):
+        metrics = [metrics]
     if isinstance(metrics, (list, tuple)):
-        metrics = {(m if isinstance(m, str) else m.__name__): m for m in metrics}
+        metrics = {_name_of(m): m for m in metrics}
     if not isinstance(metrics, dict):
         raise GpunbError(f"`metrics` must be a dict of name -> fn(output, target), a list, or "
                          f"'accuracy'; got a {type(metrics).__name__}.",
-                         "pass e.g. `metrics=['accuracy']`, or `metrics={'f1': my_f1}` with "
-                         "`my_f1(output, target) -> scalar tensor`.")
-    resolved = {}
+                         "pass e.g. `metrics=['accuracy']`, `metrics={'f1': my_f1}` with "
+                         "`my_f1(output, target) -> scalar tensor`, or a torchmetrics Metric.")
+    functions, stateful = {}, {}
     for name, fn in metrics.items():
-        if fn in ("accuracy", "acc"):
+        if is_stateful(fn):
+            stateful[name] = fn
+            continue
+        if isinstance(fn, str) and fn in ("accuracy", "acc"):
             name, fn = "acc", accuracy
         if not callable(fn):
             raise GpunbError(f"Metric {name!r} is not callable and not a built-in name.",
-                             "built-in: 'accuracy'; or pass fn(output, target) -> scalar tensor.")
-        resolved[name] = fn
-    return resolved
+                             "built-in: 'accuracy'; or pass fn(output, target) -> scalar tensor, "
+                             "or a torchmetrics Metric.")
+        functions[name] = fn
+    return functions, stateful
+
+
+def _name_of(metric) -> str:
+    if isinstance(metric, str):
+        return metric
+    if is_stateful(metric):
+        return stateful_name(metric)
+    return getattr(metric, "__name__", "metric")
 
 
 _THREE_WAYS = ("pass `loss_fn=` (e.g. `torch.nn.CrossEntropyLoss()`: gpunb then calls `model(inputs)` "

@@ -67,10 +67,16 @@ def evaluate(model, data, *, metrics=None, loss_fn=None, step=None, batch_size: 
     objective = Objective(loss_fn, step, metrics)
     job = _Job(model, data, _config(batch_size, precision, devices, accelerator, num_workers,
                                     gpu_resident, transforms))
+    if objective.stateful is not None:
+        objective.stateful.to(job.device)
+        objective.stateful.reset()
     with _eval_mode(model):
         sums, count = validation_sums(model, job.feed.epoch(0), objective, job.precision)
     sums, count = job.gather_sums(sums, count)
-    return LocalContext().reduce_sums(sums, count)
+    metrics = LocalContext().reduce_sums(sums, count)
+    if objective.stateful is not None:
+        metrics.update(objective.stateful.compute())  # over every rank's share under a process group
+    return metrics
 
 
 def _config(batch_size, precision, devices_, accelerator, num_workers, gpu_resident, transforms) -> TrainConfig:

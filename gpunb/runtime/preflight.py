@@ -100,6 +100,8 @@ def _check_batch(model, objective, precision, data, device, config, what, traini
                 objective.loss(model, batch)
             else:
                 objective.evaluate(model, batch)
+                if objective.stateful is not None:
+                    objective.stateful.reset()  # a check: this batch counts in no validation
     except GpunbError:
         raise  # already says what and how to fix it
     except torch.OutOfMemoryError:

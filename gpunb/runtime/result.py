@@ -37,6 +37,7 @@ class TrainResult:
     best_value: float | None = None
     best_step: int | None = None
     restored_best: bool = False  # restore_best: the model holds the best checkpoint's weights
+    log_dir: str | None = None  # where the run's loggers wrote (set by them at the end)
     resumed_from: dict | None = None  # path, run, step, epoch, saved_at of the checkpoint resumed
     interrupted: bool = False
     stop_reason: str | None = None

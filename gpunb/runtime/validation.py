@@ -8,7 +8,7 @@ a run resumed from there neither repeats it nor skips it.
 
 from __future__ import annotations
 
-from gpunb.runtime.evaluation import validation_sums
+from gpunb.runtime.evaluation import validation_pass
 
 
 def due_at_step(run) -> bool:
@@ -50,7 +50,4 @@ def epoch_metrics(state) -> dict:
 
 def _evaluate(run) -> dict:
     __tracebackhide__ = True  # noqa: F841
-    run.train_model.eval()
-    sums, count = validation_sums(run.train_model, run.val_feed.epoch(0), run.objective, run.precision)
-    run.train_model.train()
-    return run.dist.reduce_sums(sums, count)  # one sync; sums across ranks when distributed
+    return validation_pass(run.train_model, run.val_feed, run.objective, run.precision, run.dist.reduce_sums)

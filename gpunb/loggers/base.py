@@ -1,0 +1,137 @@
+"""What every logger shares: the run's directory, which numbers a row holds, how a run ended.
+
+A logger is a plain callback. It writes only on rank 0 (the notebook's side of a
+multi-device run is rank 0 too) and hears, in order:
+
+    on_fit_start     opens its run and records the config
+    on_log           the log interval's row (loss, lr, samples_per_s, ...) at its step
+    on_epoch_end     the epoch's row (train_loss, val_*, epoch) at the epoch's last step
+    on_fit_end       the final metrics; closes the run (completed, stopped or interrupted)
+    on_exception     closes the run as failed (or interrupted, for a KeyboardInterrupt)
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from pathlib import Path
+
+from gpunb.errors import GpunbError
+
+LOG_DIR_KEY = "log_dir"  # state.extras: the fit's run directory, shared by its loggers
+_NOT_METRICS = {"step", "steps", "epoch"}  # a log row's counters, not measurements
+_EPOCH_ROW_SKIP = {"step", "elapsed_s"}  # elapsed_s is in the log rows already
+
+
+def require(module: str, package: str):
+    """Import an optional package, or say which `pip install` brings it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise GpunbError(f"This logger needs the `{package}` package, which is not installed ({error}).",
+                         f"`pip install gpunb[loggers]` (or `pip install {package}`), then run the "
+                         "cell again.") from None
+
+
+def log_root(config) -> Path:
+    """Where a fit's run directories go: log_dir, else <checkpoint_dir>/logs, else ./gpunb_logs."""
+    if config.log_dir:
+        return Path(config.log_dir)
+    if config.checkpoint_dir:
+        return Path(config.checkpoint_dir) / "logs"
+    return Path("gpunb_logs")
+
+
+def run_dir(state) -> Path:
+    """This fit's directory, `<root>/<run name>-<n>` with the first free n; the same for all its loggers."""
+    if LOG_DIR_KEY not in state.extras:
+        root = log_root(state.config)
+        root.mkdir(parents=True, exist_ok=True)
+        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in state.run_name)
+        number = 1
+        while True:
+            try:
+                (root / f"{name}-{number}").mkdir()
+                break
+            except FileExistsError:
+                number += 1
+        state.extras[LOG_DIR_KEY] = str(root / f"{name}-{number}")
+    return Path(state.extras[LOG_DIR_KEY])
+
+
+def numbers(row: dict, skip=_NOT_METRICS) -> dict:
+    """The finite numbers of a row, without its counters."""
+    return {k: float(v) for k, v in row.items()
+            if k not in skip and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def flat_config(state) -> dict:
+    """The config as one level of JSON-friendly values (extras as `extras/<key>`) plus the run's name."""
+    flat = {"run_name": state.run_name, "world_size": state.world_size}
+    for key, value in state.config.to_dict().items():
+        if isinstance(value, dict):
+            flat.update({f"{key}/{k}": _plain(v) for k, v in value.items()})
+        else:
+            flat[key] = _plain(value)
+    return flat
+
+
+def _plain(value):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return json.dumps([_plain(v) for v in value])
+    return str(value)
+
+
+def final_metrics(state) -> dict:
+    """The run's final metrics and counts, from state.result."""
+    result = state.result
+    return {**numbers(result.final_metrics), "steps": result.steps, "samples": result.samples}
+
+
+def outcome(state=None, error: BaseException | None = None) -> str:
+    """completed, stopped, interrupted or failed."""
+    if error is not None:
+        return "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+    return state.result.status
+
+
+class Logger:
+    """The events, with the rank-0 guard; a logger defines start, write, finish."""
+
+    def on_fit_start(self, state) -> None:
+        self._active = False
+        if state.rank == 0:
+            self.start(state)
+            self._active = True  # only a run that started is finished
+
+    def on_log(self, state, row) -> None:
+        if getattr(self, "_active", False):
+            self.write(row["step"], numbers(row), state)
+
+    def on_epoch_end(self, state, row) -> None:
+        if getattr(self, "_active", False):
+            self.write(row["step"], numbers(row, _EPOCH_ROW_SKIP), state)
+
+    def on_fit_end(self, state) -> None:
+        if getattr(self, "_active", False):
+            self._active = False
+            if state.result is not None and LOG_DIR_KEY in state.extras:
+                state.result.log_dir = state.extras[LOG_DIR_KEY]
+            self.finish(state, outcome(state))
+
+    def on_exception(self, state, error) -> None:
+        if getattr(self, "_active", False):
+            self._active = False
+            self.finish(state, outcome(error=error))
+
+    def start(self, state) -> None:
+        raise NotImplementedError
+
+    def write(self, step: int, metrics: dict, state) -> None:
+        raise NotImplementedError
+
+    def finish(self, state, status: str) -> None:
+        raise NotImplementedError
