@@ -107,7 +107,7 @@ def _fit(rank: int, plan: Plan, args: FitArgs, queue, stop) -> dict:
         optimizer.load_state_dict(optimizer.state_dict())
     callbacks = [Relay(queue, stop)] if rank == 0 else []
     result = plan.entry(args.config, current_context(args.config), model, args.train_data, args.val_data,
-                        optimizer=optimizer, loss_fn=args.loss_fn, step=args.step, metrics=args.metrics,
+                        optimizer=optimizer, scheduler=args.scheduler, loss_fn=args.loss_fn, step=args.step, metrics=args.metrics,
                         callbacks=callbacks)
     # Every rank takes part (FSDP gathers the shards); rank 0 writes the weights.
     returned_optimizer = optimizer if plan.return_optimizer else None

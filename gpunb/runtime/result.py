@@ -36,6 +36,10 @@ class TrainResult:
     stop_reason: str | None = None
     energy_j: float | None = None  # GPU energy over the run (NVIDIA only)
     per_rank: list = field(default_factory=list)  # timings of each rank in multi-process runs
+    # with `ema`: the averaged weights on the CPU, keyed like model.state_dict() (`model.load_state_dict(...)`)
+    ema_state_dict: dict | None = field(default=None, repr=False)
+    # what `fit(..., continue_from=result)` goes on from (optimizer, schedule, step; one-process fits)
+    continue_state: object = field(default=None, repr=False)
 
     @property
     def effective_batch_size(self) -> int:
