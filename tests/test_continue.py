@@ -158,3 +158,13 @@ def test_gputrain_continue_on_a_new_model_is_refused(ip):
     ip.run_cell_magic("gputrain", f"--epochs 1 {OPTIONS}", CELL)
     with pytest.raises(UsageError, match="result of a fit of another model"):
         ip.run_cell_magic("gputrain", f"--continue {OPTIONS}", CELL)  # the cell builds a new model
+
+
+def test_gputrain_continue_after_the_result_was_deleted_is_refused(ip):
+    import gc
+
+    ip.run_cell_magic("gputrain", f"--epochs 1 {OPTIONS}", CELL)
+    del ip.user_ns["gputrain_result"]  # the optimizer state lives only as long as the result
+    gc.collect()
+    with pytest.raises(UsageError, match="its result, which holds the optimizer state, was deleted"):
+        ip.run_cell_magic("gputrain", f"--continue {OPTIONS}", "# go on")

@@ -240,13 +240,17 @@ def _remember(config, found, args, result) -> None:
     """Keep the variable names (not the objects) of a fit that ran, for `%gpuprofile --train`,
     and what `--continue` goes on from.
 
-    Holding names lets the model and data be freed when the user deletes them; the continue
-    state holds the model only weakly (and the optimizer, which `--continue` needs).
+    Holding names lets the model and data be freed when the user deletes them. The continue
+    state (the optimizer, the weight average) is held weakly too: it lives as long as the
+    result does, so `del gputrain_result` frees its memory.
     """
+    import weakref
+
     from gpunb.notebook import session
 
     names = {role: getattr(args, f"{role}_name") for role in SETUP if found[role] is not None}
-    session.LAST_TRAIN = session.LastTrain(config, names, result.continue_state)
+    kept = weakref.ref(result.continue_state) if result.continue_state is not None else None
+    session.LAST_TRAIN = session.LastTrain(config, names, kept)
 
 
 def _previous_fit(wanted: bool):
@@ -256,12 +260,18 @@ def _previous_fit(wanted: bool):
     from gpunb.notebook import session
 
     last = session.LAST_TRAIN
-    if last is None or last.continue_state is None:
-        why = ("no %%gputrain has trained in this kernel yet" if last is None
-               else "the last one ran in several processes")
+    kept = last.continue_state() if last is not None and last.continue_state is not None else None
+    if kept is None:
+        if last is None:
+            why = "no %%gputrain has trained in this kernel yet"
+        elif last.continue_state is None:
+            why = "the last one ran in several processes, which keep no optimizer here"
+        else:
+            why = "its result, which holds the optimizer state, was deleted"
         raise UsageError(f"--continue goes on from the last %%gputrain, and {why}.\n"
-                         "HINT: run the cell without `--continue` first (with `--devices 1` to continue it later).")
-    return last.continue_state
+                         "HINT: run the cell without `--continue` first (with `--devices 1`, and keep "
+                         "`gputrain_result`, to continue it later).")
+    return kept
 
 
 def _named_options(line: str) -> frozenset:

@@ -15,7 +15,7 @@ class LastTrain:
 
     config: object  # the TrainConfig the magic built
     names: dict  # role -> variable name, for the roles the cell provided (model, train_data, ...)
-    continue_state: object = None  # the fit's runtime.continuing.ContinueState, for `--continue`
+    continue_state: object = None  # weakref to the fit's runtime.continuing.ContinueState (`--continue`)
 
 
 LAST_TRAIN: LastTrain | None = None

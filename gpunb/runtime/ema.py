@@ -36,6 +36,8 @@ class WeightEma:
         with torch.no_grad():
             self.averaged = [p.detach().clone() for p in self.params]
             self.averaged_buffers = [b.detach().clone() for b in self.buffers]
+        self.floating = [i for i, p in enumerate(self.params) if p.is_floating_point()]  # averaged
+        self.whole = [i for i, p in enumerate(self.params) if not p.is_floating_point()]  # copied
         self.updates = 0  # optimizer steps averaged so far (decides the warm-up decay)
 
     def reset(self) -> None:
@@ -58,15 +60,14 @@ class WeightEma:
         the optimizer step was taken and 0 when the loss scaler skipped it (None: taken)."""
         weight = 1.0 - self.decay_at(self.updates)
         self.updates += 1
-        floating = [(a, p) for a, p in zip(self.averaged, self.params) if a.is_floating_point()]
-        if floating:
-            averaged, current = zip(*floating)
+        # Listed afresh each time: a swap (see _swap) leaves other tensor objects in `averaged`.
+        averaged = [self.averaged[i] for i in self.floating]
+        if averaged:
             if taken is not None:
                 weight = taken.to(averaged[0].dtype) * weight  # device op: no sync
-            torch._foreach_lerp_(list(averaged), list(current), weight)
-        for a, p in zip(self.averaged, self.params):
-            if not a.is_floating_point():
-                a.copy_(p)
+            torch._foreach_lerp_(averaged, [self.params[i] for i in self.floating], weight)
+        for i in self.whole:
+            self.averaged[i].copy_(self.params[i])
         if self.buffers:
             torch._foreach_copy_(self.averaged_buffers, self.buffers)
 

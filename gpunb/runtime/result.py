@@ -38,7 +38,8 @@ class TrainResult:
     per_rank: list = field(default_factory=list)  # timings of each rank in multi-process runs
     # with `ema`: the averaged weights on the CPU, keyed like model.state_dict() (`model.load_state_dict(...)`)
     ema_state_dict: dict | None = field(default=None, repr=False)
-    # what `fit(..., continue_from=result)` goes on from (optimizer, schedule, step; one-process fits)
+    # what `fit(..., continue_from=result)` goes on from (optimizer, schedule, step; one-process
+    # fits); it keeps the optimizer state alive: set it to None to free that memory
     continue_state: object = field(default=None, repr=False)
 
     @property
