@@ -178,3 +178,22 @@ def test_ddp_ranks_average_alike_and_send_the_average_back():
     assert result.world_size == 2 and result.continue_state is None
     for name, value in model.state_dict().items():  # rank 0's weights, averaged and applied
         assert torch.equal(value, result.ema_state_dict[name]), name
+
+
+def test_an_fp16_step_the_loss_scaler_skips_does_not_move_the_average():
+    from gpunb.runtime.precision import Precision
+
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    precision = Precision("16-mixed", torch.device("cpu"))
+    ema = WeightEma(model, 0.5, warmup=False)
+    before = [a.clone() for a in ema.averaged]
+    precision.backward(model(torch.randn(4, 3)).sum() * float("inf"))
+    precision.step(optimizer)  # inf gradients: skipped
+    ema.update(precision.step_taken)
+    assert not precision.step_taken and all(torch.equal(a, b) for a, b in zip(ema.averaged, before))
+    optimizer.zero_grad()
+    precision.backward(model(torch.randn(4, 3)).sum())
+    precision.step(optimizer)
+    ema.update(precision.step_taken)
+    assert precision.step_taken and not torch.equal(ema.averaged[0], before[0])
