@@ -168,3 +168,9 @@ def test_gputrain_continue_after_the_result_was_deleted_is_refused(ip):
     gc.collect()
     with pytest.raises(UsageError, match="its result, which holds the optimizer state, was deleted"):
         ip.run_cell_magic("gputrain", f"--continue {OPTIONS}", "# go on")
+
+
+@pytest.mark.parametrize("option", ["--export out.py", "--find-lr"])
+def test_gputrain_continue_with_export_or_find_lr_is_refused(ip, option):
+    with pytest.raises(UsageError, match=f"--continue trains on from the last fit, and {option.split()[0]}"):
+        ip.run_cell_magic("gputrain", f"--continue {option} {OPTIONS}", CELL)

@@ -197,3 +197,36 @@ def test_an_fp16_step_the_loss_scaler_skips_does_not_move_the_average():
     precision.step(optimizer)
     ema.update(precision.step_taken)
     assert precision.step_taken and not torch.equal(ema.averaged[0], before[0])
+
+
+@pytest.fixture
+def ip():
+    import IPython
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython() or IPython.get_ipython()
+    shell.run_line_magic("load_ext", "gpunb")
+    shell.user_ns.clear()
+    shell.run_cell("import torch\nfrom torch import nn\nfrom conftest import classification_data, mlp\n"
+                   "x, y = classification_data(n=96)")
+    yield shell
+    shell.user_ns.clear()
+
+
+CELL = "model = mlp()\ntrain_data = (x, y)\nloss_fn = nn.CrossEntropyLoss()\n"
+
+
+def test_gputrain_ema_options(ip):
+    ip.run_cell_magic("gputrain", "--epochs 1 --batch-size 16 --ema 0.99 --ema-apply --quiet --no-track", CELL)
+    result = ip.user_ns["gputrain_result"]
+    assert (result.config["ema"], result.config["ema_apply"]) == (0.99, True)
+    for name, value in ip.user_ns["model"].state_dict().items():
+        assert torch.equal(value, result.ema_state_dict[name]), name
+
+
+def test_gputrain_refuses_a_bad_decay_with_the_option_to_use(ip):
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError, match=r"ema must be a decay between 0 and 1, got 2\.0") as error:
+        ip.run_cell_magic("gputrain", "--ema 2 --quiet --no-track", CELL)
+    assert "`--ema 0.999`" in str(error.value)

@@ -77,6 +77,10 @@ class GpuMagics(Magics):
         __tracebackhide__ = True  # noqa: F841 (errors from the user's model show their own frames)
         args = parse_argstring(self.gputrain, line)
         config = _config(args)
+        if args.continue_fit and (args.export or args.find_lr):
+            other = "--export" if args.export else "--find-lr"
+            raise UsageError(f"--continue trains on from the last fit, and {other} does not train here.\n"
+                             f"HINT: drop `--continue` to {'export the cell' if args.export else 'sweep the learning rate'}.")
         if args.export:
             return self._export(args, line, cell, config)
         before = {name: id(value) for name, value in self.shell.user_ns.items()}
