@@ -55,7 +55,9 @@ class TrainConfig:
     warmup_steps: int = 0  # linear warmup steps for the cosine schedule
     ema: float | None = None  # decay of an average of the weights (e.g. 0.999), used for validation; None: off
     ema_warmup: bool = True  # the average's decay grows as min(ema, (1 + n) / (10 + n)) over updates n
-    ema_apply: bool = False  # at the end, load the averaged weights into the model (else: result.ema_state_dict)
+    # at the end, load the averaged weights into the model (else: result.ema_state_dict); restore_best
+    # goes first: it loads the best checkpoint's averaged weights, the ones validated
+    ema_apply: bool = False
     # --- data
     num_workers: Union[int, str] = "auto"  # DataLoader workers, or "auto"
     gpu_resident: Union[bool, str] = "auto"  # keep tensor data on the GPU: "auto", True or False
@@ -63,6 +65,7 @@ class TrainConfig:
     # --- logging and safety
     log_every: Union[int, str] = "auto"  # steps between metric reads (the only host syncs); "auto": ~100 a run, >= 1 an epoch
     val_every: int = 1  # epochs between validation passes
+    val_every_steps: int | None = None  # validate every N optimizer steps instead of at epoch ends
     detect_nan: bool = True  # stop with advice when the loss becomes NaN/inf
     name: str | None = None  # run name shown in dashboards and the run registry
     track: bool = True  # record the run in the run registry (sidebar, gpunb.runs())
@@ -70,7 +73,11 @@ class TrainConfig:
     checkpoint_dir: str | None = None  # where checkpoints go; None disables them
     checkpoint_every: int | None = None  # optimizer steps between checkpoints; None: each epoch
     keep_last: int = 3  # checkpoints kept on disk
-    resume: Union[bool, str, None] = None  # True/"last": newest in checkpoint_dir; or a path
+    resume: Union[bool, str, None] = None  # True/"last": newest in checkpoint_dir; "best"; or a path
+    save_top_k: int = 0  # also keep the k best checkpoints by `monitor` (0: off)
+    monitor: str | None = None  # validation metric that ranks them (None: "val_loss")
+    mode: str | None = None  # "min" or "max" (None: "max" for acc/f1/auroc/precision/recall..., else "min")
+    restore_best: bool = False  # load the best checkpoint's weights into the model when fit ends
     # --- reproducibility
     seed: int | None = 0  # seeds python, numpy and torch; None leaves RNGs alone
     deterministic: bool = False  # deterministic algorithms (slower; errors on ops without one)
@@ -99,6 +106,9 @@ class TrainConfig:
         self.warmup_steps = _count("warmup_steps", self.warmup_steps)
         if self.max_steps is not None:
             self.max_steps = _positive_int("max_steps", self.max_steps)
+        if self.val_every_steps is not None:
+            self.val_every_steps = _positive_int("val_every_steps", self.val_every_steps)
+        self._check_best()
         if self.checkpoint_every is not None:
             self.checkpoint_every = _positive_int("checkpoint_every", self.checkpoint_every)
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
@@ -115,9 +125,26 @@ class TrainConfig:
             raise GpunbError(f"lr must be positive, got {self.lr!r}.", "pass e.g. `lr=3e-4`.")
         if self.gpu_resident not in ("auto", True, False):
             raise GpunbError(f"gpu_resident must be 'auto', True or False, got {self.gpu_resident!r}.")
-        if self.resume and not self.checkpoint_dir and self.resume in (True, "last"):
-            raise GpunbError("resume='last' needs a checkpoint_dir to look in.",
+        if self.resume and not self.checkpoint_dir and self.resume in (True, "last", "best"):
+            which = "best" if self.resume == "best" else "last"
+            raise GpunbError(f"resume='{which}' needs a checkpoint_dir to look in.",
                              "pass `checkpoint_dir=...` too, or `resume=<path to a checkpoint>`.")
+
+    def _check_best(self) -> None:
+        """save_top_k / monitor / mode / restore_best: what they need, before any work."""
+        self.save_top_k = _count("save_top_k", self.save_top_k)
+        check_mode(self.mode, "TrainConfig")
+        if self.save_top_k and not self.checkpoint_dir:
+            raise GpunbError(f"save_top_k={self.save_top_k} keeps the best checkpoints, and no "
+                             "checkpoint_dir is set to write them to.",
+                             "pass `checkpoint_dir='checkpoints'` too, or drop `save_top_k`.")
+        if self.restore_best and not self.save_top_k:
+            raise GpunbError("restore_best=True loads the best checkpoint's weights at the end, and "
+                             "save_top_k is 0, so no best checkpoint is kept.",
+                             "pass `save_top_k=1` and a `checkpoint_dir` too.")
+        if self.monitor is not None and not isinstance(self.monitor, str):
+            raise GpunbError(f"monitor must be a metric name, got {self.monitor!r}.",
+                             "pass e.g. `monitor='val_loss'` or `monitor='val_acc'`.")
 
     @property
     def epoch_limit(self) -> int:
@@ -165,6 +192,15 @@ def unknown_option_error(name: str) -> GpunbError:
     close = difflib.get_close_matches(name, names, n=1)
     hint = f"did you mean `{close[0]}`?" if close else "valid options: " + ", ".join(names)
     return GpunbError(f"TrainConfig has no option `{name}`.", hint)
+
+
+def check_mode(mode, owner: str) -> str | None:
+    """A monitor's mode: "min", "max", or None (chosen by the metric's name)."""
+    if mode not in (None, "min", "max"):
+        raise GpunbError(f"{owner} mode must be 'min' or 'max', got {mode!r}.",
+                         "pass `mode='min'` for losses or `mode='max'` for accuracy-like metrics, "
+                         "or leave it unset to choose by the metric's name.")
+    return mode
 
 
 def _choice(name: str, value: Any, aliases: dict, hint: str) -> str:

@@ -8,7 +8,13 @@ from torch import nn
 
 def digits_data(seed: int = 0, val_fraction: float = 0.2):
     """(x_train, y_train), (x_val, y_val): 1,797 8x8 grey images scaled to [0, 1]."""
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as error:  # not a dependency of gpunb: only the demo data needs it
+        from gpunb.errors import GpunbError
+
+        raise GpunbError("The demo's digits data comes with scikit-learn, which is not installed.",
+                         "`pip install scikit-learn`") from error
 
     digits = load_digits()
     x = torch.from_numpy(digits.images).float().unsqueeze(1) / 16.0  # (N, 1, 8, 8)

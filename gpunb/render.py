@@ -61,7 +61,15 @@ def result_text(result) -> str:
                      f"skipped_fp16_steps={result.skipped_steps}")
     if result.stop_reason not in (None, result.status):
         lines.append(f"  stop: {result.stop_reason}")
+    if result.best_step is not None:
+        lines.append(f"  best: {best_text(result)}")
     return "\n".join(lines)
+
+
+def best_text(r) -> str:
+    """`val_loss=0.1234 at step 40 (restored into the model)`: the best of the kept checkpoints."""
+    restored = "restored into the model" if r.restored_best else "restore_best=True loads it at the end"
+    return f"{r.best_monitor}={fmt(r.best_value)} at step {r.best_step} ({restored})"
 
 
 def summary_rows(r) -> list[tuple[str, str]]:
@@ -87,6 +95,8 @@ def summary_rows(r) -> list[tuple[str, str]]:
         rows.append(("skipped fp16 steps", str(r.skipped_steps)))
     if r.checkpoint_path:
         rows.append(("checkpoint", r.checkpoint_path))
+    if r.best_step is not None:
+        rows.append(("best checkpoint", f"{best_text(r)}: {r.best_checkpoint}"))
     if r.history:
         rows.append(("last loss", fmt(r.history[-1]["loss"])))  # the last log interval's mean
     rows += [(k, fmt(v)) for k, v in sorted(r.final_metrics.items())]

@@ -97,8 +97,10 @@ def _reap_started_by(marker: bytes, grace_s: float = 5.0) -> list[int]:
 
 
 @contextlib.contextmanager
-def jupyter_lab(tmp: Path, env: dict | None = None):
+def jupyter_lab(tmp: Path, env: dict | None = None, app: str = "jupyterlab"):
     """A `jupyter lab` that sees this checkout's gpunb (server extension and, when built, the sidebar).
+
+    `app="notebook"` starts Notebook 7 instead (`/tree`, `/notebooks/<path>`) on the same terms.
 
     Serves `tmp / "root"`; kernels write their connection files to `tmp / "runtime"` and
     record runs under GPUNB_HOME=`tmp / "gpunb"`. `env` adds to the server's (and its
@@ -128,7 +130,7 @@ def jupyter_lab(tmp: Path, env: dict | None = None):
     url = f"http://127.0.0.1:{port}"
     with open(tmp / "lab.log", "wb") as log:  # the child keeps its own copy of the descriptor
         lab = subprocess.Popen(
-            [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip=127.0.0.1",
+            [sys.executable, "-m", app, "--no-browser", "--allow-root", "--ip=127.0.0.1",
              f"--port={port}", f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={tmp / 'root'}"],
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -139,7 +141,7 @@ def jupyter_lab(tmp: Path, env: dict | None = None):
                 break
             except OSError:
                 if lab.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"jupyter lab did not start:\n{(tmp / 'lab.log').read_text()[-3000:]}")
+                    raise RuntimeError(f"jupyter {app} did not start:\n{(tmp / 'lab.log').read_text()[-3000:]}")
                 time.sleep(0.25)
         yield url
     finally:
@@ -153,6 +155,15 @@ def jupyter_lab(tmp: Path, env: dict | None = None):
             os.killpg(lab.pid, signal.SIGKILL)  # whatever is left of its own session
         lab.wait()
         _reap_started_by(marker)  # kernels (own sessions) and their workers, if shutdown missed them
+
+
+def notebook_json(*sources: str) -> dict:
+    """An nbformat 4 notebook of code cells, for the contents API."""
+    cells = [{"cell_type": "code", "execution_count": None, "id": f"cell-{i}", "metadata": {},
+              "outputs": [], "source": source} for i, source in enumerate(sources)]
+    return {"cells": cells, "nbformat": 4, "nbformat_minor": 5,
+            "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+                         "language_info": {"name": "python"}}}
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import re
 import time
 
 import pytest
-from browser_support import DOCS, api, chromium_page, jupyter_lab, require_browser
+from browser_support import DOCS, api, chromium_page, jupyter_lab, notebook_json, require_browser
 
 pytestmark = pytest.mark.browser
 
@@ -29,14 +29,6 @@ loss_fn = nn.CrossEntropyLoss()"""
 TOTAL_STEPS = 40 * 45  # 1,437 training images in batches of 32: 45 steps an epoch
 
 
-def _notebook(*sources: str) -> dict:
-    cells = [{"cell_type": "code", "execution_count": None, "id": f"cell-{i}", "metadata": {},
-              "outputs": [], "source": source} for i, source in enumerate(sources)]
-    return {"cells": cells, "nbformat": 4, "nbformat_minor": 5,
-            "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
-                         "language_info": {"name": "python"}}}
-
-
 def _step(text: str) -> int:
     match = re.search(rf"step (\d+)/{TOTAL_STEPS}\b", text)
     assert match, f"no 'step N/{TOTAL_STEPS}' in the status line {text!r}"
@@ -50,7 +42,7 @@ def test_live_dashboard_then_static_summary(tmp_path):
     # oversubscribed intra-op threads make this CPU run several times slower, not faster.
     with jupyter_lab(tmp_path, env={"OMP_NUM_THREADS": "1"}) as url:
         api(url, f"api/contents/{NOTEBOOK}", "PUT",
-            {"type": "notebook", "format": "json", "content": _notebook("%load_ext gpunb", TRAIN_CELL)})
+            {"type": "notebook", "format": "json", "content": notebook_json("%load_ext gpunb", TRAIN_CELL)})
         # Its kernel, started here: the page joins this session instead of (sometimes) asking
         # which kernel to start in a "Select Kernel" dialog.
         api(url, "api/sessions", "POST",

@@ -230,3 +230,14 @@ def test_gputrain_refuses_a_bad_decay_with_the_option_to_use(ip):
     with pytest.raises(UsageError, match=r"ema must be a decay between 0 and 1, got 2\.0") as error:
         ip.run_cell_magic("gputrain", "--ema 2 --quiet --no-track", CELL)
     assert "`--ema 0.999`" in str(error.value)
+
+
+def test_restore_best_loads_the_averaged_weights_that_were_validated(tmp_path):
+    x, y = classification_data(n=96)
+    model = mlp()
+    result = fit(model, (x, y), (x[:48], y[:48]), epochs=4, ema=0.9, ema_apply=True, checkpoint_dir=tmp_path,
+                 save_top_k=1, restore_best=True, monitor="val_loss", mode="max")  # the worst: an early one
+    best = ckpt.load_checkpoint(result.best_checkpoint)
+    assert result.restored_best and best["ema"] is not None and result.best_step < result.steps
+    for name, value in model.state_dict().items():  # the best average, not the last one (ema_apply)
+        assert torch.equal(value, best["ema"]["weights"][name]), name

@@ -66,10 +66,27 @@ def test_switching_to_wal_retries_while_another_process_creates_the_file():
         registry_module._enable_wal(Busy(failures=10**6), timeout=0.05)
 
 
-def test_registry_defaults_to_the_jupyter_data_dir(tmp_path, monkeypatch):
-    monkeypatch.delenv("GPUNB_HOME", raising=False)
-    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "jupyter"))
-    assert default_path() == tmp_path / "jupyter" / "gpunb" / "runs.sqlite"
+@pytest.mark.parametrize("platform, env, expected", [
+    ("linux", {"XDG_DATA_HOME": "xdg"}, "xdg/gpunb"),
+    ("linux", {}, "home/.local/share/gpunb"),
+    ("darwin", {"XDG_DATA_HOME": "xdg"}, "home/Library/Application Support/gpunb"),
+    ("win32", {"APPDATA": "roaming"}, "roaming/gpunb"),
+    ("win32", {}, "home/AppData/Roaming/gpunb"),
+])
+def test_registry_defaults_to_the_platform_data_dir(tmp_path, monkeypatch, platform, env, expected):
+    # No jupyter_core involved: the core install has none, and the server asks the same function.
+    from gpunb.runs import paths
+
+    for name in ("GPUNB_HOME", "XDG_DATA_HOME", "APPDATA", "JUPYTER_DATA_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "jupyter"))  # ignored
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(tmp_path / value))
+    monkeypatch.setattr(paths.sys, "platform", platform)
+    monkeypatch.setattr(paths.Path, "home", classmethod(lambda cls: tmp_path / "home"))
+    assert default_path() == tmp_path / expected / "runs.sqlite"
+    monkeypatch.setenv("GPUNB_HOME", str(tmp_path / "mine"))  # GPUNB_HOME wins everywhere
+    assert default_path() == tmp_path / "mine" / "runs.sqlite"
 
 
 def test_a_run_round_trips_as_json(registry, monkeypatch):

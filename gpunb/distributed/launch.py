@@ -258,6 +258,7 @@ class _Launch:
             final = torch.load(plan.weights_path, map_location="cpu", weights_only=True)
             _load_into(self.args.model, self.args.optimizer, final)
             result = self.reports[0]["result"]
+            result.ema_state_dict = final.get("ema")
         else:
             result = self._result_without_rank0()
         result.per_rank = [self.reports[r]["timings"] for r in sorted(self.reports)]

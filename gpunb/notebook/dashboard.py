@@ -3,7 +3,9 @@
 Training code only calls the hooks below; widget values are set at most every
 `min_interval_s` (never printed into an Output widget, never from a thread). When the
 run ends, fails or is interrupted, the display is updated in place with plain HTML
-and text that need no widget manager (nbconvert, GitHub, nbval).
+and text that need no widget manager (nbconvert, GitHub, nbval). `HtmlDashboard` is the
+same view for front ends without a widget manager: one HTML block re-sent through its
+display handle (`update_display_data`), which every notebook front end applies.
 """
 
 from __future__ import annotations
@@ -44,7 +46,10 @@ class Dashboard:
         header = w.HTML(_header_html(state))
         self.box = _Dashboard([header, w.HBox([self.progress, self.status]), self.metrics,
                                w.HBox([self.curve, self.gpu]), self.epochs], run_name=state.run_name)
-        self.handle = display(self.box, display_id=True)
+        # The bundle by hand: ipywidgets 7 shows a widget through `_ipython_display_`, which
+        # drops the display id, and the summary at the end could not take the widget's place.
+        view = {"text/plain": repr(self.box), "application/vnd.jupyter.widget-view+json": self.box.get_view_spec()}
+        self.handle = display(view, raw=True, display_id=True)
         self._draw(state)
 
     def on_step_end(self, state) -> None:
@@ -90,6 +95,59 @@ class Dashboard:
         if self.handle is not None:
             self.handle.update(summary)  # the widget's place now holds a static summary
             self.box.close()
+
+
+class HtmlDashboard(Dashboard):
+    """The dashboard as plain HTML, redrawn in place at most every `min_interval_s`."""
+
+    def __init__(self, min_interval_s: float = 1.0):  # each redraw re-sends the whole block
+        super().__init__(min_interval_s)
+
+    def on_fit_start(self, state) -> None:
+        from IPython.display import display
+
+        self.handle = display(LiveHtml(self._html(state), state.run_name), display_id=True)
+        self.draws += 1
+        self._last_draw = time.monotonic()
+
+    def on_epoch_end(self, state, row) -> None:
+        self.epoch_rows.append(row)
+        self._draw(state)
+
+    def _draw(self, state, now: float | None = None) -> None:
+        self._last_draw = now or time.monotonic()
+        self.draws += 1
+        self.handle.update(LiveHtml(self._html(state), state.run_name))
+
+    def _html(self, state) -> str:
+        total = max(1, state.total_steps or 1)
+        line = html.escape(" · ".join(progress_parts(state, with_loss=False)))
+        gpu = gpu_sparklines_html(list(self.gpu_samples)) if self.gpu_samples else ""
+        curve = loss_chart(self.train_points, self.val_points, x_max=state.total_steps)
+        return (f"<div class='gpunb-live'><div>{_header_html(state)}</div>"
+                f"<div style='display:flex;gap:.8em;align-items:center'>"
+                f"<progress max='{total}' value='{min(state.step, total)}' style='flex:1 1 auto;max-width:480px'>"
+                f"</progress><span class='gpunb-status' style='white-space:nowrap'>{line}</span></div>"
+                f"<div>{_metrics_html(state)}</div>"
+                f"<div style='display:flex;gap:1em'>{curve}<div>{gpu}</div></div>"
+                f"{epoch_table_html(self.epoch_rows)}</div>")
+
+    def _finish(self, summary) -> None:
+        if self.handle is not None:
+            self.handle.update(summary)
+
+
+class LiveHtml:
+    """One frame of the HTML dashboard; its text is stable for nbval and plain front ends."""
+
+    def __init__(self, markup: str, run_name: str):
+        self.markup, self.run_name = markup, run_name
+
+    def __repr__(self) -> str:
+        return f"gpunb: training {self.run_name!r} (live dashboard)"
+
+    def _repr_html_(self) -> str:
+        return self.markup
 
 
 class _Dashboard:

@@ -34,7 +34,12 @@ class GpuMagics(Magics):
     @argument("--checkpointing", action="store_true", help="activation checkpointing (saves memory)")
     @argument("--checkpoint-dir", help="write checkpoints here")
     @argument("--checkpoint-every", type=int, help="optimizer steps between checkpoints (default: each epoch)")
-    @argument("--resume", nargs="?", const="last", help="resume from a checkpoint path, or the last one")
+    @argument("--resume", nargs="?", const="last", help="resume from a checkpoint path, 'best', or the last one")
+    @argument("--save-top-k", type=int, help="also keep the k best checkpoints by --monitor")
+    @argument("--monitor", help="validation metric ranking the best checkpoints (default val_loss)")
+    @argument("--mode", help="min or max (default: max for acc/f1/auroc/precision/recall..., else min)")
+    @argument("--restore-best", action="store_true", help="load the best checkpoint's weights at the end")
+    @argument("--val-every-steps", type=int, help="validate every N optimizer steps instead of each epoch")
     @argument("--seed", type=int, help="seed for python, numpy and torch (default 0)")
     @argument("--log-every", help="steps between metric reads, or 'auto' (default: ~100 a run, >= 1 an epoch)")
     @argument("--num-workers", help="DataLoader workers: an integer or 'auto'")
@@ -83,6 +88,8 @@ class GpuMagics(Magics):
                              f"HINT: drop `--continue` to {'export the cell' if args.export else 'sweep the learning rate'}.")
         if args.export:
             return self._export(args, line, cell, config)
+        if not args.quiet and not args.find_lr:
+            _dashboard_mode(self.shell)  # a bad GPUNB_DASHBOARD is refused before the cell runs
         before = {name: id(value) for name, value in self.shell.user_ns.items()}
         outcome = self.shell.run_cell(cell, store_history=False)
         if not outcome.success:
@@ -160,12 +167,14 @@ def _config(args):
         "warmup_steps": args.warmup_steps, "ema": args.ema, "checkpoint_dir": args.checkpoint_dir,
         "checkpoint_every": args.checkpoint_every, "resume": args.resume, "seed": args.seed,
         "log_every": _int_or(args.log_every, "log_every"), "num_workers": _int_or(args.num_workers, "num_workers"),
-        "name": args.name,
+        "name": args.name, "save_top_k": args.save_top_k, "monitor": args.monitor, "mode": args.mode,
+        "val_every_steps": args.val_every_steps,
     }
     chosen = {k: v for k, v in fields.items() if v is not None}
     chosen.update({k: True for k, flag in (("compile", args.compile),
                                             ("activation_checkpointing", args.checkpointing),
-                                            ("ema_apply", args.ema_apply)) if flag})
+                                            ("ema_apply", args.ema_apply),
+                                            ("restore_best", args.restore_best)) if flag})
     if args.no_track:
         chosen["track"] = False
     try:
@@ -361,21 +370,21 @@ def _defined_by_cell(namespace, before) -> str:
 
 
 def _progress_callbacks(shell, quiet: bool) -> list:
-    """The live dashboard in a kernel with ipywidgets, a text line in a terminal."""
+    """The live view this front end can show: widgets, HTML or a text line."""
     if quiet:
         return []
-    if getattr(shell, "kernel", None) is not None:
-        try:
-            import ipywidgets  # noqa: F401
-        except ImportError:
-            pass
-        else:
-            from gpunb.notebook.dashboard import Dashboard
+    from gpunb.notebook.frontends import live_view
 
-            return [Dashboard()]
-    from gpunb.render import ProgressPrinter
+    return live_view(_dashboard_mode(shell))
 
-    return [ProgressPrinter()]
+
+def _dashboard_mode(shell) -> str:
+    from gpunb.notebook.frontends import dashboard_mode
+
+    try:
+        return dashboard_mode(shell)
+    except GpunbError as error:
+        raise UsageError(str(error)) from None
 
 
 def _find_lr(found, config):

@@ -31,6 +31,7 @@ from gpunb.errors import GpunbError
 from gpunb.runs.errors import RegistryDamaged, RegistryLocked, registry_error
 from gpunb.runs.liveness import STALE_AFTER_S, alive, process_start  # noqa: F401 (STALE_AFTER_S re-exported)
 from gpunb.runs.liveness import kernel_id as current_kernel_id
+from gpunb.runs.paths import default_path
 
 STATUSES = ("running", "completed", "stopped", "interrupted", "failed")
 MAX_POINTS = 500  # metric points kept per run; older ones are thinned evenly
@@ -60,16 +61,6 @@ _RUN_COLUMNS = ("id", "name", "notebook", "kernel_id", "pid", "host", "status", 
                 "started_at", "ended_at", "updated_at", "progress", "step", "total_steps",
                 "epoch", "eta_s", "latest", "device", "energy_j", "error", "best")
 _UPDATABLE = ("progress", "step", "total_steps", "epoch", "eta_s", "latest", "device", "energy_j")
-
-
-def default_path() -> Path:
-    """$GPUNB_HOME/runs.sqlite, else <Jupyter data dir>/gpunb/runs.sqlite."""
-    home = os.environ.get("GPUNB_HOME")
-    if home:
-        return Path(home).expanduser() / "runs.sqlite"
-    from jupyter_core.paths import jupyter_data_dir
-
-    return Path(jupyter_data_dir()) / "gpunb" / "runs.sqlite"
 
 
 def json_safe(value: Any, _depth: int = 0) -> Any:

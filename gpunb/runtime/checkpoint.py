@@ -67,17 +67,27 @@ def remove_leftovers(directory: str | os.PathLike) -> None:
 def save_checkpoint(directory: str | os.PathLike, payload: dict, step: int, keep_last: int) -> Path:
     """Write `payload` as `step-<step>.pt` in `directory` (the run's own); keep its newest `keep_last`."""
     directory = Path(directory)
+    target = write_atomic(directory, f"step-{step:09d}.pt", {"format": FORMAT, "version": VERSION, **payload})
+    for old in _own_checkpoints(directory)[:-keep_last]:
+        old.unlink(missing_ok=True)
+    return target
+
+
+def write_atomic(directory: Path, name: str, payload) -> Path:
+    """torch.save `payload` (or write bytes) as `directory/name`: all of it or nothing."""
     directory.mkdir(parents=True, exist_ok=True)
     remove_leftovers(directory)
-    target = directory / f"step-{step:09d}.pt"
-    payload = {"format": FORMAT, "version": VERSION, **payload}
+    target = directory / name
     # Write to a temp file in the same directory, fsync, then rename: a crash at any
     # point leaves either the old checkpoint set or the new file, never half a file.
     fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".pt", dir=directory)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; follow the umask like open() does
         with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
+            if isinstance(payload, bytes):
+                f.write(payload)
+            else:
+                torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
@@ -85,8 +95,6 @@ def save_checkpoint(directory: str | os.PathLike, payload: dict, step: int, keep
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(directory)
-    for old in _own_checkpoints(directory)[:-keep_last]:
-        old.unlink(missing_ok=True)
     return target
 
 
@@ -112,7 +120,12 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
 
 
 def find_checkpoint(resume, checkpoint_dir) -> Path:
-    """The file `resume` points at: True/"last" is the newest in checkpoint_dir (any run)."""
+    """The file `resume` points at: True/"last" is the newest in checkpoint_dir (any run);
+    "best" the best checkpoint of the newest run that kept best ones (best.py)."""
+    if resume == "best":
+        from gpunb.runtime.best import find_best
+
+        return find_best(checkpoint_dir)
     if resume in (True, "last"):
         found = list_checkpoints(checkpoint_dir)
         if not found:

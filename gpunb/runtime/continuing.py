@@ -31,6 +31,7 @@ class ContinueState:
     samples_seen: int
     history: list = field(default_factory=list)
     epochs: list = field(default_factory=list)
+    validations: list = field(default_factory=list)
 
     def __repr__(self) -> str:
         return f"ContinueState(step={self.step}, next_epoch={self.next_epoch})"
@@ -125,6 +126,7 @@ def restore(run, state: ContinueState) -> None:
     fit.step, fit.samples_seen, fit.epoch = state.step, state.samples_seen, state.next_epoch
     fit.history[:] = state.history
     fit.epochs[:] = state.epochs
+    fit.validations[:] = state.validations
     run.start_epoch = state.next_epoch
     run.precision.load_state_dict(state.precision)
 
@@ -137,4 +139,4 @@ def capture(run) -> ContinueState | None:
     next_epoch = fit.epoch + 1 if fit.step > 0 else fit.epoch  # a partly trained epoch is not repeated
     return ContinueState(weakref.ref(run.model), run.stepper.optimizer, run.stepper.schedule, run.stepper.ema,
                          run.precision.state_dict(), fit.step, next_epoch, fit.samples_seen,
-                         list(fit.history), list(fit.epochs))
+                         list(fit.history), list(fit.epochs), list(fit.validations))

@@ -6,7 +6,7 @@ with `getattr` and calls it with the `FitState` (no base class to inherit).
     on_fit_start(state)            after set-up, before the first step
     on_step_end(state)             after every optimizer step (keep it cheap: no syncs)
     on_log(state, metrics)         every `log_every` steps, with host-side floats
-    on_validation_end(state, metrics)
+    on_validation_end(state, metrics)  at epoch ends, or every val_every_steps steps (before on_step_end)
     on_epoch_end(state, metrics)
     on_checkpoint(state, path)     after a checkpoint is written
     on_fit_end(state)              always last on success or interrupt; state.result is set
@@ -62,6 +62,8 @@ class FitState:
     stop_reason: str | None = None
     result: Any = None  # the TrainResult, set before on_fit_end
     epochs: list = field(default_factory=list)  # one row per finished epoch (train_loss, val_*)
+    validations: list = field(default_factory=list)  # one row per validation: step, epoch, val_*
+    val_names: tuple | None = None  # the metrics validation produces (None: no validation data)
     checkpoint_path: str | None = None  # the newest checkpoint this run wrote
     checkpoint_run: str | None = None  # the id of the run directory checkpoints go to
     resumed: dict | None = None  # what the run resumed from: path, run, run_name, step, epoch, saved_at

@@ -33,6 +33,9 @@ from gpunb.runtime.result import TrainResult, epoch_mean_loss, last_epoch_train_
 from gpunb.runtime.saving import Checkpointer, resume
 from gpunb.runtime.schedule import build_schedule
 from gpunb.runtime.setup import setup
+from gpunb.runtime import validation
+from gpunb.runtime.best import BestCheckpoints
+from gpunb.runtime.monitor import monitor_of, validation_names
 from gpunb.runtime.step import Stepper
 from gpunb.runtime.teardown import Teardown
 from gpunb.runtime.wrap import wrap_model
@@ -91,6 +94,7 @@ class _Run:
     val_feed: object
     stepper: Stepper
     batch_size: int
+    best: BestCheckpoints | None = None  # save_top_k: the best checkpoints kept so far
     start_epoch: int = 0
     skip_batches: int = 0
     losses: StepLosses = field(default_factory=StepLosses)  # step losses since the last log
@@ -112,6 +116,10 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
         torch.cuda.reset_peak_memory_stats(device)
     # one batch, before any work
     train, val = preflight(model, ready.train, ready.val, objective, precision, device, config)
+    val_names = validation_names(objective, val is not None)
+    monitor = monitor_of(config)
+    if monitor is not None:
+        monitor.check_produced(val_names, f"save_top_k={config.save_top_k}")
 
     batch_size = config.batch_size
     if batch_size == "auto":
@@ -136,19 +144,20 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
     state = dist.state_type(config=config, model=train_model, optimizer=optimizer, device=device,
                             run_name=run_name,
                             steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-                            rank=dist.rank, world_size=dist.world_size)
+                            rank=dist.rank, world_size=dist.world_size, val_names=val_names)
     phase = _phase_annotator(state)
     no_sync = getattr(train_model, "no_sync", None)
     ema = _weight_ema(model, config, carried)
     stepper = Stepper(train_model, optimizer, objective, precision, schedule, config, phase, no_sync, ema=ema)
     callbacks = Callbacks(list(user_callbacks))
     run = _Run(config, dist, state, callbacks, model, train_model, objective, precision,
-               ready.precision_reason, feed, val_feed, stepper, batch_size)
+               ready.precision_reason, feed, val_feed, stepper, batch_size,
+               best=BestCheckpoints(monitor, config.save_top_k) if monitor is not None else None)
     if config.checkpoint_dir:  # first: saved before others hear of the step
         callbacks.run_first(Checkpointer(config, dist=dist, model=model, stepper=stepper,
                                          precision=precision, losses=run.losses,
                                          batches_per_epoch=feed.num_batches, events=callbacks,
-                                         rank=dist.rank))
+                                         rank=dist.rank, best=run.best))
     if schedule is not None:  # steps at epoch ends before the checkpoint of that epoch is written
         callbacks.run_first(schedule)
     if carried is not None:
@@ -159,7 +168,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
 
 
 def _train(run: _Run) -> TrainResult:
-    """The loop: epochs of optimizer steps, logging at intervals, validation per epoch."""
+    """The loop: epochs of optimizer steps, logging at intervals, validation per epoch or N steps."""
     __tracebackhide__ = True  # noqa: F841
     config, state, callbacks, stepper = run.config, run.state, run.callbacks, run.stepper
     timer = Timer()
@@ -189,6 +198,8 @@ def _train(run: _Run) -> TrainResult:
                     step_loss = stepper.update()  # stays on the device: no sync here
                     state.step += 1
                     run.losses.add(step_loss, state.step)  # a list append: no device op
+                    if validation.due_at_step(run):  # before on_step_end: its checkpoints hold the pass
+                        validation.at_step(run, timer)
                     callbacks.call("on_step_end", state)
                     if state.step % config.log_every == 0:
                         _log(run, timer)  # syncs
@@ -213,7 +224,7 @@ def _train(run: _Run) -> TrainResult:
         raise
     state.result = _result(run, timer)
     callbacks.call("on_fit_end", state)
-    if stepper.ema is not None and config.ema_apply:
+    if stepper.ema is not None and config.ema_apply and not state.result.restored_best:
         stepper.ema.copy_to_model()
     return state.result
 
@@ -261,52 +272,31 @@ def _log(run: _Run, timer) -> None:
 
 def _end_epoch(run: _Run, logged: list, timer) -> None:
     """Validation, the epoch's row (mean train loss from this epoch's log rows), on_epoch_end."""
-    state, config = run.state, run.config
+    state = run.state
     row = {"epoch": state.epoch, "step": state.step}
     if logged:
         row["train_loss"] = epoch_mean_loss(logged)
-    if run.val_feed is not None and (state.epoch + 1) % config.val_every == 0:
-        with timer.validating():
-            metrics = _validate(run)
-        row.update(metrics)
-        state.latest.update(metrics)
-        run.callbacks.call("on_validation_end", state, metrics)
+    metrics = validation.validate(run, timer) if validation.due_at_epoch_end(run) else None
+    row.update(validation.epoch_metrics(state))  # this pass, or the epoch's last at a step
     row["elapsed_s"] = timer.elapsed()
-    state.epochs.append(row)
+    state.epochs.append(row)  # before on_validation_end: a best checkpoint then holds the row
+    if metrics is not None:
+        run.callbacks.call("on_validation_end", state, metrics)
     run.callbacks.call("on_epoch_end", state, row)
     run.dist.sync_stop(state)  # ranks: a stop asked for at the epoch's end (early stopping) applies now
-
-
-@torch.no_grad()
-def _validate(run: _Run) -> dict:
-    __tracebackhide__ = True  # noqa: F841
-    run.train_model.eval()
-    sums, count = {}, 0
-    ema = run.stepper.ema
-    with ema.swapped() if ema is not None else contextlib.nullcontext():  # validate the averaged weights
-        for batch in run.val_feed.epoch(0):
-            with run.precision.autocast():
-                batch_sums = run.objective.evaluate(run.train_model, batch)
-            for name, value in batch_sums.items():
-                sums[name] = value if name not in sums else sums[name] + value
-            count += batch_size_of(batch)
-    run.train_model.train()
-    totals = run.dist.reduce_sums(sums, count)  # one sync; sums across ranks when distributed
-    return {name: value for name, value in totals.items()}
 
 
 def _result(run: _Run, timer) -> TrainResult:
     state, config = run.state, run.config
     epochs = state.epochs
     final = last_epoch_train_loss(state.history)  # also when the run stopped within that epoch
-    for row in reversed(epochs):
-        if any(k.startswith("val_") for k in row):
-            final.update({k: v for k, v in row.items() if k.startswith("val_")})
-            break
+    if state.validations:
+        final.update({k: v for k, v in state.validations[-1].items() if k.startswith("val_")})
     device = state.device
     peak = (torch.cuda.max_memory_allocated(device) / 2**20) if device.type == "cuda" else None
     return TrainResult(
-        run_name=state.run_name, history=list(state.history), epochs=list(epochs), final_metrics=final,
+        run_name=state.run_name, history=list(state.history), epochs=list(epochs),
+        validations=list(state.validations), final_metrics=final,
         config=config.to_dict(), device=str(device), precision=run.precision.name,
         precision_reason=run.precision_reason, batch_size=run.batch_size,
         batch_size_reason=config.extras.get("batch_size_reason", ""),

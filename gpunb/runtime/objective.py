@@ -30,6 +30,7 @@ class Objective:
                                  "pass e.g. `loss_fn=torch.nn.CrossEntropyLoss()`.")
         self.loss_fn, self.step_fn = loss_fn, step
         self.metrics = _metric_functions(metrics)
+        self.val_names = None  # the names evaluate() gave, once it has run (see monitor.py)
 
     def loss(self, model, batch) -> torch.Tensor:
         """The scalar training loss of `batch`."""
@@ -46,12 +47,14 @@ class Objective:
         __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
         n = batch_size_of(batch)
         if self.loss_fn is None:
-            return {"val_loss": self.loss(model, batch).float() * n}
-        output, target = self._forward(model, batch)
-        sums = {"val_loss": _scalar(self._apply_loss(output, target), "loss_fn").float() * n}
-        metrics = self.metrics or _default_metrics(output, target)
-        for name, fn in metrics.items():
-            sums[f"val_{name}"] = torch.as_tensor(fn(output, target), device=output.device).float() * n
+            sums = {"val_loss": self.loss(model, batch).float() * n}
+        else:
+            output, target = self._forward(model, batch)
+            sums = {"val_loss": _scalar(self._apply_loss(output, target), "loss_fn").float() * n}
+            metrics = self.metrics or _default_metrics(output, target)
+            for name, fn in metrics.items():
+                sums[f"val_{name}"] = torch.as_tensor(fn(output, target), device=output.device).float() * n
+        self.val_names = tuple(sums)
         return sums
 
     def _apply_loss(self, output, target):

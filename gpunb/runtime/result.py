@@ -10,6 +10,7 @@ class TrainResult:
     run_name: str
     history: list = field(default_factory=list)  # per log interval: step, epoch, loss (the interval's mean), lr, ...
     epochs: list = field(default_factory=list)  # per epoch: epoch, step, train_loss (the epoch's mean), val_*, elapsed_s
+    validations: list = field(default_factory=list)  # per validation pass: step, epoch, val_*, elapsed_s
     final_metrics: dict = field(default_factory=dict)  # train_loss of the last epoch, the last val_* metrics
     config: dict = field(default_factory=dict)  # the config actually used
     device: str = "cpu"
@@ -31,6 +32,11 @@ class TrainResult:
     oom_recoveries: int = 0
     skipped_steps: int = 0  # fp16 steps skipped by the GradScaler (inf/NaN gradients)
     checkpoint_path: str | None = None
+    best_checkpoint: str | None = None  # the best of the save_top_k checkpoints by best_monitor
+    best_monitor: str | None = None
+    best_value: float | None = None
+    best_step: int | None = None
+    restored_best: bool = False  # restore_best: the model holds the best checkpoint's weights
     resumed_from: dict | None = None  # path, run, step, epoch, saved_at of the checkpoint resumed
     interrupted: bool = False
     stop_reason: str | None = None
@@ -67,7 +73,7 @@ class TrainResult:
 
     def loss_series(self) -> dict:
         series = {"train": [(row["step"], row["loss"]) for row in self.history if "loss" in row]}
-        val = [(row["step"], row["val_loss"]) for row in self.epochs if "val_loss" in row]
+        val = [(row["step"], row["val_loss"]) for row in self.validations or self.epochs if "val_loss" in row]
         if val:
             series["val"] = val
         return series

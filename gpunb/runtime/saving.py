@@ -24,9 +24,11 @@ class Checkpointer:
     hears `on_checkpoint`. `batches_per_epoch` (None: unknown) says whether an epoch is done.
     """
 
-    def __init__(self, config, *, dist, model, stepper, precision, losses, batches_per_epoch, events, rank):
+    def __init__(self, config, *, dist, model, stepper, precision, losses, batches_per_epoch, events, rank,
+                 best=None):
         self.config, self.dist, self.model, self.stepper = config, dist, model, stepper
         self.precision, self.losses, self.events = precision, losses, events
+        self.best = best  # a BestCheckpoints when save_top_k is set
         self.batches_per_epoch = batches_per_epoch
         self.saved_step = None
         self.failed = False
@@ -42,10 +44,34 @@ class Checkpointer:
         if self.config.checkpoint_every is None:
             self.save(state)
 
+    def on_validation_end(self, state, metrics) -> None:
+        """A best checkpoint when the monitored metric enters the top k. The metric is reduced
+        over ranks, so every rank decides alike and takes part in gathering the state."""
+        value = self.best.monitor.value(metrics) if self.best is not None else None
+        if self.best is None or not self.best.wants(value) or not self._loss_finite(state):
+            return
+        kept = self.best.with_entry(state.step, value)
+        model_state, optimizer_state = self.dist.state_dicts(self.model, self.stepper.optimizer)
+        if state.rank != 0:
+            self.best.commit(kept, None)
+            return
+        payload = self._payload(state, model_state, optimizer_state, best=kept)
+        try:
+            directory = self._directory(state)
+            path = ckpt.write_atomic(directory, kept_file(kept, state.step),
+                                     {"format": ckpt.FORMAT, "version": ckpt.VERSION, **payload})
+            self.best.commit(kept, directory)
+        except (OSError, RuntimeError) as error:
+            self._warn_failed(state, error)
+            return
+        self.events.call("on_checkpoint", state, path)
+
     def on_fit_end(self, state) -> None:
         if state.should_stop:  # interrupted or stopped: keep the latest weights on disk too
             self.save(state)
             state.result.checkpoint_path = state.checkpoint_path
+        if self.best is not None:
+            finish_best(self, state)
 
     def save(self, state) -> None:
         if state.step == self.saved_step:
@@ -57,17 +83,20 @@ class Checkpointer:
         self.saved_step = state.step
         if state.rank != 0:
             return
-        if state.checkpoint_run is None:
-            state.checkpoint_run = ckpt.new_run_id()
         try:
-            path = ckpt.save_checkpoint(ckpt.run_directory(self.config.checkpoint_dir, state.checkpoint_run),
-                                        self._payload(state, model_state, optimizer_state),
+            path = ckpt.save_checkpoint(self._directory(state), self._payload(state, model_state, optimizer_state),
                                         state.step, self.config.keep_last)
         except (OSError, RuntimeError) as error:  # torch's zip writer reports a full disk as RuntimeError
             self._warn_failed(state, error)
             return
         state.checkpoint_path = str(path)
         self.events.call("on_checkpoint", state, path)
+
+    def _directory(self, state) -> Path:
+        """The run's own directory (rank 0 names the run at its first save)."""
+        if state.checkpoint_run is None:
+            state.checkpoint_run = ckpt.new_run_id()
+        return ckpt.run_directory(self.config.checkpoint_dir, state.checkpoint_run)
 
     def _loss_finite(self, state) -> bool:
         """No checkpoint after a non-finite loss: the newest on disk stays the last good one."""
@@ -79,8 +108,10 @@ class Checkpointer:
         self.losses.warn_unsaved(bad_step)  # the next check judges only the steps after this one
         return False
 
-    def _payload(self, state, model_state, optimizer_state) -> dict:
+    def _payload(self, state, model_state, optimizer_state, best=None) -> dict:
         stepper = self.stepper
+        if self.best is not None:
+            best = {**self.best.state_dict(), "kept": best if best is not None else self.best.kept}
         epoch_complete = self.batches_per_epoch is not None and state.batch_in_epoch >= self.batches_per_epoch
         return {
             "model": model_state,
@@ -96,7 +127,8 @@ class Checkpointer:
             "epoch": state.epoch + 1 if epoch_complete else state.epoch,
             "batch_in_epoch": 0 if epoch_complete else state.batch_in_epoch,
             "step": state.step, "samples_seen": state.samples_seen, "splits": stepper.splits,
-            "history": state.history, "epochs": state.epochs,
+            "history": state.history, "epochs": state.epochs, "validations": state.validations,
+            "best": best,
             "config": ckpt.config_json(self.config), "run_name": state.run_name,
             "run_id": state.checkpoint_run, "saved_at": time.time(), "world_size": state.world_size,
         }
@@ -111,6 +143,39 @@ class Checkpointer:
                       f"{self.config.checkpoint_dir} ({why}); training goes on, and later saves "
                       f"are tried again. The newest checkpoint on disk is {kept or 'none'}.",
                       RuntimeWarning, stacklevel=2)
+
+
+def kept_file(kept: list, step: int) -> str:
+    return next(e["file"] for e in kept if e["step"] == step)
+
+
+def finish_best(checkpointer, state) -> None:
+    """The result names the best checkpoint; with restore_best its weights go into the model.
+
+    Rank 0 reads the file (it wrote it); under FSDP every rank takes part in loading it.
+    With DDP the other ranks keep their last weights (the notebook receives rank 0's)."""
+    best, result, config = checkpointer.best.best, state.result, checkpointer.config
+    if best is None:
+        return
+    result.best_monitor, result.best_value, result.best_step = (checkpointer.best.monitor.name,
+                                                                best["value"], best["step"])
+    if state.checkpoint_run is not None:
+        result.best_checkpoint = str(ckpt.run_directory(config.checkpoint_dir, state.checkpoint_run) / best["file"])
+    sharded = getattr(checkpointer.dist, "strategy", None) == "fsdp"
+    if not config.restore_best or not (state.rank == 0 or sharded):
+        return
+    if state.rank == 0 and not Path(result.best_checkpoint or "").is_file():
+        warnings.warn(f"restore_best: the best checkpoint ({best['file']}) is no longer on disk; the model "
+                      "keeps the weights of the last step.", RuntimeWarning, stacklevel=2)
+        return  # (FSDP's other ranks would wait here: a file removed during the run is not expected)
+    weights = _best_weights(ckpt.load_checkpoint(result.best_checkpoint)) if state.rank == 0 else {}
+    checkpointer.dist.load_model_state(checkpointer.model, weights)
+    result.restored_best = True
+
+
+def _best_weights(payload: dict) -> dict:
+    """The weights that were validated: the average when the run kept one (`ema`)."""
+    return payload["ema"]["weights"] if payload.get("ema") else payload["model"]
 
 
 def resume(run, path) -> None:
@@ -147,6 +212,9 @@ def resume(run, path) -> None:
     state.history[:] = payload["history"]
     # A stop mid-epoch wrote that epoch's partial row; the resumed epoch writes the whole one.
     state.epochs[:] = [row for row in payload["epochs"] if row["epoch"] < payload["epoch"]]
+    state.validations[:] = payload.get("validations", [])
+    if run.best is not None:
+        run.best.load_state_dict(payload.get("best"))
     _adopt_run(run, payload, Path(path))
 
 

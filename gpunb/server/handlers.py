@@ -15,12 +15,19 @@ import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
-from jupyter_server.base.handlers import APIHandler
-from jupyter_server.utils import url_path_join
-from tornado import web
-
 from gpunb import telemetry
+from gpunb.errors import GpunbError
 from gpunb.runs import Registry, RegistryDamaged, RegistryLocked, default_path
+
+from . import LAB_HINT
+
+try:
+    from jupyter_server.base.handlers import APIHandler
+    from jupyter_server.utils import url_path_join
+    from tornado import web
+except ImportError as error:
+    raise GpunbError(f"The gpunb server extension needs jupyter_server, which cannot be imported ({error}).",
+                     LAB_HINT) from error
 
 from .kernels import annotate_processes, kernel_notebooks, kernel_root_pids, with_children
 

@@ -1,0 +1,69 @@
+"""Validation passes: at epoch ends (`val_every` epochs) or every `val_every_steps` optimizer steps.
+
+Each pass appends a row (step, epoch, val_*, elapsed_s) to `state.validations`, then
+callbacks hear `on_validation_end`. A pass at step s runs before anything else hears of
+step s (on_step_end, its checkpoints), so a checkpoint saved at step s already holds it:
+a run resumed from there neither repeats it nor skips it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from gpunb.runtime.inputs import batch_size_of
+
+
+def due_at_step(run) -> bool:
+    every = run.config.val_every_steps
+    return run.val_feed is not None and every is not None and run.state.step % every == 0
+
+
+def due_at_epoch_end(run) -> bool:
+    config = run.config
+    return (run.val_feed is not None and config.val_every_steps is None
+            and (run.state.epoch + 1) % config.val_every == 0)
+
+
+def validate(run, timer) -> dict:
+    """One pass over the validation data; records its row and returns the metrics."""
+    state = run.state
+    with timer.validating():
+        metrics = _evaluate(run)
+    state.validations.append({"step": state.step, "epoch": state.epoch, **metrics, "elapsed_s": timer.elapsed()})
+    state.latest.update(metrics)
+    return metrics
+
+
+def at_step(run, timer) -> None:
+    """A pass within the epoch; a stop asked for in on_validation_end applies on every rank now."""
+    metrics = validate(run, timer)
+    run.callbacks.call("on_validation_end", run.state, metrics)
+    run.dist.sync_stop(run.state)  # every rank validates at this step: the same collective order
+
+
+def epoch_metrics(state) -> dict:
+    """The metrics of the epoch's last pass (step validation: the epoch row shows those)."""
+    for row in reversed(state.validations):
+        if row["epoch"] == state.epoch:
+            return {k: v for k, v in row.items() if k.startswith("val_")}
+        break
+    return {}
+
+
+@torch.no_grad()
+def _evaluate(run) -> dict:
+    __tracebackhide__ = True  # noqa: F841
+    run.train_model.eval()
+    sums, count = {}, 0
+    ema = run.stepper.ema
+    with ema.swapped() if ema is not None else contextlib.nullcontext():  # validate the averaged weights
+        for batch in run.val_feed.epoch(0):
+            with run.precision.autocast():
+                batch_sums = run.objective.evaluate(run.train_model, batch)
+            for name, value in batch_sums.items():
+                sums[name] = value if name not in sums else sums[name] + value
+            count += batch_size_of(batch)
+    run.train_model.train()
+    return run.dist.reduce_sums(sums, count)  # one sync; sums across ranks when distributed

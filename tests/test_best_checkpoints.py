@@ -1,0 +1,153 @@
+"""Best-k checkpoints by a monitored validation metric: which are kept, resume="best",
+restore_best, and the up-front errors for a monitor that is never measured."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import classification_data, mlp
+from IPython.core.error import UsageError
+from torch import nn
+
+from gpunb import TrainConfig, Trainer
+from gpunb.errors import GpunbError
+from gpunb.runtime.callbacks import EarlyStopping
+from gpunb.runtime.checkpoint import find_checkpoint, list_checkpoints, load_checkpoint
+from gpunb.runtime.monitor import Monitor, default_mode
+
+
+def fit(model=None, epochs=6, val=True, callbacks=(), **options):
+    x, y = classification_data(n=200)
+    config = dict(batch_size=32, track=False, epochs=epochs, lr=0.01)
+    config.update(options)
+    model = model or mlp()
+    result = Trainer(**config).fit(model, (x, y), (x[:64], y[:64]) if val else None,
+                                   loss_fn=nn.CrossEntropyLoss(), callbacks=callbacks)
+    return model, result
+
+
+def best_files(result):
+    return sorted(Path(result.best_checkpoint).parent.glob("best-step-*.pt"))
+
+
+@pytest.mark.parametrize("monitor, k", [("val_loss", 2), ("val_acc", 3)])
+def test_the_kept_checkpoints_are_the_k_best_by_the_metric(tmp_path, monitor, k):
+    _, result = fit(epochs=8, checkpoint_dir=tmp_path, save_top_k=k, monitor=monitor, keep_last=1)
+    values = {row["step"]: row[monitor] for row in result.validations}
+    reverse = default_mode(monitor) == "max"
+    ranked = sorted(values, key=lambda step: values[step], reverse=reverse)  # stable: older first on ties
+    kept = [int(p.name[len("best-step-"):-3]) for p in best_files(result)]
+    assert sorted(kept) == sorted(ranked[:k])
+    assert result.best_step == ranked[0] and result.best_value == values[ranked[0]]
+    assert result.best_monitor == monitor and not result.restored_best
+    for path in best_files(result):  # full exact-resume checkpoints, holding their own metric value
+        payload = load_checkpoint(path)
+        assert payload["step"] == int(path.name[10:-3])
+        assert payload["validations"][-1][monitor] == values[payload["step"]]
+    index = json.loads((Path(result.best_checkpoint).parent / "best.json").read_text())
+    assert [e["step"] for e in index["kept"]] == ranked[:k] and index["mode"] == default_mode(monitor)
+    # the last-N checkpoint is still there beside them
+    assert [p.name for p in list_checkpoints(tmp_path)] == [f"step-{result.steps:09d}.pt"]
+
+
+def test_resume_best_loads_the_best_checkpoint(tmp_path):
+    _, first = fit(checkpoint_dir=tmp_path, save_top_k=1, monitor="val_acc")
+    assert find_checkpoint("best", tmp_path) == Path(first.best_checkpoint)
+    model = mlp(seed=7)
+    _, resumed = fit(model, epochs=first.best_step // 7 + 1, checkpoint_dir=tmp_path, save_top_k=1,
+                     monitor="val_acc", resume="best")
+    assert resumed.resumed_from["path"] == first.best_checkpoint
+    assert resumed.resumed_from["step"] == first.best_step
+
+
+def test_restore_best_puts_the_best_weights_into_the_model_and_says_so(tmp_path):
+    model, result = fit(epochs=8, checkpoint_dir=tmp_path, save_top_k=1, restore_best=True, lr=0.05)
+    assert result.restored_best
+    best = load_checkpoint(result.best_checkpoint)["model"]
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, best[name]), name
+    assert f"val_loss={result.best_value:.4g} at step {result.best_step} (restored into the model)" in repr(result)
+
+
+def test_no_best_checkpoint_after_a_non_finite_loss(tmp_path):
+    class Poison:
+        def on_step_end(self, state):
+            if state.step == 10:
+                with torch.no_grad():
+                    next(state.model.parameters()).fill_(float("nan"))
+
+    with pytest.warns(RuntimeWarning):
+        _, result = fit(epochs=4, checkpoint_dir=tmp_path, save_top_k=3, detect_nan=False, callbacks=[Poison()])
+    assert all(p.name <= "best-step-000000007.pt" for p in best_files(result))
+    assert math.isnan(result.validations[-1]["val_loss"])
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(save_top_k=1, monitor="val_f1"), "validation produces only `val_loss`, `val_acc`"),
+    (dict(save_top_k=1, val=False), "no validation data"),
+])
+def test_a_monitor_that_is_never_measured_is_refused_before_training(tmp_path, options, message):
+    model = mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(GpunbError, match=message):
+        fit(model, checkpoint_dir=tmp_path, **options)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing trained
+
+
+def test_early_stopping_on_a_metric_never_measured_is_refused_before_training():
+    with pytest.raises(GpunbError, match="EarlyStopping monitors 'val_top5'"):
+        fit(callbacks=[EarlyStopping(monitor="val_top5")])
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(save_top_k=2), "pass `checkpoint_dir='checkpoints'` too"),
+    (dict(restore_best=True, checkpoint_dir="c"), "pass `save_top_k=1`"),
+    (dict(save_top_k=1, checkpoint_dir="c", mode="up"), "mode must be 'min' or 'max'"),
+    (dict(resume="best"), "resume='best' needs a checkpoint_dir"),
+])
+def test_config_errors_name_the_fix(options, message):
+    with pytest.raises(GpunbError, match=message):
+        TrainConfig(**options)
+
+
+def test_resume_best_without_a_best_checkpoint_says_so(tmp_path):
+    fit(epochs=1, checkpoint_dir=tmp_path)
+    with pytest.raises(GpunbError, match="found no best checkpoint"):
+        find_checkpoint("best", tmp_path)
+
+
+def test_mode_follows_the_name_and_early_stopping_shares_it():
+    assert [default_mode(n) for n in ("val_loss", "val_acc", "val_f1", "val_auroc", "val_mae")] == \
+        ["min", "max", "max", "max", "min"]
+    assert EarlyStopping(monitor="val_acc").mode == "max"
+    judge = Monitor("val_acc")
+    assert judge.better(0.9, 0.8) and not judge.better(float("nan"), 0.1)
+
+
+def test_gputrain_options_reach_the_config():
+    from IPython.core.magic_arguments import parse_argstring
+
+    from gpunb.notebook.magics import GpuMagics, _config
+
+    args = parse_argstring(GpuMagics.gputrain, "--checkpoint-dir c --save-top-k 2 --monitor val_acc --mode max "
+                                               "--restore-best --val-every-steps 5")
+    config = _config(args)
+    assert (config.save_top_k, config.monitor, config.mode, config.restore_best, config.val_every_steps) == \
+        (2, "val_acc", "max", True, 5)
+    with pytest.raises(UsageError, match="--checkpoint-dir checkpoints"):
+        _config(parse_argstring(GpuMagics.gputrain, "--save-top-k 2"))
+
+
+def test_restore_best_warns_and_keeps_the_last_weights_when_the_file_is_gone(tmp_path):
+    class RemoveBest:
+        def on_validation_end(self, state, metrics):
+            for path in (tmp_path / f"run-{state.checkpoint_run}").glob("best-step-*.pt"):
+                path.unlink()
+
+    model = mlp()
+    with pytest.warns(RuntimeWarning, match="no longer on disk"):
+        _, result = fit(model, epochs=2, checkpoint_dir=tmp_path, save_top_k=1, restore_best=True,
+                        callbacks=[RemoveBest()])
+    assert not result.restored_best and result.best_step is not None
