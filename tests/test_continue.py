@@ -174,3 +174,12 @@ def test_gputrain_continue_after_the_result_was_deleted_is_refused(ip):
 def test_gputrain_continue_with_export_or_find_lr_is_refused(ip, option):
     with pytest.raises(UsageError, match=f"--continue trains on from the last fit, and {option.split()[0]}"):
         ip.run_cell_magic("gputrain", f"--continue {option} {OPTIONS}", CELL)
+
+
+def test_gputrain_continue_after_a_multi_process_fit_is_refused(ip):
+    from gpunb import TrainConfig
+    from gpunb.notebook import session
+
+    session.LAST_TRAIN = session.LastTrain(TrainConfig(devices=2), {"model": "model"}, None)
+    with pytest.raises(UsageError, match="ran in several processes, which keep no optimizer here"):
+        ip.run_cell_magic("gputrain", f"--continue {OPTIONS}", CELL)

@@ -8,6 +8,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from gpunb.errors import GpunbError
 from gpunb.notebook.options import make_strict
+from gpunb.notebook.session import continue_state as session_continue_state
 from gpunb.runtime.roles import NAMES, REQUIRED, SETUP, by_name
 
 
@@ -83,9 +84,9 @@ class GpuMagics(Magics):
         args = parse_argstring(self.gputrain, line)
         config = _config(args)
         if args.continue_fit and (args.export or args.find_lr):
-            other = "--export" if args.export else "--find-lr"
+            other, then = ("--export", "export the cell") if args.export else ("--find-lr", "sweep the learning rate")
             raise UsageError(f"--continue trains on from the last fit, and {other} does not train here.\n"
-                             f"HINT: drop `--continue` to {'export the cell' if args.export else 'sweep the learning rate'}.")
+                             f"HINT: drop `--continue` to {then}.")
         if args.export:
             return self._export(args, line, cell, config)
         if not args.quiet and not args.find_lr:
@@ -107,7 +108,7 @@ class GpuMagics(Magics):
         from gpunb.trainer import Trainer
 
         callbacks = [*found["callbacks"], *_progress_callbacks(self.shell, args.quiet)]
-        previous = _previous_fit(args.continue_fit)
+        previous = session_continue_state() if args.continue_fit else None
         try:
             with kernel_stays_busy(self.shell):  # the dashboard's widgets must not read "Idle"
                 result = Trainer(config).fit(
@@ -264,27 +265,6 @@ def _remember(config, found, args, result) -> None:
     names = {role: getattr(args, f"{role}_name") for role in SETUP if found[role] is not None}
     kept = weakref.ref(result.continue_state) if result.continue_state is not None else None
     session.LAST_TRAIN = session.LastTrain(config, names, kept)
-
-
-def _previous_fit(wanted: bool):
-    """What `--continue` goes on from: the last %%gputrain's continue state."""
-    if not wanted:
-        return None
-    from gpunb.notebook import session
-
-    last = session.LAST_TRAIN
-    kept = last.continue_state() if last is not None and last.continue_state is not None else None
-    if kept is None:
-        if last is None:
-            why = "no %%gputrain has trained in this kernel yet"
-        elif last.continue_state is None:
-            why = "the last one ran in several processes, which keep no optimizer here"
-        else:
-            why = "its result, which holds the optimizer state, was deleted"
-        raise UsageError(f"--continue goes on from the last %%gputrain, and {why}.\n"
-                         "HINT: run the cell without `--continue` first (with `--devices 1`, and keep "
-                         "`gputrain_result`, to continue it later).")
-    return kept
 
 
 def _named_options(line: str) -> frozenset:
