@@ -241,3 +241,18 @@ def test_restore_best_loads_the_averaged_weights_that_were_validated(tmp_path):
     assert result.restored_best and best["ema"] is not None and result.best_step < result.steps
     for name, value in model.state_dict().items():  # the best average, not the last one (ema_apply)
         assert torch.equal(value, best["ema"]["weights"][name]), name
+
+
+@pytest.mark.cuda
+def test_an_update_on_the_gpu_never_waits_for_the_device():
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).cuda()
+    ema = WeightEma(model, 0.99)
+    taken = torch.ones((), dtype=torch.bool, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host-device sync raises
+    try:
+        ema.update()
+        ema.update(taken)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert ema.updates == 2

@@ -63,9 +63,14 @@ class WeightEma:
         # Listed afresh each time: a swap (see _swap) leaves other tensor objects in `averaged`.
         averaged = [self.averaged[i] for i in self.floating]
         if averaged:
-            if taken is not None:
-                weight = taken.to(averaged[0].dtype) * weight  # device op: no sync
-            torch._foreach_lerp_(averaged, [self.params[i] for i in self.floating], weight)
+            current = [self.params[i] for i in self.floating]
+            if taken is None:
+                torch._foreach_lerp_(averaged, current, weight)
+            else:
+                # A 0-d tensor passed as the weight would become a Python number (a sync);
+                # one per tensor picks the overload that reads it on the device.
+                weight = taken.to(averaged[0].dtype) * weight
+                torch._foreach_lerp_(averaged, current, [weight] * len(averaged))
         for i in self.whole:
             self.averaged[i].copy_(self.params[i])
         if self.buffers:
