@@ -183,3 +183,17 @@ def test_gputrain_continue_after_a_multi_process_fit_is_refused(ip):
     session.LAST_TRAIN = session.LastTrain(TrainConfig(devices=2), {"model": "model"}, None)
     with pytest.raises(UsageError, match="ran in several processes, which keep no optimizer here"):
         ip.run_cell_magic("gputrain", f"--continue {OPTIONS}", CELL)
+
+
+def test_the_dashboard_of_a_continued_fit_draws_on_from_the_earlier_points():
+    pytest.importorskip("ipywidgets")
+    from gpunb.notebook.dashboard import Dashboard
+
+    model = mlp()
+    first = fit(model, epochs=2)
+    dashboard = Dashboard(min_interval_s=0)
+    Trainer(batch_size=16, log_every=2, track=False, epochs=1).fit(
+        model, DATA, DATA, loss_fn=nn.CrossEntropyLoss(), callbacks=[dashboard], continue_from=first)
+    assert [step for step, _ in dashboard.train_points] == [row["step"] for row in first.history] + [14, 16, 18]
+    assert [step for step, _ in dashboard.val_points] == [6, 12, 18]
+    assert [row["epoch"] for row in dashboard.epoch_rows] == [0, 1, 2]
