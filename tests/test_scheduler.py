@@ -155,3 +155,11 @@ def test_gputrain_refuses_a_scheduler_variable_that_is_not_one(ip):
     with pytest.raises(UsageError, match="`scheduler`: `scheduler` must be a torch LR scheduler"):
         ip.run_cell_magic("gputrain", "--epochs 1 --quiet --no-track",
                           "model = mlp()\ntrain_data = (x, y)\nloss_fn = nn.CrossEntropyLoss()\nscheduler = 0.1")
+
+
+def test_ranks_build_a_factorys_scheduler_on_their_own_optimizer():
+    result = Trainer(devices=2, accelerator="cpu", batch_size=8, epochs=1, log_every=1, track=False).fit(
+        mlp(), DATA, loss_fn=nn.CrossEntropyLoss(),
+        scheduler=lambda opt, n: torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.0, total_iters=n))
+    assert result.world_size == 2 and result.total_steps == 6
+    assert [row["lr"] for row in result.history] == pytest.approx([1e-3 * (1 - s / 6) for s in range(1, 7)])
