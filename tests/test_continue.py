@@ -22,10 +22,15 @@ def fit(model, continue_from=None, optimizer=None, scheduler=None, **options):
                                    loss_fn=nn.CrossEntropyLoss(), continue_from=continue_from)
 
 
+def dropout_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3))
+
+
 def test_two_epochs_then_one_more_equal_three_straight():
-    straight_model = mlp()
+    straight_model = dropout_mlp()
     straight = fit(straight_model, epochs=3, ema=0.9)
-    model = mlp()
+    model = dropout_mlp()
     first = fit(model, epochs=2, ema=0.9)
     more = fit(model, continue_from=first, epochs=1, ema=0.9)
     assert more.steps == 18 and more.total_steps == 18

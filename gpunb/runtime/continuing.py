@@ -2,7 +2,7 @@
 
 `Trainer.fit(model, data, continue_from=previous_result)` keeps the previous fit's
 optimizer (the default AdamW too, with its moments), its schedule, its weight average,
-the loss scaler, the step count and the history: steps and epochs are numbered on, and
+the loss scaler, the random number generators, the step count and the history: steps and epochs are numbered on, and
 `epochs` / `max_steps` count what this fit adds. It needs no checkpoint: the objects
 stay in memory, in `result.continue_state` (set it to None to free the optimizer state).
 One process only; across processes, resume from a checkpoint instead.
@@ -15,6 +15,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from gpunb.errors import GpunbError
+from gpunb.runtime import device as devices
 
 
 @dataclass(eq=False)
@@ -32,6 +33,7 @@ class ContinueState:
     history: list = field(default_factory=list)
     epochs: list = field(default_factory=list)
     validations: list = field(default_factory=list)
+    rng: dict | None = None  # every RNG as the fit left it: dropout and shuffling go on, not start over
 
     def __repr__(self) -> str:
         return f"ContinueState(step={self.step}, next_epoch={self.next_epoch})"
@@ -129,6 +131,8 @@ def restore(run, state: ContinueState) -> None:
     fit.validations[:] = state.validations
     run.start_epoch = state.next_epoch
     run.precision.load_state_dict(state.precision)
+    if state.rng is not None:
+        devices.set_rng_state(state.rng, fit.device)
 
 
 def capture(run) -> ContinueState | None:
@@ -139,4 +143,5 @@ def capture(run) -> ContinueState | None:
     next_epoch = fit.epoch + 1 if fit.step > 0 else fit.epoch  # a partly trained epoch is not repeated
     return ContinueState(weakref.ref(run.model), run.stepper.optimizer, run.stepper.schedule, run.stepper.ema,
                          run.precision.state_dict(), fit.step, next_epoch, fit.samples_seen,
-                         list(fit.history), list(fit.epochs), list(fit.validations))
+                         list(fit.history), list(fit.epochs), list(fit.validations),
+                         devices.rng_state(fit.device))
