@@ -1,7 +1,7 @@
 """gpunb: fast GPU training of PyTorch models in one Jupyter cell.
 
     %load_ext gpunb          # then %%gputrain, %gpuprofile, %gpustatus
-    from gpunb import Trainer, TrainConfig
+    from gpunb import Trainer, TrainConfig, predict, evaluate
 
 Importing gpunb is cheap: torch and everything else load on first use, and nothing
 touches CUDA or NVML at import time.
@@ -10,12 +10,14 @@ touches CUDA or NVML at import time.
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["Trainer", "TrainConfig", "TrainResult", "profile", "runs", "compare"]
+__all__ = ["Trainer", "TrainConfig", "TrainResult", "predict", "evaluate", "profile", "runs", "compare"]
 
 _LAZY = {
     "Trainer": "gpunb.trainer",
     "TrainResult": "gpunb.runtime.result",
     "TrainConfig": "gpunb.config",
+    "predict": "gpunb.runtime.predict",
+    "evaluate": "gpunb.runtime.predict",
     "profile": "gpunb.profiling",
     "runs": "gpunb.runs",
     "compare": "gpunb.runs",

@@ -11,6 +11,7 @@ import html
 import math
 import sys
 import time
+from types import SimpleNamespace
 
 from gpunb.charts import line_chart, loss_chart
 from gpunb.units import format_duration
@@ -148,6 +149,64 @@ def plot_losses(r, ax=None):
     return ax
 
 
+# ---------------------------------------------------------------------- RunSummary
+def summary_text(s) -> str:
+    """Deterministic for a model, data and settings: the free memory (a machine fact) is left
+    out; `summary_html` and the progress output show it."""
+    head = (f"RunSummary({s.model!r}: {s.params:,} parameters ({s.trainable_params:,} trainable, "
+            f"{s.frozen_params:,} frozen), batch {s.batch_size}, device={s.device}, precision={s.precision})")
+    return "\n".join([head, f"  FLOPs per sample: {flops_text(s)}", f"  memory: {memory_text(s)}"])
+
+
+def flops_text(s) -> str:
+    if s.train_flops is None and s.forward_flops is None:
+        return "not counted" + (f" ({s.activations_note})" if s.activations_note.startswith("not") else "")
+    both = f", {si(s.train_flops)} forward + backward" if s.train_flops is not None else ""
+    return f"{si(s.forward_flops)} forward{both}"
+
+
+def memory_text(s) -> str:
+    """`weights 4.9 KiB + gradients ... = 54 KiB` with what each part is."""
+    parts = [f"weights {format_bytes(s.weights_bytes)}", f"gradients {format_bytes(s.gradients_bytes)}"]
+    if s.optimizer_bytes is not None:
+        parts.append(f"optimizer {format_bytes(s.optimizer_bytes)} ({s.optimizer_note})")
+    if s.activations_bytes is not None:
+        parts.append(f"activations {format_bytes(s.activations_bytes)} ({s.activations_note})")
+    return " + ".join(parts) + f" = {format_bytes(s.estimated_bytes)}"
+
+
+def free_memory_text(s) -> str:
+    """`of 70.2 GiB free GPU memory (fits)`: the estimate against the machine's memory."""
+    if s.free_bytes is None:
+        return f"free {s.memory_kind} memory unknown"
+    verdict = "fits" if s.fits else "does NOT fit: lower the batch size or use bf16 / activation checkpointing"
+    return f"{format_bytes(s.estimated_bytes)} of {format_bytes(s.free_bytes)} free {s.memory_kind} memory ({verdict})"
+
+
+def summary_html(s) -> str:
+    rows = [("model", f"{s.model}: {s.params:,} parameters ({s.trainable_params:,} trainable, "
+                      f"{s.frozen_params:,} frozen)"),
+            ("batch", f"{s.batch_size} on {s.device}, precision {s.precision}"),
+            ("FLOPs per sample", flops_text(s)), ("memory", memory_text(s)), ("against", free_memory_text(s))]
+    return f"<div class='gpunb-summary'>{html_table(rows, key_column=True)}</div>"
+
+
+def si(value) -> str:
+    """`7.42 K`, `1.3 G`: counts with an SI prefix, 3 significant digits."""
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {prefix}"
+    return f"{value:.3g}"
+
+
+def format_bytes(count: int) -> str:
+    """`512 B`, `4.9 KiB`, `1.2 GiB`."""
+    for factor, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if count >= factor:
+            return f"{count / factor:.1f} {unit}"
+    return f"{count} B"
+
+
 # ---------------------------------------------------------------------- LRFinderResult
 def lr_find_text(r) -> str:
     rate = f"{r.suggestion:.2e}" if r.suggestion else "none (the loss never fell)"
@@ -208,6 +267,12 @@ class ProgressPrinter:
         self.min_interval_s = min_interval_s
         self._last = 0.0
         self._tty = getattr(self.stream, "isatty", lambda: False)()
+
+    def on_fit_start(self, state) -> None:
+        plain = state.extras.get("summary")
+        if plain:  # the run's summary first: parameters, FLOPs, memory against free memory
+            summary = SimpleNamespace(**plain)
+            self._write(f"{summary_text(summary)}\n  {free_memory_text(summary)}", final=True)
 
     def on_log(self, state, metrics) -> None:
         now = time.monotonic()

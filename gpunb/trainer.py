@@ -61,14 +61,33 @@ class Trainer:
             if launch.needs_processes(config):
                 # One process per device; this one drives them, the registry is written here.
                 parent = [*_registry_callbacks(config), *callbacks]
-                return launch.fit(config, _rank_entry, model, train_data, val_data, callbacks=parent,
-                                  **arguments)
+                result = launch.fit(config, _rank_entry, model, train_data, val_data, callbacks=parent,
+                                    **arguments)
+                return result.attach(model, loss_fn=loss_fn, step=step, metrics=metrics,
+                                     transforms=config.transforms)
         context = LocalContext()
         if _in_process_group():
             from gpunb.distributed.context import current_context
 
             context = current_context(config)  # joins torchrun's group when it is not joined yet
-        return _rank_entry(config, context, model, train_data, val_data, callbacks=callbacks, **arguments)
+        result = _rank_entry(config, context, model, train_data, val_data, callbacks=callbacks, **arguments)
+        return result.attach(model, loss_fn=loss_fn, step=step, metrics=metrics, transforms=config.transforms)
+
+
+    def summary(self, model, train_data, val_data=None, *, optimizer=None, loss_fn=None, step=None,
+                metrics=None):
+        """What fit would train and need, without training: parameters (trainable / frozen),
+        FLOPs per sample, memory (weights, gradients, optimizer state, activations at the batch
+        size) against free memory. One forward + backward, undone: no optimizer step, no
+        checkpoint, no registry run. Returns a RunSummary (in one process: this device's view)."""
+        __tracebackhide__ = True  # noqa: F841
+        from gpunb.runtime.summary import dry_run
+
+        check_model(model)
+        return dry_run(self.config, LocalContext(), model, train_data, val_data, optimizer=optimizer,
+                       loss_fn=loss_fn, step=step, metrics=metrics)
+
+    dry_run = summary
 
 
 def _rank_entry(config, context, model, train_data, val_data=None, *, callbacks=(), **arguments) -> TrainResult:

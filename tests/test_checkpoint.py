@@ -140,9 +140,9 @@ def test_keyboard_interrupt_inside_a_step_is_caught_not_raised():
             self.layer = nn.Linear(10, 3)
 
         def forward(self, x):
-            if torch.is_grad_enabled():  # training steps, not the no-grad check before them
+            if torch.is_grad_enabled():  # the summary's one step, then training steps (not the no-grad check)
                 calls.append(1)
-            if len(calls) == 4:
+            if len(calls) == 5:  # the 4th training step
                 raise KeyboardInterrupt
             return self.layer(x)
 

@@ -89,6 +89,25 @@ def test_registry_defaults_to_the_platform_data_dir(tmp_path, monkeypatch, platf
     assert default_path() == tmp_path / "mine" / "runs.sqlite"
 
 
+def test_a_registry_an_earlier_gpunb_kept_in_jupyters_data_dir_stays_in_use(tmp_path, monkeypatch):
+    from gpunb.runs import paths
+
+    for name in ("GPUNB_HOME", "APPDATA"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(paths.sys, "platform", "linux")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "jupyter"))
+    assert default_path() == tmp_path / "data" / "gpunb" / "runs.sqlite"  # none anywhere: the new place
+    earlier = tmp_path / "jupyter" / "gpunb" / "runs.sqlite"
+    earlier.parent.mkdir(parents=True)
+    earlier.touch()
+    assert default_path() == earlier  # its runs stay listed
+    new = tmp_path / "data" / "gpunb" / "runs.sqlite"
+    new.parent.mkdir(parents=True)
+    new.touch()
+    assert default_path() == new  # once the new one exists it wins
+
+
 def test_a_run_round_trips_as_json(registry, monkeypatch):
     monkeypatch.setenv("JPY_SESSION_NAME", "/home/me/train.ipynb")
     run_id = registry.start_run("mnist", config={"lr": 1e-3}, device="cuda:0", total_steps=100)

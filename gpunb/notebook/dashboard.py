@@ -13,9 +13,10 @@ from __future__ import annotations
 import html
 import time
 from collections import deque
+from types import SimpleNamespace
 
 from gpunb.charts import loss_chart, sparkline
-from gpunb.render import epoch_table_html, progress_parts
+from gpunb.render import epoch_table_html, flops_text, free_memory_text, memory_text, progress_parts
 
 
 class Dashboard:
@@ -189,7 +190,19 @@ def _header_html(state) -> str:
     config = state.config
     batch = f"{config.batch_size} x {config.grad_accum} accumulation x {state.world_size} device(s)"
     return (f"<b>{html.escape(state.run_name)}</b> &middot; {html.escape(str(state.device))} &middot; "
-            f"precision {html.escape(config.precision)} &middot; batch {batch}")
+            f"precision {html.escape(config.precision)} &middot; batch {batch}{_summary_html(state)}")
+
+
+def _summary_html(state) -> str:
+    """Parameters, FLOPs and memory against free memory (measured before the first step)."""
+    plain = state.extras.get("summary")
+    if not plain:
+        return ""
+    summary = SimpleNamespace(**plain)
+    lines = [f"{summary.params:,} parameters ({summary.trainable_params:,} trainable, "
+             f"{summary.frozen_params:,} frozen) &middot; FLOPs per sample: {html.escape(flops_text(summary))}",
+             f"memory: {html.escape(memory_text(summary))}", html.escape(free_memory_text(summary))]
+    return "".join(f"<div style='font-size:90%'>{line}</div>" for line in lines)
 
 
 def _metrics_html(state) -> str:

@@ -50,6 +50,8 @@ class GpuMagics(Magics):
     @argument("--no-track", action="store_true", help="do not record the run in the run registry")
     @argument("--find-lr", action="store_true", help="run a learning-rate range test instead of training")
     @argument("--export", metavar="PATH", help="write a standalone torchrun script instead of training")
+    @argument("--eval", action="store_true", help="evaluate the model on val_data (or train_data) instead of training")
+    @argument("--dry-run", action="store_true", help="show the run's summary (parameters, FLOPs, memory) without training")
     @argument("--model", dest="model_name", default="model", help="variable holding the model")
     @argument("--train-data", dest="train_data_name", default="train_data", help="variable holding the data")
     @argument("--val-data", dest="val_data_name", default="val_data")
@@ -95,7 +97,12 @@ class GpuMagics(Magics):
         outcome = self.shell.run_cell(cell, store_history=False)
         if not outcome.success:
             return None  # the user's own traceback has been shown; nothing to train
-        found = _collect(self.shell.user_ns, args, before, _named_options(line))
+        found = _collect(self.shell.user_ns, args, before, _named_options(line),
+                         required=("model",) if args.eval else REQUIRED)
+        if args.eval:
+            return _evaluate(self.shell, found, config, args)
+        if args.dry_run:
+            return _dry_run(self.shell, found, config, args)
         if args.find_lr:
             return _find_lr(found, config)
         return self._train(config, found, args)
@@ -198,7 +205,7 @@ def _as_option_hint(message: str) -> str:
                   f"{m.group(2).strip(chr(39))}`", message)
 
 
-def _collect(namespace, args, before, named=frozenset()) -> dict:
+def _collect(namespace, args, before, named=frozenset(), required=REQUIRED) -> dict:
     """The objects the cell defined for each role, type-checked; UsageError names the fix.
 
     `named`: the roles whose variable the magic line names explicitly (`--model net`).
@@ -215,7 +222,7 @@ def _collect(namespace, args, before, named=frozenset()) -> dict:
                  if before.get(getattr(args, f"{role}_name")) != id(found[role])}
         if len(fresh) == 1:
             found[({"loss_fn", "step"} - fresh).pop()] = None
-    for role in REQUIRED:
+    for role in required:
         if found[role] is None:
             name = getattr(args, f"{role}_name")
             raise UsageError(f"%%gputrain needs a variable `{name}` ({by_name(role).what}), "
@@ -373,5 +380,23 @@ def _find_lr(found, config):
     try:
         return find_lr(found["model"], found["train_data"], config=config, optimizer=found["optimizer"],
                        loss_fn=found["loss_fn"], step=found["step"])
+    except GpunbError as error:
+        raise UsageError(str(error)) from None
+
+
+def _evaluate(shell, found, config, args):
+    from gpunb.notebook.cell_modes import evaluate_cell
+
+    try:
+        shell.user_ns[args.out] = evaluate_cell(found, config, args)
+    except GpunbError as error:
+        raise UsageError(str(error)) from None
+
+
+def _dry_run(shell, found, config, args):
+    from gpunb.notebook.cell_modes import dry_run_cell
+
+    try:
+        shell.user_ns[args.out] = dry_run_cell(found, config)
     except GpunbError as error:
         raise UsageError(str(error)) from None

@@ -28,5 +28,22 @@ def data_dir() -> Path:
 
 
 def default_path() -> Path:
-    """The run registry: <data_dir()>/runs.sqlite."""
-    return data_dir() / "runs.sqlite"
+    """The run registry: <data_dir()>/runs.sqlite, or the one an earlier gpunb kept in
+    Jupyter's data dir while there is none here, so that no recorded run goes missing."""
+    path = data_dir() / "runs.sqlite"
+    if "GPUNB_HOME" not in os.environ and not path.exists():
+        earlier = _jupyter_data_dir() / "gpunb" / "runs.sqlite"
+        if earlier.exists():
+            return earlier
+    return path
+
+
+def _jupyter_data_dir() -> Path:
+    """jupyter_core.paths.jupyter_data_dir() without importing it (the core install lacks it)."""
+    if os.environ.get("JUPYTER_DATA_DIR"):
+        return Path(os.environ["JUPYTER_DATA_DIR"]).expanduser()
+    if sys.platform == "win32":
+        return Path(os.environ.get("APPDATA") or Path.home() / "AppData" / "Roaming") / "jupyter"
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Jupyter"
+    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "jupyter"

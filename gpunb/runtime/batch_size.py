@@ -128,17 +128,13 @@ class _Probe:
 
     def count_flops(self, size: int) -> int | None:
         """FLOPs of one forward + backward at this size (None when the counter fails)."""
-        from torch.utils.flop_counter import FlopCounterMode
-
-        counter = FlopCounterMode(display=False)
+        batch = self._batch(size)
         try:
-            with counter:
-                self._step(self._batch(size))
+            flops = count_flops(lambda: self._step(batch))
         except torch.OutOfMemoryError:
             raise _nothing_fits(size) from None
-        except Exception:  # noqa: BLE001 - a counter that cannot trace an op is not the user's error
+        if flops is None:
             return None
-        flops = counter.get_total_flops()
         self.records.append({"batch_size": size, "flops_per_step": flops})
         return flops
 
@@ -180,6 +176,22 @@ class _Probe:
 
     def _batch(self, size: int):
         return first_batch(self.data, size, self.device)
+
+
+def count_flops(work) -> int | None:
+    """FLOPs that `work()` runs, counted by torch.utils.flop_counter (the same on every machine);
+    None when the counter cannot trace an op. An out-of-memory error is let through."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    try:
+        with counter:
+            work()
+    except torch.OutOfMemoryError:
+        raise
+    except Exception:  # noqa: BLE001 - a counter that cannot trace an op is not the user's error
+        return None
+    return counter.get_total_flops()
 
 
 def _synchronize(device) -> None:

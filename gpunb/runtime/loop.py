@@ -37,6 +37,7 @@ from gpunb.runtime import validation
 from gpunb.runtime.best import BestCheckpoints
 from gpunb.runtime.monitor import monitor_of, validation_names
 from gpunb.runtime.step import Stepper
+from gpunb.runtime.summary import RunSummary, summarize
 from gpunb.runtime.teardown import Teardown
 from gpunb.runtime.wrap import wrap_model
 
@@ -138,6 +139,9 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
     schedule = _schedule(scheduler, optimizer, config, total_steps, val_feed is not None, carried)
     config = config.replace(log_every=config.resolved_log_every(total_steps, steps_per_epoch))
 
+    # one forward + backward, undone; FSDP: the whole model's step may not fit on one device
+    summary = summarize(model, optimizer, objective, precision, train, device, batch_size, config,
+                        measure=not (dist.world_size > 1 and config.strategy == "fsdp"))
     run_name = config.name or type(model).__name__  # before FSDP renames the class
     train_model, teardown.unwrap = wrap_model(model, config, dist, device)  # undone whatever happens next
     dist.adopt_shards(optimizer)  # FSDP replaced the parameters with sharded ones
@@ -145,6 +149,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
                             run_name=run_name,
                             steps_per_epoch=steps_per_epoch, total_steps=total_steps,
                             rank=dist.rank, world_size=dist.world_size, val_names=val_names)
+    state.extras["summary"] = summary.as_plain()  # plain data: ranks send it to the kernel
     phase = _phase_annotator(state)
     no_sync = getattr(train_model, "no_sync", None)
     ema = _weight_ema(model, config, carried)
@@ -308,6 +313,7 @@ def _result(run: _Run, timer) -> TrainResult:
         skipped_steps=run.precision.skipped_steps, checkpoint_path=state.checkpoint_path,
         resumed_from=state.resumed,
         interrupted=state.stop_reason == "interrupted", stop_reason=state.stop_reason,
+        summary=RunSummary.from_plain(state.extras["summary"]),
         ema_state_dict=run.stepper.ema.state_dict(to_cpu=True) if run.stepper.ema is not None else None,
         continue_state=continuing.capture(run))
 

@@ -75,7 +75,8 @@ class Objective:
         if isinstance(batch, torch.Tensor):
             return model(batch), batch
         if isinstance(batch, (list, tuple)) and len(batch) >= 2:
-            return model(*batch[:-1]), batch[-1]
+            args, _ = model_inputs(batch)
+            return model(*args), batch[-1]
         if isinstance(batch, (list, tuple)) and len(batch) == 1:
             raise GpunbError(f"With `loss_fn`, a batch must be (inputs, target); this one is a "
                              f"{_describe(batch)}, so the data holds no labels for `loss_fn`.",
@@ -84,6 +85,20 @@ class Objective:
         raise GpunbError(f"With `loss_fn`, a batch must be (inputs, target); got a {_describe(batch)}.",
                          "yield (x, y) pairs from the data, or use `step(model, batch)` for "
                          "other layouts.")
+
+
+def model_inputs(batch) -> tuple[tuple, dict]:
+    """The (args, kwargs) the model is called with for `batch`, its target left out.
+
+    As training with `loss_fn` reads a batch: a tensor is the input; in a tuple or list of
+    two or more the last item is the target; a one-item tuple holds the input alone; a dict
+    goes in as keywords (`model(**batch)`), as for a model that computes its own loss.
+    """
+    if isinstance(batch, dict):
+        return (), batch
+    if isinstance(batch, (list, tuple)):
+        return tuple(batch[:-1] if len(batch) >= 2 else batch), {}
+    return (batch,), {}
 
 
 def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ class TrainResult:
     stop_reason: str | None = None
     energy_j: float | None = None  # GPU energy over the run (NVIDIA only)
     per_rank: list = field(default_factory=list)  # timings of each rank in multi-process runs
+    summary: object = None  # RunSummary: parameters, FLOPs, memory, measured before the first step
     # with `ema`: the averaged weights on the CPU, keyed like model.state_dict() (`model.load_state_dict(...)`)
     ema_state_dict: dict | None = field(default=None, repr=False)
     # what `fit(..., continue_from=result)` goes on from (optimizer, schedule, step; one-process
@@ -77,6 +78,53 @@ class TrainResult:
         if val:
             series["val"] = val
         return series
+
+    def attach(self, model, **fit_arguments) -> "TrainResult":
+        """Point at the trained model and keep fit's loss_fn/step/metrics/transforms for predict
+        and evaluate (an attribute, not a field: never saved, shipped or compared). The model
+        is held weakly: deleting it in the notebook frees it."""
+        import weakref
+
+        self._fitted = (weakref.ref(model), fit_arguments)
+        return self
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_fitted"}  # the model stays here
+
+    def predict(self, data, **overrides):
+        """gpunb.predict with this run's model, device, precision and batch size."""
+        from gpunb.runtime.predict import predict
+
+        model, fit_arguments = self._fitted_or_error("predict")
+        return predict(model, data, **{**self._feeding(fit_arguments), **overrides})
+
+    def evaluate(self, data, **overrides) -> dict:
+        """gpunb.evaluate with this run's model, loss, metrics, device, precision and batch size."""
+        from gpunb.runtime.predict import evaluate
+
+        model, fit_arguments = self._fitted_or_error("evaluate")
+        chosen = {k: fit_arguments.get(k) for k in ("loss_fn", "step", "metrics")}
+        return evaluate(model, data, **{**chosen, **self._feeding(fit_arguments), **overrides})
+
+    def _feeding(self, fit_arguments) -> dict:
+        return {"batch_size": self.batch_size, "precision": self.precision,
+                "accelerator": self.device.split(":")[0], "transforms": fit_arguments.get("transforms", ())}
+
+    def _fitted_or_error(self, what: str):
+        fitted = getattr(self, "_fitted", None)
+        if fitted is None:
+            from gpunb.errors import GpunbError
+
+            raise GpunbError(f"This TrainResult holds no model to {what} with (it was not returned by "
+                             "Trainer.fit or %%gputrain in this process).",
+                             f"call `gpunb.{what}(model, data)` with the model itself.")
+        model = fitted[0]()
+        if model is None:
+            from gpunb.errors import GpunbError
+
+            raise GpunbError(f"The model this run trained has been deleted, so the result cannot {what}.",
+                             f"keep a reference to the model, or call `gpunb.{what}(model, data)` with one.")
+        return model, fitted[1]
 
     # Display lives in gpunb.render (imported lazily): the result renders without %load_ext.
     def __repr__(self) -> str:

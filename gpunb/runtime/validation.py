@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
-
-from gpunb.runtime.inputs import batch_size_of
+from gpunb.runtime.evaluation import validation_sums
 
 
 def due_at_step(run) -> bool:
@@ -52,18 +50,11 @@ def epoch_metrics(state) -> dict:
     return {}
 
 
-@torch.no_grad()
 def _evaluate(run) -> dict:
     __tracebackhide__ = True  # noqa: F841
     run.train_model.eval()
-    sums, count = {}, 0
     ema = run.stepper.ema
     with ema.swapped() if ema is not None else contextlib.nullcontext():  # validate the averaged weights
-        for batch in run.val_feed.epoch(0):
-            with run.precision.autocast():
-                batch_sums = run.objective.evaluate(run.train_model, batch)
-            for name, value in batch_sums.items():
-                sums[name] = value if name not in sums else sums[name] + value
-            count += batch_size_of(batch)
+        sums, count = validation_sums(run.train_model, run.val_feed.epoch(0), run.objective, run.precision)
     run.train_model.train()
     return run.dist.reduce_sums(sums, count)  # one sync; sums across ranks when distributed

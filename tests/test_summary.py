@@ -1,0 +1,214 @@
+"""The run summary before the first step: parameters, FLOPs, memory; dry runs that change nothing."""
+
+import io
+
+import pytest
+import torch
+from conftest import classification_data, mlp
+from torch import nn
+
+from gpunb import Trainer
+from gpunb.config import TrainConfig
+from gpunb.render import ProgressPrinter, free_memory_text
+from gpunb.runtime.events import FitState
+from gpunb.runtime.objective import Objective
+from gpunb.runtime.precision import Precision
+from gpunb.runtime.summary import RunSummary, optimizer_state_bytes, summarize
+
+CPU = torch.device("cpu")
+
+
+def summary_of(model, data, batch_size=8, optimizer=None, loss_fn=nn.CrossEntropyLoss(), step=None):
+    optimizer = optimizer or torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    return summarize(model, optimizer, Objective(loss_fn, step), Precision("32", CPU), data, CPU,
+                     batch_size, TrainConfig())
+
+
+def test_parameters_are_counted_exactly_trainable_and_frozen():
+    model = mlp(features=10, hidden=32, classes=3)
+    model[0].requires_grad_(False)
+    summary = summary_of(model, classification_data(n=32))
+    assert (summary.trainable_params, summary.frozen_params) == (32 * 3 + 3, 10 * 32 + 32)
+    assert summary.params == 451 and summary.model == "Sequential"
+    assert summary.weights_bytes == 4 * 451 and summary.gradients_bytes == 4 * 99
+
+
+@pytest.mark.parametrize("batch", [4, 8])
+def test_flops_of_a_linear_layer_are_two_in_out_per_sample_forward_and_as_much_again_backward(batch):
+    inputs, outputs = 12, 5
+    model = nn.Linear(inputs, outputs, bias=False)
+    x = torch.randn(32, inputs)
+    summary = summary_of(model, (x, torch.randn(32, outputs)), batch_size=batch, loss_fn=nn.MSELoss())
+    assert summary.forward_flops == 2 * inputs * outputs  # the per-sample share of 2*in*out*batch
+    # backward: the weight's gradient only (the inputs need none)
+    assert summary.train_flops == 4 * inputs * outputs
+
+
+def test_optimizer_state_from_its_type_and_from_its_tensors_once_it_has_some():
+    model = mlp()
+    size = 4 * sum(p.numel() for p in model.parameters())
+    assert optimizer_state_bytes(torch.optim.AdamW(model.parameters()))[0] == 2 * size
+    assert optimizer_state_bytes(torch.optim.Adam(model.parameters(), amsgrad=True))[0] == 3 * size
+    assert optimizer_state_bytes(torch.optim.SGD(model.parameters(), lr=0.1))[0] == 0
+    assert optimizer_state_bytes(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))[0] == size
+
+    class Mine(torch.optim.SGD):
+        pass
+
+    assert optimizer_state_bytes(Mine(model.parameters(), lr=0.1)) == (None, "Mine: unknown until its first step")
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 10)).sum().backward()
+    optimizer.step()
+    measured, note = optimizer_state_bytes(optimizer)
+    assert measured == 2 * size and note == "AdamW: measured from its state"
+
+
+def test_activations_are_the_tensors_saved_for_backward_and_grow_with_the_batch():
+    data = classification_data(n=64)
+    sizes = [summary_of(mlp(), data, batch_size=b).activations_bytes for b in (4, 8, 16)]
+    assert sizes[0] > 4 * 10 * 4  # at least the inputs the first Linear saves
+    assert sizes[2] - sizes[1] == 2 * (sizes[1] - sizes[0])  # linear in the batch size
+    summary = summary_of(mlp(), data)
+    assert summary.estimated_bytes == (summary.weights_bytes + summary.gradients_bytes
+                                       + summary.optimizer_bytes + summary.activations_bytes)
+    assert summary.memory_kind == "system" and summary.free_bytes > 0 and summary.fits
+
+
+def test_measuring_changes_nothing_weights_grads_buffers_modes_rng():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.BatchNorm1d(16), nn.Dropout(0.3), nn.Linear(16, 3))
+    model.eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    summary_of(model, classification_data(n=32))
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert not any(m.training for m in model.modules())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_custom_step_is_not_run_ahead_of_time():
+    calls = []
+    summary = summary_of(mlp(), classification_data(n=32), loss_fn=None,
+                         step=lambda model, batch: calls.append(1))
+    assert calls == [] and summary.train_flops is None and summary.activations_bytes is None
+    assert "FLOPs per sample: not counted (not measured: a custom step" in repr(summary)
+
+
+def test_a_forward_that_fails_is_left_to_the_first_step_and_the_summary_says_so():
+    class OutOfMemory(nn.Module):
+        def forward(self, x):
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+
+    class Broken(nn.Linear):
+        def forward(self, x):
+            raise RuntimeError("user bug")
+
+    data = classification_data(n=32)
+    tight = summary_of(nn.Sequential(nn.Linear(10, 3), OutOfMemory()), data, batch_size=16)
+    assert tight.activations_bytes is None and tight.activations_note == "not measured: out of memory at batch 16"
+    model = Broken(10, 3)
+    broken = summary_of(model, data)
+    assert broken.train_flops is None and "not measured: RuntimeError" in repr(broken)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_text_is_deterministic_and_leaves_the_machine_out():
+    summary = summary_of(nn.Linear(10, 2), classification_data(n=32, classes=2), batch_size=8)
+    assert repr(summary) == (
+        "RunSummary('Linear': 22 parameters (22 trainable, 0 frozen), batch 8, device=cpu, precision=32)\n"
+        "  FLOPs per sample: 40 forward, 80 forward + backward\n"
+        "  memory: weights 88 B + gradients 88 B + optimizer 176 B (AdamW: 2 tensors per parameter) + "
+        f"activations {summary.activations_bytes} B (tensors saved for backward in one step) = "
+        f"{summary.estimated_bytes} B")
+    assert "free" not in repr(summary) and "free system memory (fits)" in summary._repr_html_()
+    tight = RunSummary("M", 1, 0, 1, "cuda", "32", weights_bytes=2**31, free_bytes=2**30, memory_kind="GPU")
+    assert free_memory_text(tight) == "2.0 GiB of 1.0 GiB free GPU memory (does NOT fit: lower the batch " \
+                                      "size or use bf16 / activation checkpointing)"
+
+
+def test_fit_records_the_summary_in_the_result_and_prints_it_first():
+    x, y = classification_data(n=64)
+    stream = io.StringIO()
+    result = Trainer(max_steps=2, batch_size=16, track=False).fit(
+        mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[ProgressPrinter(stream)])
+    assert isinstance(result.summary, RunSummary) and result.summary.batch_size == 16
+    assert result.summary.params == sum(p.numel() for p in mlp().parameters())
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("RunSummary('Sequential': 451 parameters")
+    assert "free system memory" in lines[3] and lines[4].startswith("step ")
+
+
+def test_the_dashboard_header_shows_the_summary():
+    from gpunb.notebook.dashboard import _header_html
+
+    summary = summary_of(mlp(), classification_data(n=32))
+    state = FitState(config=TrainConfig(batch_size=8, precision="32"), model=None, optimizer=None, device=CPU,
+                     extras={"summary": summary.as_plain()})
+    header = _header_html(state)
+    assert "451 parameters (451 trainable, 0 frozen)" in header and "free system memory (fits)" in header
+    assert RunSummary.from_plain(summary.as_plain()) == summary
+
+
+@pytest.mark.parametrize("batch_size", [16, "auto"])
+def test_a_dry_run_leaves_model_optimizer_and_rng_as_they_were_and_records_nothing(tmp_path, gpunb_home,
+                                                                                     batch_size):
+    x, y = classification_data(n=128)
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(x[:4]).sum().backward()
+    optimizer.step()  # an optimizer with state, as a run that continues has
+    optimizer.zero_grad()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    saved = optimizer.state_dict()
+    moments = [t.clone() for s in saved["state"].values() for t in s.values()]
+    rng = torch.get_rng_state()
+    summary = Trainer(batch_size=batch_size, checkpoint_dir=str(tmp_path / "ckpt")).dry_run(
+        model, (x, y), optimizer=optimizer, loss_fn=nn.CrossEntropyLoss())
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    after = [t for s in optimizer.state_dict()["state"].values() for t in s.values()]
+    assert all(torch.equal(a, b) for a, b in zip(after, moments)) and len(after) == len(moments)
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert not (tmp_path / "ckpt").exists()  # no checkpoint
+    assert not gpunb_home.exists() or not any(gpunb_home.rglob("*")), "a dry run records no run"
+    assert summary.optimizer_note == "AdamW: measured from its state"
+    assert summary.train_flops > 0 and (batch_size == "auto" or summary.batch_size == 16)
+
+
+# --------------------------------------------------------------------------- %%gputrain --dry-run
+
+
+@pytest.fixture
+def ip():
+    import IPython
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython() or IPython.get_ipython()
+    shell.run_line_magic("load_ext", "gpunb")
+    shell.user_ns.clear()
+    shell.run_cell("import torch\nfrom torch import nn\nfrom conftest import classification_data, mlp\n"
+                   "x, y = classification_data(n=64)")
+    yield shell
+    shell.user_ns.clear()
+
+
+def test_gputrain_dry_run_shows_the_summary_and_trains_nothing(ip, capsys):
+    ip.run_cell_magic("gputrain", "--dry-run --batch-size 16", "model = mlp()\ntrain_data = (x, y)\n"
+                      "loss_fn = nn.CrossEntropyLoss()\nbefore = [p.clone() for p in model.parameters()]")
+    summary = ip.user_ns["gputrain_result"]
+    assert isinstance(summary, RunSummary) and summary.batch_size == 16
+    assert all(torch.equal(a, b) for a, b in zip(ip.user_ns["model"].parameters(), ip.user_ns["before"]))
+    assert capsys.readouterr().out.startswith("RunSummary('Sequential': 451 parameters")
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_activations_come_from_the_peak_and_free_memory_from_the_device():
+    device = torch.device("cuda")
+    model = mlp().to(device)
+    x, y = classification_data(n=64)
+    summary = summarize(model, torch.optim.AdamW(model.parameters()), Objective(nn.CrossEntropyLoss()),
+                        Precision("32", device), (x, y), device, 64, TrainConfig())
+    assert summary.memory_kind == "GPU" and summary.free_bytes > 0
+    assert summary.activations_note == "peak of one step above weights and gradients"
+    assert summary.activations_bytes is not None and summary.device == "cuda"
