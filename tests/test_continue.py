@@ -202,3 +202,11 @@ def test_the_dashboard_of_a_continued_fit_draws_on_from_the_earlier_points():
     assert [step for step, _ in dashboard.train_points] == [row["step"] for row in first.history] + [14, 16, 18]
     assert [step for step, _ in dashboard.val_points] == [6, 12, 18]
     assert [row["epoch"] for row in dashboard.epoch_rows] == [0, 1, 2]
+
+
+def test_a_pickled_result_leaves_the_continue_state_behind():
+    import pickle
+
+    first = fit(mlp())
+    assert first.continue_state is not None
+    assert pickle.loads(pickle.dumps(first)).continue_state is None

@@ -89,7 +89,10 @@ class TrainResult:
         return self
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_fitted"}  # the model stays here
+        # The model and what a continued fit goes on from (optimizer, schedule) stay here.
+        state = {k: v for k, v in self.__dict__.items() if k != "_fitted"}
+        state["continue_state"] = None
+        return state
 
     def predict(self, data, **overrides):
         """gpunb.predict with this run's model, device, precision and batch size."""
