@@ -256,3 +256,16 @@ def test_an_update_on_the_gpu_never_waits_for_the_device():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert ema.updates == 2
+
+
+def test_a_compiled_model_validates_the_swapped_in_average():
+    x, y = classification_data(n=96)
+    model = mlp()
+    result = fit(model, (x, y), (x, y), epochs=2, ema=0.9, compile=True)
+    averaged = mlp()
+    averaged.load_state_dict(result.ema_state_dict)
+    with torch.no_grad():
+        expected = nn.functional.cross_entropy(averaged(x), y).item()
+        raw = nn.functional.cross_entropy(model(x), y).item()
+    assert result.final_metrics["val_loss"] == pytest.approx(expected, rel=1e-5)
+    assert abs(expected - raw) > 1e-4  # the two differ, so the check above tells them apart
