@@ -55,6 +55,11 @@ class TrainConfig:
     clip_grad_norm: float | None = None  # clip the global gradient norm to this value
     lr_schedule: str = "none"  # "none", "one-cycle" or "cosine" (with warmup)
     warmup_steps: int = 0  # linear warmup steps for the cosine schedule
+    ema: float | None = None  # decay of an average of the weights (e.g. 0.999), used for validation; None: off
+    ema_warmup: bool = True  # the average's decay grows as min(ema, (1 + n) / (10 + n)) over updates n
+    # at the end, load the averaged weights into the model (else: result.ema_state_dict); restore_best
+    # goes first: it loads the best checkpoint's averaged weights, the ones validated
+    ema_apply: bool = False
     # --- data
     num_workers: Union[int, str] = "auto"  # DataLoader workers, or "auto"
     gpu_resident: Union[bool, str] = "auto"  # keep tensor data on the GPU: "auto", True or False
@@ -115,6 +120,13 @@ class TrainConfig:
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise GpunbError(f"clip_grad_norm must be positive, got {self.clip_grad_norm!r}.",
                              "pass a max norm such as `clip_grad_norm=1.0`, or None to disable.")
+        if self.ema is not None and (isinstance(self.ema, bool) or not isinstance(self.ema, (int, float))
+                                     or not 0 < self.ema < 1):
+            raise GpunbError(f"ema must be a decay between 0 and 1, got {self.ema!r}.",
+                             "pass e.g. `ema=0.999` (closer to 1 averages over more steps), or None to disable.")
+        if self.ema_apply and self.ema is None:
+            raise GpunbError("ema_apply=True asks for the averaged weights, and `ema` is not set.",
+                             "pass `ema=0.999` too, or drop `ema_apply`.")
         if self.lr is not None and not self.lr > 0:
             raise GpunbError(f"lr must be positive, got {self.lr!r}.", "pass e.g. `lr=3e-4`.")
         if self.gpu_resident not in ("auto", True, False):

@@ -39,13 +39,25 @@ class Trainer:
     def __init__(self, config: TrainConfig | None = None, **overrides):
         self.config = make_config(config, **overrides)
 
-    def fit(self, model, train_data, val_data=None, *, optimizer=None, loss_fn=None, step=None,
-            metrics=None, callbacks=()) -> TrainResult:
-        """Train `model` on `train_data`; returns a TrainResult. The model is trained in place."""
+    def fit(self, model, train_data, val_data=None, *, optimizer=None, scheduler=None, loss_fn=None, step=None,
+            metrics=None, callbacks=(), continue_from=None) -> TrainResult:
+        """Train `model` on `train_data`; returns a TrainResult. The model is trained in place.
+
+        `scheduler`: a torch LR scheduler on `optimizer`, a factory `f(optimizer, total_steps)`,
+        or `{"scheduler": ..., "interval": "epoch"}` (stepped per optimizer step by default;
+        ReduceLROnPlateau with `"monitor"` at each validation). `continue_from`: the result of
+        an earlier fit of this model, to go on with its optimizer, schedule and step count;
+        `epochs` / `max_steps` then count the steps added.
+        """
         __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
         check_model(model)
         config = self.config
-        arguments = dict(optimizer=optimizer, loss_fn=loss_fn, step=step, metrics=metrics)
+        arguments = dict(optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, step=step, metrics=metrics)
+        if continue_from is not None:  # checked here too: a launch would start processes first
+            from gpunb.runtime.continuing import continue_state_of
+
+            continue_state_of(continue_from, model, config, world_size=1)
+            arguments["continue_from"] = continue_from
         loggers = _loggers(config)  # a missing package fails here, before any work
         if config.devices != 1 and not _in_process_group():
             from gpunb.distributed import launch

@@ -12,9 +12,10 @@ from gpunb.runtime import roles
 
 
 def test_the_roles_in_order():
-    assert roles.NAMES == ("model", "train_data", "val_data", "optimizer", "loss_fn", "step", "metrics", "callbacks")
+    assert roles.NAMES == ("model", "train_data", "val_data", "optimizer", "scheduler", "loss_fn", "step",
+                           "metrics", "callbacks")
     assert roles.REQUIRED == ("model", "train_data")
-    assert roles.OPTIONAL_SETUP == ("val_data", "optimizer", "loss_fn", "step", "metrics")
+    assert roles.OPTIONAL_SETUP == ("val_data", "optimizer", "scheduler", "loss_fn", "step", "metrics")
 
 
 def test_shipped_fit_args_are_the_config_and_the_setup_roles():
@@ -24,7 +25,7 @@ def test_shipped_fit_args_are_the_config_and_the_setup_roles():
 
 
 def test_profile_train_lists_the_roles_it_takes():
-    with pytest.raises(GpunbError, match="val_data, optimizer, loss_fn, step, metrics"):
+    with pytest.raises(GpunbError, match="val_data, optimizer, scheduler, loss_fn, step, metrics"):
         profile(train={"model": object(), "train_data": object(), "callbacks": []})
 
 

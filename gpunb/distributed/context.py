@@ -220,6 +220,10 @@ def check_config(config) -> None:
         raise GpunbError("batch_size='auto' is not available with strategy='fsdp': the probe would "
                          "run the whole, unsharded model on one device, which is what FSDP avoids.",
                          "pass the per-device batch size, e.g. `batch_size=8`.")
+    if config.strategy == "fsdp" and config.ema is not None:
+        raise GpunbError("ema is not available with strategy='fsdp': the average is kept beside whole "
+                         "parameters, and FSDP shards them across ranks.",
+                         "use `strategy='ddp'` with `ema`, or train without `ema` under FSDP.")
     if config.accelerator == "mps":
         raise GpunbError("Apple MPS has one device; devices > 1 cannot use it.",
                          "use `devices=1`, or `accelerator='cpu'` for several CPU processes.")

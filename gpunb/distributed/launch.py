@@ -97,15 +97,15 @@ def start_method() -> str:
     return "spawn" if torch.cuda.is_initialized() else "fork"
 
 
-def fit(config, entry, model, train_data, val_data=None, *, optimizer=None, loss_fn=None, step=None,
-        metrics=None, callbacks=(), method: str | None = None) -> TrainResult:
+def fit(config, entry, model, train_data, val_data=None, *, optimizer=None, scheduler=None, loss_fn=None,
+        step=None, metrics=None, callbacks=(), method: str | None = None) -> TrainResult:
     """Train on one process per device, each running `entry`; returns rank 0's TrainResult
     (world_size = N). `callbacks` run here, in this process."""
     accelerator, count = plan_devices(config)
     config = config.replace(accelerator=accelerator, devices=count)
     check_config(config)
     _check_arguments(model, train_data, val_data, optimizer, loss_fn, step, metrics)
-    args = FitArgs(config.replace(track=False), model, train_data, val_data, optimizer, loss_fn,
+    args = FitArgs(config.replace(track=False), model, train_data, val_data, optimizer, scheduler, loss_fn,
                    step, metrics)  # the registry is written here, not by the ranks
     launch = _Launch(config, args, callbacks, entry)
     method = method or start_method()
@@ -258,6 +258,7 @@ class _Launch:
             final = torch.load(plan.weights_path, map_location="cpu", weights_only=True)
             _load_into(self.args.model, self.args.optimizer, final)
             result = self.reports[0]["result"]
+            result.ema_state_dict = final.get("ema")
         else:
             result = self._result_without_rank0()
         result.per_rank = [self.reports[r]["timings"] for r in sorted(self.reports)]

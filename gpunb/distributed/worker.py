@@ -107,13 +107,17 @@ def _fit(rank: int, plan: Plan, args: FitArgs, queue, stop) -> dict:
         optimizer.load_state_dict(optimizer.state_dict())
     callbacks = [Relay(queue, stop)] if rank == 0 else []
     result = plan.entry(args.config, current_context(args.config), model, args.train_data, args.val_data,
-                        optimizer=optimizer, loss_fn=args.loss_fn, step=args.step, metrics=args.metrics,
-                        callbacks=callbacks)
+                        optimizer=optimizer, scheduler=args.scheduler, loss_fn=args.loss_fn, step=args.step,
+                        metrics=args.metrics, callbacks=callbacks)
     # Every rank takes part (FSDP gathers the shards); rank 0 writes the weights.
     returned_optimizer = optimizer if plan.return_optimizer else None
     model_state, optimizer_state = ProcessGroupRank(args.config.strategy).state_dicts(model, returned_optimizer)
     if rank == 0:
-        torch.save({"model": model_state, "optimizer": optimizer_state}, plan.weights_path)
+        # The weight average travels in the file too: tensors sent over the queue would be shared
+        # through file descriptors that die with this process.
+        torch.save({"model": model_state, "optimizer": optimizer_state, "ema": result.ema_state_dict},
+                   plan.weights_path)
+        result.ema_state_dict = None
     timings = {"rank": rank, "device": result.device, "steps": result.steps,
                "wall_time_s": result.wall_time_s, "data_wait_s": result.data_wait_s,
                "compute_s": result.compute_s, "validation_s": result.validation_s,

@@ -37,6 +37,11 @@ class Dashboard:
         import ipywidgets as w
         from IPython.display import display
 
+        # A resumed or continued fit starts with the history so far: its curves go on from there.
+        self.train_points = [(row["step"], row["loss"]) for row in state.history if "loss" in row]
+        self.val_points = [(row["step"], row["val_loss"]) for row in state.validations if "val_loss" in row]
+        self.epoch_rows = list(state.epochs)
+
         self.progress = w.IntProgress(min=0, max=max(1, state.total_steps or 1), value=state.step,
                                       layout=w.Layout(flex="1 1 auto", max_width="480px"))
         self.status = w.HTML(layout=w.Layout(flex="0 0 auto"))

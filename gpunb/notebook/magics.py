@@ -8,6 +8,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from gpunb.errors import GpunbError
 from gpunb.notebook.options import make_strict
+from gpunb.notebook.session import continue_state as session_continue_state
 from gpunb.runtime.roles import NAMES, REQUIRED, SETUP, by_name
 
 
@@ -26,6 +27,10 @@ class GpuMagics(Magics):
     @argument("--lr", type=float, help="learning rate of the default AdamW (or of your optimizer)")
     @argument("--lr-schedule", help="none (default), one-cycle or cosine")
     @argument("--warmup-steps", type=int, help="linear warmup steps for the cosine schedule")
+    @argument("--ema", type=float, help="average the weights with this decay (e.g. 0.999); validation uses the average")
+    @argument("--ema-apply", action="store_true", help="load the averaged weights into the model at the end")
+    @argument("--continue", dest="continue_fit", action="store_true",
+              help="go on from the last %%%%gputrain of this model: its optimizer, schedule, step count, history")
     @argument("--compile", action="store_true", help="wrap the model in torch.compile")
     @argument("--checkpointing", action="store_true", help="activation checkpointing (saves memory)")
     @argument("--checkpoint-dir", help="write checkpoints here")
@@ -53,6 +58,7 @@ class GpuMagics(Magics):
     @argument("--train-data", dest="train_data_name", default="train_data", help="variable holding the data")
     @argument("--val-data", dest="val_data_name", default="val_data")
     @argument("--optimizer", dest="optimizer_name", default="optimizer")
+    @argument("--scheduler", dest="scheduler_name", default="scheduler")
     @argument("--loss-fn", dest="loss_fn_name", default="loss_fn")
     @argument("--step", dest="step_name", default="step")
     @argument("--metrics", dest="metrics_name", default="metrics")
@@ -65,10 +71,12 @@ class GpuMagics(Magics):
         must define `model` (an nn.Module) and `train_data` (a Dataset, a Hugging Face
         `datasets.Dataset` or any object with `__len__` and `__getitem__`, a DataLoader,
         a tensor, a tuple of tensors, or NumPy/DLPack arrays). It may define `val_data`,
-        `optimizer` (default AdamW), `loss_fn` (or a model that returns its loss, or
-        `step(model, batch) -> loss`), `metrics` and `callbacks`; `--model net` etc.
-        use other names. Afterwards `model` is trained in place and the TrainResult
-        is in `gputrain_result` (or `--out`).
+        `optimizer` (default AdamW), `scheduler` (a torch LR scheduler on `optimizer`, or
+        `f(optimizer, total_steps) -> scheduler`), `loss_fn` (or a model that returns its
+        loss, or `step(model, batch) -> loss`), `metrics` and `callbacks`; `--model net`
+        etc. use other names. Afterwards `model` is trained in place and the TrainResult
+        is in `gputrain_result` (or `--out`). `--continue` trains the same model on from
+        the last %%gputrain: `--epochs 2` then means two more epochs.
 
         Example::
 
@@ -80,6 +88,10 @@ class GpuMagics(Magics):
         __tracebackhide__ = True  # noqa: F841 (errors from the user's model show their own frames)
         args = parse_argstring(self.gputrain, line)
         config = _config(args)
+        if args.continue_fit and (args.export or args.find_lr):
+            other, then = ("--export", "export the cell") if args.export else ("--find-lr", "sweep the learning rate")
+            raise UsageError(f"--continue trains on from the last fit, and {other} does not train here.\n"
+                             f"HINT: drop `--continue` to {then}.")
         if args.export:
             return self._export(args, line, cell, config)
         if not args.quiet and not args.find_lr:
@@ -106,15 +118,16 @@ class GpuMagics(Magics):
         from gpunb.trainer import Trainer
 
         callbacks = [*found["callbacks"], *_progress_callbacks(self.shell, args.quiet)]
+        previous = session_continue_state() if args.continue_fit else None
         try:
             with kernel_stays_busy(self.shell):  # the dashboard's widgets must not read "Idle"
                 result = Trainer(config).fit(
                     found["model"], found["train_data"], found["val_data"], optimizer=found["optimizer"],
-                    loss_fn=found["loss_fn"], step=found["step"], metrics=found["metrics"],
-                    callbacks=callbacks)
+                    scheduler=found["scheduler"], loss_fn=found["loss_fn"], step=found["step"],
+                    metrics=found["metrics"], callbacks=callbacks, continue_from=previous)
         except GpunbError as error:
             raise UsageError(str(error)) from None
-        _remember(config, found, args)
+        _remember(config, found, args, result)
         self.shell.user_ns[args.out] = result
         if not any(getattr(cb, "handle", None) for cb in callbacks):
             display(result)  # no dashboard showed the summary in its place
@@ -162,7 +175,7 @@ def _config(args):
         "precision": args.precision, "devices": _int_or(args.devices, "devices"),
         "accelerator": args.accelerator, "strategy": args.strategy, "grad_accum": args.grad_accum,
         "clip_grad_norm": args.clip, "lr": args.lr, "lr_schedule": args.lr_schedule,
-        "warmup_steps": args.warmup_steps, "checkpoint_dir": args.checkpoint_dir,
+        "warmup_steps": args.warmup_steps, "ema": args.ema, "checkpoint_dir": args.checkpoint_dir,
         "checkpoint_every": args.checkpoint_every, "resume": args.resume, "seed": args.seed,
         "log_every": _int_or(args.log_every, "log_every"), "num_workers": _int_or(args.num_workers, "num_workers"),
         "name": args.name, "save_top_k": args.save_top_k, "monitor": args.monitor, "mode": args.mode,
@@ -172,6 +185,7 @@ def _config(args):
     chosen = {k: v for k, v in fields.items() if v is not None}
     chosen.update({k: True for k, flag in (("compile", args.compile),
                                             ("activation_checkpointing", args.checkpointing),
+                                            ("ema_apply", args.ema_apply),
                                             ("restore_best", args.restore_best)) if flag})
     if args.no_track:
         chosen["track"] = False
@@ -227,6 +241,13 @@ def _collect(namespace, args, before, named=frozenset(), required=REQUIRED) -> d
         raise UsageError(f"`{args.optimizer_name}` is a {type(found['optimizer']).__name__}, not a "
                          "torch.optim.Optimizer.\nHINT: e.g. `optimizer = torch.optim.AdamW(model.parameters())`, "
                          "or remove it to use the default AdamW.")
+    if found["scheduler"] is not None:
+        from gpunb.runtime.schedule import check_is_schedule
+
+        try:
+            check_is_schedule(found["scheduler"])
+        except GpunbError as error:
+            raise UsageError(f"`{args.scheduler_name}`: {error}") from None
     for role in ("loss_fn", "step"):
         if found[role] is not None and not callable(found[role]):
             raise UsageError(f"`{getattr(args, role + '_name')}` is a {type(found[role]).__name__}, which is not "
@@ -240,15 +261,21 @@ def _collect(namespace, args, before, named=frozenset(), required=REQUIRED) -> d
     return found
 
 
-def _remember(config, found, args) -> None:
-    """Keep the variable names (not the objects) of a fit that ran, for `%gpuprofile --train`.
+def _remember(config, found, args, result) -> None:
+    """Keep the variable names (not the objects) of a fit that ran, for `%gpuprofile --train`,
+    and what `--continue` goes on from.
 
-    Holding names lets the model and data be freed when the user deletes them.
+    Holding names lets the model and data be freed when the user deletes them. The continue
+    state (the optimizer, the weight average) is held weakly too: it lives as long as the
+    result does, so `del gputrain_result` frees its memory.
     """
+    import weakref
+
     from gpunb.notebook import session
 
     names = {role: getattr(args, f"{role}_name") for role in SETUP if found[role] is not None}
-    session.LAST_TRAIN = session.LastTrain(config, names)
+    kept = weakref.ref(result.continue_state) if result.continue_state is not None else None
+    session.LAST_TRAIN = session.LastTrain(config, names, kept)
 
 
 def _named_options(line: str) -> frozenset:

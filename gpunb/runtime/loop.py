@@ -17,20 +17,22 @@ from torch.utils.data import DataLoader
 from gpunb.config import TrainConfig
 from gpunb.errors import GpunbError
 from gpunb.runtime import checkpoint as ckpt
+from gpunb.runtime import continuing
 from gpunb.runtime import device as devices
 from gpunb.runtime.batch_size import find_batch_size
 from gpunb.runtime.data import build_feed, with_batch_size
+from gpunb.runtime.ema import WeightEma
 from gpunb.runtime.epoch import EpochSteps, Timer
 from gpunb.runtime.events import Callbacks, FitState
 from gpunb.runtime.inputs import batch_size_of
 from gpunb.runtime.interrupt import InterruptFlag
 from gpunb.runtime.nan_guard import StepLosses
 from gpunb.runtime.objective import Objective
-from gpunb.runtime.optim import make_scheduler
 from gpunb.runtime.precision import Precision
 from gpunb.runtime.preflight import preflight
 from gpunb.runtime.result import TrainResult, epoch_mean_loss, last_epoch_train_loss
 from gpunb.runtime.saving import Checkpointer, resume
+from gpunb.runtime.schedule import build_schedule
 from gpunb.runtime.setup import setup
 from gpunb.runtime import validation
 from gpunb.runtime.best import BestCheckpoints
@@ -41,9 +43,12 @@ from gpunb.runtime.teardown import Teardown
 from gpunb.runtime.wrap import wrap_model
 
 
-def run(config: TrainConfig, context, model, train_data, val_data=None, *, optimizer=None, loss_fn=None,
-        step=None, metrics=None, callbacks=()) -> TrainResult:
+def run(config: TrainConfig, context, model, train_data, val_data=None, *, optimizer=None, scheduler=None,
+        loss_fn=None, step=None, metrics=None, callbacks=(), continue_from=None) -> TrainResult:
     """Train `model` in this process; returns a TrainResult. The model is trained in place.
+
+    `scheduler`: see runtime/schedule.py; `continue_from`: a TrainResult to go on from
+    (runtime/continuing.py).
 
     `context` says where this process stands: `LocalContext()` alone, or one rank of a
     process group (gpunb.distributed.context). `callbacks` are all the callbacks the run
@@ -56,8 +61,8 @@ def run(config: TrainConfig, context, model, train_data, val_data=None, *, optim
     try:
         with InterruptFlag() as setting_up:  # a Ctrl-C in set-up: stop before the first step
             teardown.saved_globals = devices.seed_everything(config.seed, config.deterministic)
-            prepared = _prepare(config, context, model, train_data, val_data, optimizer,
-                                Objective(loss_fn, step, metrics), callbacks, teardown)
+            prepared = _prepare(config, context, model, train_data, val_data, optimizer, scheduler,
+                                Objective(loss_fn, step, metrics), callbacks, teardown, continue_from)
         if setting_up.raised:
             prepared.state.request_stop("interrupted")
         result = _train(prepared)
@@ -97,9 +102,15 @@ class _Run:
     losses: StepLosses = field(default_factory=StepLosses)  # step losses since the last log
 
 
-def _prepare(config, dist, model, train_data, val_data, optimizer, objective, user_callbacks, teardown) -> _Run:
+def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, objective, user_callbacks, teardown,
+             continue_from=None) -> _Run:
     __tracebackhide__ = True  # noqa: F841
     config = config.replace(extras=dict(config.extras))  # the run's notes stay out of the caller's config
+    carried = None
+    if continue_from is not None:
+        carried = continuing.continue_state_of(continue_from, model, config, dist.world_size)
+        optimizer = continuing.same_optimizer(carried, optimizer)
+        config = continuing.extended(config, carried)
     ready = setup(config, dist, model, train_data, val_data, optimizer)
     device, precision, optimizer = ready.device, ready.precision, ready.optimizer
     if device.type == "cuda":
@@ -131,7 +142,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
     total_steps = steps_per_epoch * config.epoch_limit if steps_per_epoch is not None else None
     if config.max_steps is not None:
         total_steps = min(total_steps or config.max_steps, config.max_steps)
-    scheduler = make_scheduler(optimizer, config.lr_schedule, total_steps, config.warmup_steps)
+    schedule = _schedule(scheduler, optimizer, config, total_steps, val_feed is not None, carried)
     config = config.replace(log_every=config.resolved_log_every(total_steps, steps_per_epoch))
 
     # one forward + backward, undone; FSDP: the whole model's step may not fit on one device
@@ -147,7 +158,8 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
     state.extras["summary"] = summary.as_plain()  # plain data: ranks send it to the kernel
     phase = _phase_annotator(state)
     no_sync = getattr(train_model, "no_sync", None)
-    stepper = Stepper(train_model, optimizer, objective, precision, scheduler, config, phase, no_sync)
+    ema = _weight_ema(model, config, carried)
+    stepper = Stepper(train_model, optimizer, objective, precision, schedule, config, phase, no_sync, ema=ema)
     callbacks = Callbacks(list(user_callbacks))
     run = _Run(config, dist, state, callbacks, model, train_model, objective, precision,
                ready.precision_reason, feed, val_feed, stepper, batch_size,
@@ -157,6 +169,10 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, objective, us
                                          precision=precision, losses=run.losses,
                                          batches_per_epoch=feed.num_batches, events=callbacks,
                                          rank=dist.rank, best=run.best))
+    if schedule is not None:  # steps at epoch ends before the checkpoint of that epoch is written
+        callbacks.run_first(schedule)
+    if carried is not None:
+        continuing.restore(run, carried)
     if config.resume:
         resume(run, ckpt.find_checkpoint(config.resume, config.checkpoint_dir))
     return run
@@ -219,7 +235,27 @@ def _train(run: _Run) -> TrainResult:
         raise
     state.result = _result(run, timer)
     callbacks.call("on_fit_end", state)
+    if stepper.ema is not None and config.ema_apply and not state.result.restored_best:
+        stepper.ema.copy_to_model()
     return state.result
+
+
+def _schedule(spec, optimizer, config, total_steps, has_validation, carried):
+    """This fit's schedule; a continued fit keeps the previous one unless it is given another."""
+    if carried is not None and spec is None and config.lr_schedule == "none":
+        return continuing.kept_schedule(carried, total_steps)
+    own_steps = total_steps - carried.step if carried is not None and total_steps else total_steps
+    return build_schedule(spec, optimizer, config, own_steps, has_validation)
+
+
+def _weight_ema(model, config, carried):
+    if config.ema is None:
+        return None
+    if carried is not None and carried.ema is not None:
+        ema = carried.ema  # the average goes on, with this fit's decay
+        ema.decay, ema.warmup = config.ema, config.ema_warmup
+        return ema
+    return WeightEma(model, config.ema, config.ema_warmup)
 
 
 def _finished(state: FitState) -> bool:
@@ -283,7 +319,9 @@ def _result(run: _Run, timer) -> TrainResult:
         skipped_steps=run.precision.skipped_steps, checkpoint_path=state.checkpoint_path,
         resumed_from=state.resumed,
         interrupted=state.stop_reason == "interrupted", stop_reason=state.stop_reason,
-        summary=RunSummary.from_plain(state.extras["summary"]))
+        summary=RunSummary.from_plain(state.extras["summary"]),
+        ema_state_dict=run.stepper.ema.state_dict(to_cpu=True) if run.stepper.ema is not None else None,
+        continue_state=continuing.capture(run))
 
 
 def _phase_annotator(state: FitState):

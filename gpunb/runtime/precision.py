@@ -41,6 +41,7 @@ class Precision:
         self.scaler = scaler_type(device.type) if name == "16-mixed" else None
         # Counted on the device (no sync per step); read at the end of the run.
         self._skipped = torch.zeros((), dtype=torch.int64, device=device) if self.scaler else None
+        self.step_taken = None  # with a scaler: 0-d device tensor, 1 when the last step was taken
 
     def autocast(self):
         if self.dtype is None:
@@ -63,7 +64,9 @@ class Precision:
         self.scaler.step(optimizer)  # skips the step when gradients hold inf/NaN
         self.scaler.update()  # ... and then lowers the scale, which is how we count skips
         if before is not None:
-            self._skipped += (self.scaler._scale < before).to(torch.int64)
+            skipped = self.scaler._scale < before
+            self._skipped += skipped.to(torch.int64)
+            self.step_taken = ~skipped
 
     @property
     def skipped_steps(self) -> int:

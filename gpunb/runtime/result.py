@@ -44,6 +44,11 @@ class TrainResult:
     energy_j: float | None = None  # GPU energy over the run (NVIDIA only)
     per_rank: list = field(default_factory=list)  # timings of each rank in multi-process runs
     summary: object = None  # RunSummary: parameters, FLOPs, memory, measured before the first step
+    # with `ema`: the averaged weights on the CPU, keyed like model.state_dict() (`model.load_state_dict(...)`)
+    ema_state_dict: dict | None = field(default=None, repr=False)
+    # what `fit(..., continue_from=result)` goes on from (optimizer, schedule, step; one-process
+    # fits); it keeps the optimizer state alive: set it to None to free that memory
+    continue_state: object = field(default=None, repr=False)
 
     @property
     def effective_batch_size(self) -> int:
@@ -85,7 +90,10 @@ class TrainResult:
         return self
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_fitted"}  # the model stays here
+        # The model and what a continued fit goes on from (optimizer, schedule) stay here.
+        state = {k: v for k, v in self.__dict__.items() if k != "_fitted"}
+        state["continue_state"] = None
+        return state
 
     def predict(self, data, **overrides):
         """gpunb.predict with this run's model, device, precision and batch size."""

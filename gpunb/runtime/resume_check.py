@@ -118,7 +118,7 @@ def saved_total_steps(payload: dict) -> int | None:
 def check_schedule(run, payload: dict, path) -> None:
     """A one-cycle schedule cannot be stretched to a new run length: refuse, saying how."""
     old, new = saved_total_steps(payload), run.state.total_steps
-    if run.stepper.scheduler is None or payload.get("scheduler") is None or old in (None, new):
+    if run.stepper.schedule is None or payload.get("scheduler") is None or old in (None, new):
         return
     if run.config.lr_schedule == "one-cycle":
         raise GpunbError(f"The checkpoint {path!s} is {old} steps into a one-cycle schedule planned for "
@@ -131,17 +131,12 @@ def check_schedule(run, payload: dict, path) -> None:
 
 def stretch_schedule(run, payload: dict) -> str | None:
     """After loading: a cosine schedule restored for another run length decays over the new one."""
-    scheduler, old, new = run.stepper.scheduler, saved_total_steps(payload), run.state.total_steps
-    if scheduler is None or payload.get("scheduler") is None or old in (None, new):
+    from gpunb.runtime.continuing import stretch_cosine
+
+    schedule, old, new = run.stepper.schedule, saved_total_steps(payload), run.state.total_steps
+    if schedule is None or schedule.builtin != "cosine" or payload.get("scheduler") is None or old in (None, new):
         return None
-    before = [group["lr"] for group in run.stepper.optimizer.param_groups]
-    for schedule in getattr(scheduler, "lr_lambdas", []):
-        schedule.total_steps = new
-    lrs = [base * schedule(scheduler.last_epoch)
-           for base, schedule in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-    for group, lr in zip(run.stepper.optimizer.param_groups, lrs):
-        group["lr"] = lr
-    scheduler._last_lr = lrs
+    before, after = stretch_cosine(schedule.scheduler, new)
     return (f"The checkpoint's cosine schedule was planned for {old} steps and this run has {new}: "
-            f"it now decays to zero at step {new} (learning rate {before[0]:.3g} -> {lrs[0]:.3g} "
+            f"it now decays to zero at step {new} (learning rate {before:.3g} -> {after:.3g} "
             f"at step {payload['step']}).")

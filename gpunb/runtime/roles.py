@@ -22,6 +22,7 @@ ROLES = (
     Role("train_data", "the training data", required=True),
     Role("val_data", "the validation data"),
     Role("optimizer", "a torch.optim.Optimizer"),
+    Role("scheduler", "a torch LR scheduler, or a factory f(optimizer, total_steps) -> scheduler"),
     Role("loss_fn", "a loss function"),
     Role("step", "a step(model, batch) -> loss function"),
     Role("metrics", "metric functions"),

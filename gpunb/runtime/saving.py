@@ -19,7 +19,7 @@ class Checkpointer:
     The directory is checked writable when the run is set up, before any training. A
     save that still fails later (a full disk) warns once and training goes on. What it
     saves comes from its collaborators: the user's `model`, the `stepper` (optimizer,
-    schedule, splits), `precision` (the scaler), the run's `losses` (no checkpoint after
+    schedule, weight average, splits), `precision` (the scaler), the run's `losses` (no checkpoint after
     a non-finite one), `dist` (state dicts, gathered across ranks) and `events`, which
     hears `on_checkpoint`. `batches_per_epoch` (None: unknown) says whether an epoch is done.
     """
@@ -117,7 +117,9 @@ class Checkpointer:
             "model": model_state,
             "optimizer": optimizer_state,
             "optimizer_type": type(stepper.optimizer).__name__,
-            "scheduler": stepper.scheduler.state_dict() if stepper.scheduler else None,
+            "scheduler": stepper.schedule.state_dict() if stepper.schedule else None,
+            "ema": ({"weights": stepper.ema.state_dict(), "updates": stepper.ema.updates}
+                    if stepper.ema is not None else None),
             "total_steps": state.total_steps,
             "precision": self.precision.state_dict(),
             "rng": devices.rng_state(state.device),
@@ -166,9 +168,14 @@ def finish_best(checkpointer, state) -> None:
         warnings.warn(f"restore_best: the best checkpoint ({best['file']}) is no longer on disk; the model "
                       "keeps the weights of the last step.", RuntimeWarning, stacklevel=2)
         return  # (FSDP's other ranks would wait here: a file removed during the run is not expected)
-    weights = ckpt.load_checkpoint(result.best_checkpoint)["model"] if state.rank == 0 else {}
+    weights = _best_weights(ckpt.load_checkpoint(result.best_checkpoint)) if state.rank == 0 else {}
     checkpointer.dist.load_model_state(checkpointer.model, weights)
     result.restored_best = True
+
+
+def _best_weights(payload: dict) -> dict:
+    """The weights that were validated: the average when the run kept one (`ema`)."""
+    return payload["ema"]["weights"] if payload.get("ema") else payload["model"]
 
 
 def resume(run, path) -> None:
@@ -191,11 +198,12 @@ def resume(run, path) -> None:
     except (ValueError, KeyError) as error:
         raise GpunbError(f"The optimizer state in {path!s} does not fit this optimizer: {error}",
                          "resume with the same optimizer type and parameter groups.") from error
-    if stepper.scheduler is not None and payload["scheduler"] is not None:
-        stepper.scheduler.load_state_dict(payload["scheduler"])
+    if stepper.schedule is not None and payload["scheduler"] is not None:
+        stepper.schedule.load_state_dict(payload["scheduler"])
         stretched = resume_check.stretch_schedule(run, payload)
         if stretched and state.rank == 0:
             warnings.warn(stretched, RuntimeWarning, stacklevel=2)
+    _load_ema(stepper.ema, payload.get("ema"))
     run.precision.load_state_dict(payload["precision"])
     devices.set_rng_state(payload["rng"], state.device)
     run.start_epoch, run.skip_batches = payload["epoch"], payload["batch_in_epoch"]
@@ -208,6 +216,18 @@ def resume(run, path) -> None:
     if run.best is not None:
         run.best.load_state_dict(payload.get("best"))
     _adopt_run(run, payload, Path(path))
+
+
+def _load_ema(ema, saved: dict | None) -> None:
+    """The saved average goes on; without one (saved by a run without `ema`) it starts from the
+    resumed weights."""
+    if ema is None:
+        return
+    if saved is None:
+        ema.reset()
+        return
+    ema.load_state_dict(saved["weights"])
+    ema.updates = saved["updates"]
 
 
 def _adopt_run(run, payload: dict, path: Path) -> None:

@@ -31,10 +31,11 @@ class Stepper:
     `split_on_oom=False` lets a CUDA out-of-memory error through (the probe asks "does it fit?").
     """
 
-    def __init__(self, model, optimizer, objective, precision, scheduler, config, phase=_no_phase,
-                 no_sync=None, split_on_oom: bool = True):
+    def __init__(self, model, optimizer, objective, precision, schedule, config, phase=_no_phase,
+                 no_sync=None, split_on_oom: bool = True, ema=None):
         self.model, self.optimizer, self.objective = model, optimizer, objective
-        self.precision, self.scheduler, self.config, self.phase = precision, scheduler, config, phase
+        self.precision, self.schedule, self.config, self.phase = precision, schedule, config, phase
+        self.ema = ema  # runtime.ema.WeightEma, averaged after each optimizer step
         self.no_sync = no_sync or (lambda: contextlib.nullcontext())  # DDP: skip all-reduce mid-step
         self.split_on_oom = split_on_oom
         self.splits = 1  # pieces each loaded batch is cut into (grows on OOM)
@@ -60,7 +61,8 @@ class Stepper:
                 todo = self.pending  # replay the whole step so far with smaller pieces
 
     def update(self) -> torch.Tensor:
-        """Clip, step the optimizer and the schedule; returns the step's mean loss (on device)."""
+        """Clip, step the optimizer, the schedule and the weight average; returns the step's mean
+        loss (on device)."""
         short = len(self.pending) < self.config.grad_accum  # the epoch ended mid-group
         scale = self.config.grad_accum / len(self.pending) if short else None
         self.pending.clear()  # backward is done: the batches are no longer needed for a replay
@@ -73,8 +75,10 @@ class Stepper:
                 torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad_norm)
             self.precision.step(self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
-            if self.scheduler is not None:
-                self.scheduler.step()
+            if self.schedule is not None:
+                self.schedule.after_step()
+            if self.ema is not None:
+                self.ema.update(self.precision.step_taken)
         loss, self.step_loss = self.step_loss, None
         return loss
 

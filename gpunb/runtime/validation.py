@@ -8,6 +8,8 @@ a run resumed from there neither repeats it nor skips it.
 
 from __future__ import annotations
 
+import contextlib
+
 from gpunb.runtime.evaluation import validation_pass
 
 
@@ -50,4 +52,6 @@ def epoch_metrics(state) -> dict:
 
 def _evaluate(run) -> dict:
     __tracebackhide__ = True  # noqa: F841
-    return validation_pass(run.train_model, run.val_feed, run.objective, run.precision, run.dist.reduce_sums)
+    ema = run.stepper.ema
+    with ema.swapped() if ema is not None else contextlib.nullcontext():  # validate the averaged weights
+        return validation_pass(run.train_model, run.val_feed, run.objective, run.precision, run.dist.reduce_sums)

@@ -1,0 +1,147 @@
+"""Continue training: a fit that goes on where the last one (of the same model) stopped.
+
+`Trainer.fit(model, data, continue_from=previous_result)` keeps the previous fit's
+optimizer (the default AdamW too, with its moments), its schedule, its weight average,
+the loss scaler, the random number generators, the step count and the history: steps and epochs are numbered on, and
+`epochs` / `max_steps` count what this fit adds. It needs no checkpoint: the objects
+stay in memory, in `result.continue_state` (set it to None to free the optimizer state).
+One process only; across processes, resume from a checkpoint instead.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from dataclasses import dataclass, field
+
+from gpunb.errors import GpunbError
+from gpunb.runtime import device as devices
+
+
+@dataclass(eq=False)
+class ContinueState:
+    """What a one-process fit leaves for the next one to go on from."""
+
+    model: weakref.ref  # the module trained (weak: the state does not keep it alive)
+    optimizer: object
+    schedule: object  # runtime.schedule.Schedule or None
+    ema: object  # runtime.ema.WeightEma or None
+    precision: dict  # the loss scaler's state
+    step: int
+    next_epoch: int  # the epoch after the last one trained (a partial one counts)
+    samples_seen: int
+    history: list = field(default_factory=list)
+    epochs: list = field(default_factory=list)
+    validations: list = field(default_factory=list)
+    rng: dict | None = None  # every RNG as the fit left it: dropout and shuffling go on, not start over
+
+    def __repr__(self) -> str:
+        return f"ContinueState(step={self.step}, next_epoch={self.next_epoch})"
+
+
+def continue_state_of(previous, model, config, world_size: int) -> ContinueState:
+    """The previous fit's ContinueState, checked against this fit; a GpunbError says why not."""
+    state = getattr(previous, "continue_state", previous)
+    if not isinstance(state, ContinueState):
+        why = ("that fit ran in several processes or was not kept" if hasattr(previous, "continue_state")
+               else f"got a {type(previous).__name__}")
+        raise GpunbError(f"continue_from needs the TrainResult of an earlier one-process fit ({why}).",
+                         "pass the result of the fit to continue, `continue_from=result`, or start a fresh fit.")
+    if state.model() is not model:
+        raise GpunbError("continue_from is the result of a fit of another model: its optimizer state and "
+                         "step count belong to that model's parameters.",
+                         "continue with the same model object that fit trained, or start a fresh fit "
+                         "without `continue_from`.")
+    if world_size > 1 or config.devices != 1:
+        raise GpunbError("Continuing a fit keeps its optimizer in this process, so it works in one process only.",
+                         "train with `devices=1`, or use `checkpoint_dir` and `resume='last'` across processes.")
+    if config.resume:
+        raise GpunbError("continue_from and resume were both given: a fit goes on from one of them.",
+                         "drop `resume` to continue the fit in memory, or drop `continue_from` to load the checkpoint.")
+    return state
+
+
+def same_optimizer(state: ContinueState, optimizer):
+    """The optimizer goes on: the previous fit's, which the caller may pass again, but not another."""
+    if optimizer is not None and optimizer is not state.optimizer:
+        raise GpunbError("A continued fit goes on with the optimizer of the fit it continues, and "
+                         "another optimizer was given.",
+                         "leave `optimizer` out (or pass the same one) to continue, or start a fresh fit "
+                         "without `continue_from` to train with the new optimizer.")
+    return state.optimizer
+
+
+def kept_schedule(state: ContinueState, total_steps: int | None):
+    """The previous schedule, going on; a built-in one is fitted to the longer run."""
+    schedule = state.schedule
+    if schedule is None or schedule.builtin is None:
+        return schedule
+    planned = planned_steps(schedule)
+    if total_steps is None or planned == total_steps:
+        return schedule
+    if schedule.builtin == "one-cycle":
+        raise GpunbError(f"The fit to continue followed a one-cycle schedule planned for {planned} steps; "
+                         f"going on to step {total_steps} would step it past its end.",
+                         "give this fit a schedule of its own: `lr_schedule='cosine'` or "
+                         "`scheduler=lambda opt, steps: ...` (built on the continued optimizer).")
+    before, after = stretch_cosine(schedule.scheduler, total_steps)
+    warnings.warn(f"The cosine schedule was planned for {planned} steps and the continued run has "
+                  f"{total_steps}: it now decays to zero at step {total_steps} (learning rate "
+                  f"{before:.3g} -> {after:.3g} at step {state.step}).", RuntimeWarning, stacklevel=2)
+    return schedule
+
+
+def planned_steps(schedule) -> int | None:
+    scheduler = schedule.scheduler
+    if hasattr(scheduler, "total_steps"):  # OneCycleLR
+        return scheduler.total_steps
+    lambdas = getattr(scheduler, "lr_lambdas", [None])
+    return getattr(lambdas[0], "total_steps", None)
+
+
+def stretch_cosine(scheduler, total_steps: int) -> tuple[float, float]:
+    """Make a warmup-cosine LambdaLR decay to zero at `total_steps`; (lr before, lr after)."""
+    optimizer = scheduler.optimizer
+    before = optimizer.param_groups[0]["lr"]
+    for schedule in scheduler.lr_lambdas:
+        schedule.total_steps = total_steps
+    lrs = [base * schedule(scheduler.last_epoch) for base, schedule in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
+    return before, lrs[0]
+
+
+def extended(config, state: ContinueState):
+    """`config` with `epochs` / `max_steps` counted from where the previous fit ended."""
+    overrides = {}
+    if config.max_steps is not None:
+        overrides["max_steps"] = state.step + config.max_steps
+    if config.epochs is not None or config.max_steps is None:
+        overrides["epochs"] = state.next_epoch + (config.epochs or 1)
+    return config.replace(**overrides)
+
+
+def restore(run, state: ContinueState) -> None:
+    """Put the run's counters and history where the previous fit left them."""
+    fit = run.state
+    fit.step, fit.samples_seen, fit.epoch = state.step, state.samples_seen, state.next_epoch
+    fit.history[:] = state.history
+    fit.epochs[:] = state.epochs
+    fit.validations[:] = state.validations
+    run.start_epoch = state.next_epoch
+    run.precision.load_state_dict(state.precision)
+    if state.rng is not None:
+        devices.set_rng_state(state.rng, fit.device)
+
+
+def capture(run) -> ContinueState | None:
+    """The ContinueState of a finished fit (None in multi-process runs)."""
+    fit = run.state
+    if fit.world_size > 1:
+        return None
+    next_epoch = fit.epoch + 1 if fit.step > 0 else fit.epoch  # a partly trained epoch is not repeated
+    return ContinueState(weakref.ref(run.model), run.stepper.optimizer, run.stepper.schedule, run.stepper.ema,
+                         run.precision.state_dict(), fit.step, next_epoch, fit.samples_seen,
+                         list(fit.history), list(fit.epochs), list(fit.validations),
+                         devices.rng_state(fit.device))

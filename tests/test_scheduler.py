@@ -1,0 +1,165 @@
+"""Your own scheduler: per step, per epoch, on a plateau; factories; checkpoints; errors; the magic."""
+
+import IPython
+import pytest
+import torch
+from conftest import classification_data, mlp
+from IPython.core.error import UsageError
+from IPython.testing.globalipapp import get_ipython
+from test_checkpoint import StopAt
+from torch import nn
+from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
+
+from gpunb import Trainer
+from gpunb.errors import GpunbError
+
+DATA = classification_data(n=96)  # batch 16: 6 steps an epoch
+
+
+def fit(model, scheduler=None, optimizer=None, val=None, **options):
+    settings = dict(batch_size=16, log_every=1, track=False, accelerator="cpu", epochs=2)
+    settings.update(options)
+    callbacks = settings.pop("callbacks", ())
+    return Trainer(**settings).fit(model, DATA, val, optimizer=optimizer, scheduler=scheduler,
+                                   loss_fn=nn.CrossEntropyLoss(), callbacks=callbacks)
+
+
+def lrs(result):
+    return [row["lr"] for row in result.history]
+
+
+def test_a_scheduler_object_steps_after_every_optimizer_step():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    result = fit(model, StepLR(optimizer, step_size=4, gamma=0.5), optimizer)
+    assert lrs(result) == pytest.approx([0.1 * 0.5 ** (step // 4) for step in range(1, 13)])
+
+
+def test_a_factory_gets_the_default_optimizer_and_the_run_length():
+    seen = {}
+
+    def factory(optimizer, total_steps):
+        seen.update(optimizer=optimizer, total_steps=total_steps)
+        return torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.0, total_iters=total_steps)
+
+    result = fit(mlp(), factory, lr=0.01)
+    assert isinstance(seen["optimizer"], torch.optim.AdamW) and seen["total_steps"] == result.total_steps == 12
+    assert lrs(result)[-1] == 0.0 and lrs(result)[5] == pytest.approx(0.01 * 6 / 12)
+
+
+def test_an_epoch_interval_steps_once_an_epoch():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    schedule = {"scheduler": StepLR(optimizer, step_size=1, gamma=0.1), "interval": "epoch"}
+    result = fit(model, schedule, optimizer, epochs=3)
+    by_epoch = {row["epoch"]: row["lr"] for row in result.history}
+    assert by_epoch == pytest.approx({0: 0.1, 1: 0.01, 2: 0.001})
+
+
+def test_reduce_on_plateau_steps_with_the_monitored_validation_metric():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    # mode="max" on a falling val_loss: every validation after the first is "no improvement"
+    plateau = ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=0)
+    result = fit(model, {"scheduler": plateau, "monitor": "val_loss"}, optimizer, val=DATA, epochs=4)
+    losses = [row["val_loss"] for row in result.epochs]
+    assert losses == sorted(losses, reverse=True)
+    by_epoch = {row["epoch"]: row["lr"] for row in result.history}
+    assert by_epoch == pytest.approx({0: 0.1, 1: 0.1, 2: 0.05, 3: 0.025})
+
+
+def test_reduce_on_plateau_with_a_metric_validation_lacks_names_the_ones_it_has():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(GpunbError, match="monitors 'val_f1', and validation gave only 'val_"):
+        fit(model, {"scheduler": ReduceLROnPlateau(optimizer), "monitor": "val_f1"}, optimizer, val=DATA)
+
+
+def test_reduce_on_plateau_without_validation_data_is_refused():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(GpunbError, match="has no `val_data`"):
+        fit(model, ReduceLROnPlateau(optimizer), optimizer)
+
+
+def test_a_scheduler_on_another_optimizer_is_refused():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(GpunbError, match="built on another optimizer") as error:
+        fit(model, StepLR(other, step_size=1), optimizer)
+    assert "factory" in error.value.hint
+    with pytest.raises(GpunbError, match="built on another optimizer"):
+        fit(model, StepLR(other, step_size=1))  # the default AdamW is not `other` either
+
+
+def test_both_a_scheduler_and_lr_schedule_are_refused():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(GpunbError, match="Both `scheduler` and `lr_schedule='cosine'`"):
+        fit(model, StepLR(optimizer, step_size=1), optimizer, lr_schedule="cosine")
+
+
+@pytest.mark.parametrize("spec, message", [
+    (3, "must be a torch LR scheduler or a factory"),
+    (lambda opt, n: "nope", "factory returned a str"),
+    ({"sched": None}, "takes the keys"),
+    ({"scheduler": lambda opt, n: None, "interval": "batch"}, "interval must be 'step' or 'epoch'"),
+])
+def test_bad_scheduler_specs_are_refused(spec, message):
+    with pytest.raises(GpunbError, match=message):
+        fit(mlp(), spec)
+
+
+def factory(optimizer, total_steps):
+    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
+
+
+@pytest.mark.parametrize("interval, stop", [("step", 4), ("epoch", 6)])
+def test_a_scheduler_is_saved_and_resumed_exactly(tmp_path, interval, stop):
+    spec = {"scheduler": factory, "interval": interval}
+    straight_model = mlp()
+    straight = fit(straight_model, spec, epochs=3)
+    fit(mlp(), spec, epochs=3, checkpoint_dir=tmp_path, callbacks=[StopAt(stop)])
+    resumed_model = mlp(seed=7)
+    resumed = fit(resumed_model, spec, epochs=3, checkpoint_dir=tmp_path, resume="last")
+    assert lrs(resumed) == lrs(straight)
+    for a, b in zip(straight_model.state_dict().values(), resumed_model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+@pytest.fixture
+def ip():
+    shell = get_ipython() or IPython.get_ipython()
+    shell.run_line_magic("load_ext", "gpunb")
+    shell.user_ns.clear()
+    shell.run_cell("import torch\nfrom torch import nn\nfrom conftest import classification_data, mlp\n"
+                   "x, y = classification_data(n=96)")
+    yield shell
+    shell.user_ns.clear()
+
+
+def test_gputrain_picks_up_a_scheduler_variable(ip):
+    ip.run_cell_magic("gputrain", "--epochs 2 --batch-size 16 --log-every 1 --quiet --no-track", """
+model = mlp()
+train_data = (x, y)
+loss_fn = nn.CrossEntropyLoss()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=6, gamma=0.1)
+""")
+    result = ip.user_ns["gputrain_result"]
+    assert [row["lr"] for row in result.history] == pytest.approx([0.1] * 5 + [0.01] * 6 + [0.001])
+
+
+def test_gputrain_refuses_a_scheduler_variable_that_is_not_one(ip):
+    with pytest.raises(UsageError, match="`scheduler`: `scheduler` must be a torch LR scheduler"):
+        ip.run_cell_magic("gputrain", "--epochs 1 --quiet --no-track",
+                          "model = mlp()\ntrain_data = (x, y)\nloss_fn = nn.CrossEntropyLoss()\nscheduler = 0.1")
+
+
+def test_ranks_build_a_factorys_scheduler_on_their_own_optimizer():
+    result = Trainer(devices=2, accelerator="cpu", batch_size=8, epochs=1, log_every=1, track=False).fit(
+        mlp(), DATA, loss_fn=nn.CrossEntropyLoss(),
+        scheduler=lambda opt, n: torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.0, total_iters=n))
+    assert result.world_size == 2 and result.total_steps == 6
+    assert [row["lr"] for row in result.history] == pytest.approx([1e-3 * (1 - s / 6) for s in range(1, 7)])
