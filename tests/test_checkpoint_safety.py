@@ -35,11 +35,11 @@ class NanFrom:
     """A loss that turns NaN from a given optimizer step on."""
 
     def __init__(self, step):
-        self.step, self.calls = step, 0
+        self.step, self.calls = step, -1  # call 0: the summary's measured step before training
         self.loss = nn.CrossEntropyLoss()
 
     def __call__(self, out, y):
-        self.calls += torch.is_grad_enabled()  # training steps only, not the no-grad check before them
+        self.calls += torch.is_grad_enabled()  # steps only, not the no-grad check before them
         loss = self.loss(out, y)
         return loss * float("nan") if self.calls >= self.step else loss
 
@@ -90,7 +90,7 @@ class NanValueAt:
     """A loss whose value (not its gradient) is NaN at one optimizer step: the weights stay finite."""
 
     def __init__(self, step):
-        self.step, self.calls = step, 0
+        self.step, self.calls = step, -1  # call 0: the summary's measured step before training
         self.loss = nn.CrossEntropyLoss()
 
     def __call__(self, out, y):
