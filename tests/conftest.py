@@ -38,3 +38,23 @@ def mlp(features=10, classes=3, hidden=32, seed=0):
 
 # Kernels started by the tests and by nbval inherit this: never the user's real registry.
 os.environ.setdefault("GPUNB_HOME", tempfile.mkdtemp(prefix="gpunb-test-home-"))
+
+
+@pytest.fixture
+def mlp_shell():
+    """An IPython shell with gpunb loaded, a clean namespace holding torch, nn, mlp and
+    `x, y = classification_data(n=96)`, and no earlier %%gputrain remembered."""
+    import IPython
+    from IPython.testing.globalipapp import get_ipython
+
+    from gpunb.notebook import session
+
+    shell = get_ipython() or IPython.get_ipython()  # the first call starts it, later ones return None
+    shell.run_line_magic("load_ext", "gpunb")
+    shell.user_ns.clear()
+    session.LAST_TRAIN = None
+    shell.run_cell("import torch\nfrom torch import nn\nfrom conftest import classification_data, mlp\n"
+                   "x, y = classification_data(n=96)")
+    yield shell
+    shell.user_ns.clear()
+    session.LAST_TRAIN = None

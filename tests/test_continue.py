@@ -125,18 +125,8 @@ def test_something_that_is_not_a_result_is_refused():
 
 
 @pytest.fixture
-def ip():
-    from gpunb.notebook import session
-
-    shell = get_ipython() or IPython.get_ipython()
-    shell.run_line_magic("load_ext", "gpunb")
-    shell.user_ns.clear()
-    session.LAST_TRAIN = None
-    shell.run_cell("import torch\nfrom torch import nn\nfrom conftest import classification_data, mlp\n"
-                   "x, y = classification_data(n=96)")
-    yield shell
-    shell.user_ns.clear()
-    session.LAST_TRAIN = None
+def ip(mlp_shell):
+    return mlp_shell
 
 
 CELL = "model = mlp()\ntrain_data = (x, y)\nloss_fn = nn.CrossEntropyLoss()\n"

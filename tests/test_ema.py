@@ -200,17 +200,8 @@ def test_an_fp16_step_the_loss_scaler_skips_does_not_move_the_average():
 
 
 @pytest.fixture
-def ip():
-    import IPython
-    from IPython.testing.globalipapp import get_ipython
-
-    shell = get_ipython() or IPython.get_ipython()
-    shell.run_line_magic("load_ext", "gpunb")
-    shell.user_ns.clear()
-    shell.run_cell("import torch\nfrom torch import nn\nfrom conftest import classification_data, mlp\n"
-                   "x, y = classification_data(n=96)")
-    yield shell
-    shell.user_ns.clear()
+def ip(mlp_shell):
+    return mlp_shell
 
 
 CELL = "model = mlp()\ntrain_data = (x, y)\nloss_fn = nn.CrossEntropyLoss()\n"

@@ -215,17 +215,8 @@ def test_two_ranks_share_the_samples_without_duplicates_and_each_returns_all_in_
 
 
 @pytest.fixture
-def ip():
-    import IPython
-    from IPython.testing.globalipapp import get_ipython
-
-    shell = get_ipython() or IPython.get_ipython()
-    shell.run_line_magic("load_ext", "gpunb")
-    shell.user_ns.clear()
-    shell.run_cell("import torch\nfrom torch import nn\nfrom conftest import classification_data, mlp\n"
-                   "x, y = classification_data(n=64)")
-    yield shell
-    shell.user_ns.clear()
+def ip(mlp_shell):
+    return mlp_shell
 
 
 def test_gputrain_eval_evaluates_val_data_without_training(ip, capsys):
@@ -237,14 +228,14 @@ def test_gputrain_eval_evaluates_val_data_without_training(ip, capsys):
                                                    loss_fn=nn.CrossEntropyLoss()), abs=1e-6)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ip.user_ns["before"]))
     printed = capsys.readouterr().out
-    assert printed.startswith("evaluated val_data (64 samples): val_acc=") and "val_loss=" in printed
+    assert printed.startswith("evaluated val_data (96 samples): val_acc=") and "val_loss=" in printed
 
 
 def test_gputrain_eval_falls_back_to_train_data_and_needs_some_data(ip, capsys):
     ip.run_cell_magic("gputrain", "--eval --out scores", "model = mlp()\ntrain_data = (x, y)\n"
                       "loss_fn = nn.CrossEntropyLoss()")
     assert set(ip.user_ns["scores"]) == {"val_loss", "val_acc"}
-    assert capsys.readouterr().out.startswith("evaluated train_data (64 samples)")
+    assert capsys.readouterr().out.startswith("evaluated train_data (96 samples)")
     ip.run_cell_magic("gputrain", "--eval --quiet", "model = mlp()\ntrain_data = (x, y)")
     assert capsys.readouterr().out == "" and "val_loss" in ip.user_ns["gputrain_result"]
     ip.user_ns.pop("train_data")

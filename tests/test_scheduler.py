@@ -129,14 +129,8 @@ def test_a_scheduler_is_saved_and_resumed_exactly(tmp_path, interval, stop):
 
 
 @pytest.fixture
-def ip():
-    shell = get_ipython() or IPython.get_ipython()
-    shell.run_line_magic("load_ext", "gpunb")
-    shell.user_ns.clear()
-    shell.run_cell("import torch\nfrom torch import nn\nfrom conftest import classification_data, mlp\n"
-                   "x, y = classification_data(n=96)")
-    yield shell
-    shell.user_ns.clear()
+def ip(mlp_shell):
+    return mlp_shell
 
 
 def test_gputrain_picks_up_a_scheduler_variable(ip):

@@ -180,17 +180,8 @@ def test_a_dry_run_leaves_model_optimizer_and_rng_as_they_were_and_records_nothi
 
 
 @pytest.fixture
-def ip():
-    import IPython
-    from IPython.testing.globalipapp import get_ipython
-
-    shell = get_ipython() or IPython.get_ipython()
-    shell.run_line_magic("load_ext", "gpunb")
-    shell.user_ns.clear()
-    shell.run_cell("import torch\nfrom torch import nn\nfrom conftest import classification_data, mlp\n"
-                   "x, y = classification_data(n=64)")
-    yield shell
-    shell.user_ns.clear()
+def ip(mlp_shell):
+    return mlp_shell
 
 
 def test_gputrain_dry_run_shows_the_summary_and_trains_nothing(ip, capsys):
