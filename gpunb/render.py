@@ -170,6 +170,8 @@ def memory_text(s) -> str:
     parts = [f"weights {format_bytes(s.weights_bytes)}", f"gradients {format_bytes(s.gradients_bytes)}"]
     if s.optimizer_bytes is not None:
         parts.append(f"optimizer {format_bytes(s.optimizer_bytes)} ({s.optimizer_note})")
+    if s.ema_bytes:
+        parts.append(f"weight average {format_bytes(s.ema_bytes)}")
     if s.activations_bytes is not None:
         parts.append(f"activations {format_bytes(s.activations_bytes)} ({s.activations_note})")
     return " + ".join(parts) + f" = {format_bytes(s.estimated_bytes)}"

@@ -9,7 +9,7 @@ from torch import nn
 
 from gpunb import Trainer
 from gpunb.config import TrainConfig
-from gpunb.render import ProgressPrinter, free_memory_text
+from gpunb.render import ProgressPrinter, format_bytes, free_memory_text
 from gpunb.runtime.events import FitState
 from gpunb.runtime.objective import Objective
 from gpunb.runtime.precision import Precision
@@ -203,3 +203,17 @@ def test_on_a_gpu_activations_come_from_the_peak_and_free_memory_from_the_device
     assert summary.memory_kind == "GPU" and summary.free_bytes > 0
     assert summary.activations_note == "peak of one step above weights and gradients"
     assert summary.activations_bytes is not None and summary.device == "cuda"
+
+
+def test_the_weight_average_of_ema_counts_in_the_memory_estimate():
+    data = classification_data(n=64)
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    plain = summarize(model, optimizer, Objective(nn.CrossEntropyLoss()), Precision("32", CPU), data, CPU,
+                      8, TrainConfig())
+    averaged = summarize(model, optimizer, Objective(nn.CrossEntropyLoss()), Precision("32", CPU), data, CPU,
+                         8, TrainConfig(ema=0.99))
+    assert plain.ema_bytes == 0 and "weight average" not in repr(plain)
+    assert averaged.ema_bytes == averaged.weights_bytes
+    assert averaged.estimated_bytes == plain.estimated_bytes + averaged.weights_bytes
+    assert f"weight average {format_bytes(averaged.weights_bytes)}" in repr(averaged)

@@ -44,6 +44,7 @@ class RunSummary:
     optimizer_note: str = ""
     activations_bytes: int | None = None
     activations_note: str = ""
+    ema_bytes: int = 0  # the weight average `ema` keeps: a copy of the weights
     free_bytes: int | None = None  # free GPU memory, or the system's available memory on CPU
     memory_kind: str = "system"  # "GPU" or "system"
 
@@ -53,8 +54,9 @@ class RunSummary:
 
     @property
     def estimated_bytes(self) -> int:
-        """Weights + gradients + optimizer state + activations (the parts known)."""
-        parts = (self.weights_bytes, self.gradients_bytes, self.optimizer_bytes, self.activations_bytes)
+        """Weights + gradients + optimizer state + weight average + activations (the parts known)."""
+        parts = (self.weights_bytes, self.gradients_bytes, self.optimizer_bytes, self.ema_bytes,
+                 self.activations_bytes)
         return sum(p for p in parts if p is not None)
 
     @property
@@ -98,6 +100,8 @@ def summarize(model, optimizer, objective, precision, data, device, batch_size: 
         device=device.type, precision=precision.name,
         weights_bytes=sum(_nbytes(t) for t in [*params, *model.buffers()]),
         gradients_bytes=sum(_nbytes(p) for p in trainable))
+    if config.ema is not None:
+        summary.ema_bytes = summary.weights_bytes
     summary.optimizer_bytes, summary.optimizer_note = optimizer_state_bytes(optimizer)
     summary.free_bytes, summary.memory_kind = free_memory(device)
     if objective.step_fn is not None:
