@@ -68,11 +68,13 @@ def test_reduce_on_plateau_steps_with_the_monitored_validation_metric():
     assert by_epoch == pytest.approx({0: 0.1, 1: 0.1, 2: 0.05, 3: 0.025})
 
 
-def test_reduce_on_plateau_with_a_metric_validation_lacks_names_the_ones_it_has():
+def test_reduce_on_plateau_with_a_metric_validation_lacks_is_refused_before_training():
     model = mlp()
+    before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(GpunbError, match="monitors 'val_f1', and validation gave only 'val_"):
+    with pytest.raises(GpunbError, match="monitors 'val_f1', and validation produces only `val_loss`, `val_acc`"):
         fit(model, {"scheduler": ReduceLROnPlateau(optimizer), "monitor": "val_f1"}, optimizer, val=DATA)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no step was taken
 
 
 def test_reduce_on_plateau_without_validation_data_is_refused():

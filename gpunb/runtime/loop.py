@@ -142,7 +142,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
     total_steps = steps_per_epoch * config.epoch_limit if steps_per_epoch is not None else None
     if config.max_steps is not None:
         total_steps = min(total_steps or config.max_steps, config.max_steps)
-    schedule = _schedule(scheduler, optimizer, config, total_steps, val_feed is not None, carried)
+    schedule = _schedule(scheduler, optimizer, config, total_steps, val_names, carried)
     config = config.replace(log_every=config.resolved_log_every(total_steps, steps_per_epoch))
 
     # one forward + backward, undone; FSDP: the whole model's step may not fit on one device
@@ -240,12 +240,12 @@ def _train(run: _Run) -> TrainResult:
     return state.result
 
 
-def _schedule(spec, optimizer, config, total_steps, has_validation, carried):
+def _schedule(spec, optimizer, config, total_steps, val_names, carried):
     """This fit's schedule; a continued fit keeps the previous one unless it is given another."""
     if carried is not None and spec is None and config.lr_schedule == "none":
         return continuing.kept_schedule(carried, total_steps)
     own_steps = total_steps - carried.step if carried is not None and total_steps else total_steps
-    return build_schedule(spec, optimizer, config, own_steps, has_validation)
+    return build_schedule(spec, optimizer, config, own_steps, val_names)
 
 
 def _weight_ema(model, config, carried):

@@ -55,7 +55,7 @@ class Schedule:
         self.scheduler.load_state_dict(state)
 
 
-def build_schedule(spec, optimizer, config, total_steps: int | None, has_validation: bool) -> Schedule | None:
+def build_schedule(spec, optimizer, config, total_steps: int | None, val_names: tuple | None) -> Schedule | None:
     """The fit's Schedule from `fit(scheduler=spec)` or `config.lr_schedule`; None: constant rate."""
     if spec is None:
         scheduler = make_scheduler(optimizer, config.lr_schedule, total_steps, config.warmup_steps)
@@ -82,9 +82,15 @@ def build_schedule(spec, optimizer, config, total_steps: int | None, has_validat
                          "`scheduler=lambda opt, total_steps: ...` and gpunb builds it on the right one "
                          "(also on the default AdamW).")
     schedule = Schedule(scheduler, options["interval"], options["monitor"])
-    if schedule.plateau and not has_validation:
-        raise GpunbError("ReduceLROnPlateau steps with a validation metric, and this fit has no `val_data`.",
-                         "pass `val_data`, or use a scheduler that follows the step count.")
+    if schedule.plateau:  # refused now, not at the first validation
+        if val_names is None:
+            raise GpunbError("ReduceLROnPlateau steps with a validation metric, and this fit has no `val_data`.",
+                             "pass `val_data`, or use a scheduler that follows the step count.")
+        if schedule.monitor not in val_names:
+            listed = ", ".join(f"`{n}`" for n in val_names)
+            raise GpunbError(f"ReduceLROnPlateau monitors {schedule.monitor!r}, and validation produces only "
+                             f"{listed}.", f"pass `scheduler={{'scheduler': s, 'monitor': '{val_names[0]}'}}`, "
+                             "or add the metric to `metrics=`.")
     return schedule
 
 
