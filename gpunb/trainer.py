@@ -65,7 +65,9 @@ class Trainer:
             if launch.needs_processes(config):
                 # One process per device; this one drives them: the registry and the loggers write here.
                 parent = [*_registry_callbacks(config), *callbacks, *loggers]
-                result = launch.fit(config.replace(loggers=()), _rank_entry, model, train_data, val_data,
+                # The ranks keep the loggers' names (their config is what gets logged), not the objects.
+                named = tuple(item for item in config.loggers if isinstance(item, str))
+                result = launch.fit(config.replace(loggers=named), _rank_entry, model, train_data, val_data,
                                     callbacks=parent, **arguments)
                 return result.attach(model, loss_fn=loss_fn, step=step, metrics=metrics,
                                      transforms=config.transforms)

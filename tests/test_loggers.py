@@ -349,4 +349,5 @@ def test_two_processes_write_one_log_from_the_notebooks_side(tmp_path):
     assert os.listdir(tmp_path / "logs") == ["Sequential-1"]
     rows = read_csv(tmp_path / "logs" / "Sequential-1" / "metrics.csv")
     assert [int(r["step"]) for r in rows if r["loss"]] == [h["step"] for h in result.history]
-    assert json.loads((tmp_path / "logs" / "Sequential-1" / "config.json").read_text())["world_size"] == 2
+    config = json.loads((tmp_path / "logs" / "Sequential-1" / "config.json").read_text())
+    assert config["world_size"] == 2 and config["loggers"] == ["csv"]
