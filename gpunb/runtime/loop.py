@@ -38,6 +38,7 @@ from gpunb.runtime import validation
 from gpunb.runtime.best import BestCheckpoints
 from gpunb.runtime.monitor import monitor_of, validation_names
 from gpunb.runtime.step import Stepper
+from gpunb.runtime.peak_flops import device_peak_tflops
 from gpunb.runtime.summary import RunSummary, summarize
 from gpunb.runtime.teardown import Teardown
 from gpunb.runtime.wrap import wrap_model
@@ -315,7 +316,8 @@ def _result(run: _Run, timer) -> TrainResult:
         world_size=state.world_size, steps=state.step, total_steps=state.total_steps, samples=state.samples_seen,
         wall_time_s=timer.elapsed(), data_wait_s=timer.data_wait, validation_s=timer.validation,
         compute_s=max(0.0, timer.elapsed() - timer.data_wait - timer.validation),
-        peak_memory_mb=peak, oom_recoveries=run.stepper.oom_recoveries,
+        peak_memory_mb=peak, peak_tflops=device_peak_tflops(device, run.precision.name),
+        oom_recoveries=run.stepper.oom_recoveries,
         skipped_steps=run.precision.skipped_steps, checkpoint_path=state.checkpoint_path,
         resumed_from=state.resumed,
         interrupted=state.stop_reason == "interrupted", stop_reason=state.stop_reason,

@@ -42,6 +42,7 @@ class TrainResult:
     interrupted: bool = False
     stop_reason: str | None = None
     energy_j: float | None = None  # GPU energy over the run (NVIDIA only)
+    peak_tflops: float | None = None  # the device's dense peak for the precision used; None: unknown (CPU)
     per_rank: list = field(default_factory=list)  # timings of each rank in multi-process runs
     summary: object = None  # RunSummary: parameters, FLOPs, memory, measured before the first step
     # with `ema`: the averaged weights on the CPU, keyed like model.state_dict() (`model.load_state_dict(...)`)
@@ -58,6 +59,45 @@ class TrainResult:
     @property
     def samples_per_s(self) -> float:
         return self.samples / self.wall_time_s if self.wall_time_s else 0.0
+
+    @property
+    def train_s(self) -> float:
+        """Seconds of training: wall time less validation (data waits count: they slow the steps)."""
+        return max(0.0, self.wall_time_s - self.validation_s)
+
+    @property
+    def _steps_here(self) -> int:
+        """Optimizer steps this fit took (a resumed run's step counter starts where it was saved)."""
+        return self.steps - ((self.resumed_from or {}).get("step") or 0)
+
+    @property
+    def flops_per_step(self) -> int | None:
+        """FLOPs of one optimizer step on all devices: the summary's forward + backward FLOPs per
+        sample x samples per step; None when they were not counted (a custom step, FSDP)."""
+        per_sample = getattr(self.summary, "train_flops", None)
+        return None if per_sample is None else per_sample * self.effective_batch_size
+
+    @property
+    def achieved_tflops(self) -> float | None:
+        """Model FLOPs per second over the training time (train_s), in TFLOPS."""
+        per_step = self.flops_per_step
+        if per_step is None or not self.train_s:
+            return None
+        return per_step * self._steps_here / self.train_s / 1e12
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilisation: achieved_tflops / the device's dense peak (0..1); None when unknown."""
+        achieved = self.achieved_tflops
+        return None if achieved is None or not self.peak_tflops else achieved / self.peak_tflops
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Tokens per second over the training time when the inputs are token ids (B, T); else None."""
+        per_sample = getattr(self.summary, "tokens_per_sample", None)
+        if per_sample is None or not self.train_s:
+            return None
+        return per_sample * self.effective_batch_size * self._steps_here / self.train_s
 
     @property
     def energy_wh(self) -> float | None:

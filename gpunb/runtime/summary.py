@@ -38,6 +38,7 @@ class RunSummary:
     precision: str
     forward_flops: int | None = None  # per sample; None: not counted
     train_flops: int | None = None  # forward + backward, per sample
+    tokens_per_sample: int | None = None  # T when the inputs are token ids of shape (B, T)
     weights_bytes: int = 0  # parameters and buffers
     gradients_bytes: int = 0
     optimizer_bytes: int | None = None
@@ -205,11 +206,27 @@ def _measure(summary, model, objective, precision, data, device, batch_size, con
         else:
             summary.activations_bytes = saved.bytes
             summary.activations_note = "tensors saved for backward in one step"
+    summary.tokens_per_sample = tokens_per_sample(batch)
     size = max(1, batch_size_of(batch))
     if forward_flops is not None:
         summary.forward_flops = round(forward_flops / size)
         if backward_flops is not None:
             summary.train_flops = round((forward_flops + backward_flops) / size)
+
+
+def tokens_per_sample(batch) -> int | None:
+    """T when the model's input is integer token ids of shape (B, T): a tensor, the first part of a
+    tuple, or a dict's `input_ids`; None otherwise (class labels of shape (B,) are not tokens)."""
+    if isinstance(batch, dict):
+        inputs = batch.get("input_ids")
+    elif isinstance(batch, (list, tuple)) and batch:
+        inputs = batch[0]
+    else:
+        inputs = batch
+    if isinstance(inputs, torch.Tensor) and inputs.ndim == 2 and not inputs.is_floating_point() \
+            and not inputs.is_complex() and inputs.dtype != torch.bool:
+        return inputs.shape[1]
+    return None
 
 
 def _start_peak(device) -> int:
