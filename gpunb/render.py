@@ -86,6 +86,11 @@ def summary_rows(r) -> list[tuple[str, str]]:
     if r.wall_time_s:
         share = 100 * r.data_wait_s / r.wall_time_s
         rows.append(("data wait", f"{r.data_wait_s:.2f} s ({share:.1f}% of wall time)"))
+    if r.achieved_tflops is not None:
+        rows.append(("compute", compute_text(r.achieved_tflops, r.mfu, r.peak_tflops)
+                     + f", {si(r.flops_per_step)} FLOPs per step"))
+    if r.tokens_per_s is not None:
+        rows.append(("tokens", f"{r.tokens_per_s:,.0f}/s"))
     if r.peak_memory_mb is not None:
         rows.append(("peak memory", f"{r.peak_memory_mb:,.0f} MiB"))
     if r.energy_j is not None:
@@ -102,6 +107,25 @@ def summary_rows(r) -> list[tuple[str, str]]:
         rows.append(("last loss", fmt(r.history[-1]["loss"])))  # the last log interval's mean
     rows += [(k, fmt(v)) for k, v in sorted(r.final_metrics.items())]
     return rows
+
+
+def compute_text(achieved_tflops: float, mfu: float | None, peak_tflops: float | None) -> str:
+    """`312 TFLOPS, MFU 31.5% of 989`: model FLOPs per second and their share of the dense peak."""
+    text = f"{achieved_tflops:.3g} TFLOPS"
+    return text if mfu is None else f"{text}, MFU {100 * mfu:.1f}% of {peak_tflops:g}"
+
+
+def live_compute_text(state) -> str | None:
+    """compute_text from the summary's FLOPs and the last interval's step time; None when unknown."""
+    per_sample = (state.extras.get("summary") or {}).get("train_flops")
+    step_ms = state.latest.get("step_time_ms")
+    batch = getattr(state.config, "batch_size", None)
+    if not per_sample or not step_ms or not isinstance(batch, int):
+        return None
+    # FLOPs per optimizer step / seconds per step / 1e12
+    achieved = per_sample * batch * state.config.grad_accum * state.world_size / step_ms / 1e9
+    peak = state.extras.get("peak_tflops")
+    return compute_text(achieved, achieved / peak if peak else None, peak)
 
 
 def progress_text(r) -> str:
@@ -317,6 +341,9 @@ def progress_parts(state, with_loss: bool) -> list[str]:
         parts.append(f"loss {latest['loss']:.4g}")
     if latest.get("samples_per_s"):
         parts.append(f"{latest['samples_per_s']:,.0f} samples/s")
+    compute = live_compute_text(state)
+    if compute:
+        parts.append(compute)
     parts.append(f"elapsed {format_duration(time.time() - state.started_at)}")
     eta = eta_seconds(state)
     if eta is not None:

@@ -5,9 +5,11 @@ import torch
 from conftest import classification_data, mlp
 from torch import nn
 
-from gpunb import Trainer
+from gpunb import Trainer, render
+from gpunb.config import TrainConfig
 from gpunb.runtime import device as devices
 from gpunb.runtime import loop
+from gpunb.runtime.events import FitState
 from gpunb.runtime.peak_flops import device_peak_tflops, peak_tflops, precision_kind
 from gpunb.runtime.result import TrainResult
 from gpunb.runtime.summary import RunSummary, tokens_per_sample
@@ -131,3 +133,48 @@ def test_token_id_batches_give_tokens_per_s():
     assert result.summary.tokens_per_sample == 6
     train_s = result.wall_time_s - result.validation_s
     assert result.tokens_per_s == pytest.approx(8 * 6 * result.steps / train_s)
+
+
+# --------------------------------------------------------------------------- where it is shown
+def gpu_result():
+    summary = RunSummary("M", 1, 0, 4, "cuda", "bf16-mixed", train_flops=10**12, tokens_per_sample=100)
+    return TrainResult("r", device="cuda:0", precision="bf16-mixed", batch_size=4, steps=10, samples=40,
+                       wall_time_s=2.0, validation_s=1.0, peak_tflops=989.0, summary=summary)
+
+
+def test_the_html_summary_shows_mfu_and_tokens_but_the_text_repr_stays_free_of_timings():
+    result = gpu_result()
+    rows = dict(render.summary_rows(result))
+    assert rows["compute"] == "40 TFLOPS, MFU 4.0% of 989, 4 T FLOPs per step"
+    assert rows["tokens"] == "4,000/s"
+    assert "MFU 4.0%" in result._repr_html_()
+    assert "TFLOPS" not in repr(result) and "MFU" not in repr(result)
+
+
+def test_a_cpu_result_shows_achieved_tflops_without_mfu():
+    rows = dict(render.summary_rows(fit_linear()))
+    assert "TFLOPS" in rows["compute"] and "MFU" not in rows["compute"] and "tokens" not in rows
+
+
+def test_the_live_progress_line_shows_mfu_from_the_last_intervals_step_time():
+    state = FitState(config=TrainConfig(batch_size=4, grad_accum=2), model=None, optimizer=None,
+                     device=torch.device("cpu"), world_size=2)
+    state.extras.update(summary={"train_flops": 10**12}, peak_tflops=800.0)
+    state.latest["step_time_ms"] = 100.0  # 16 samples x 1 TFLOP in 0.1 s
+    assert render.live_compute_text(state) == "160 TFLOPS, MFU 20.0% of 800"
+    assert "160 TFLOPS, MFU 20.0% of 800" in render.progress_line(state)
+    state.extras["peak_tflops"] = None
+    assert render.live_compute_text(state) == "160 TFLOPS"
+    state.extras["summary"] = {"train_flops": None}
+    assert render.live_compute_text(state) is None and "TFLOPS" not in render.progress_line(state)
+
+
+def test_the_registry_keeps_the_runs_compute_figures(monkeypatch):
+    from gpunb.runs.registry import Registry
+
+    monkeypatch.setattr(loop, "device_peak_tflops", lambda device, precision: 500.0)
+    result = fit_linear(track=True)
+    (run,) = Registry().list_runs()
+    assert run["latest"]["mfu"] == pytest.approx(result.mfu)
+    assert run["latest"]["achieved_tflops"] == pytest.approx(result.achieved_tflops)
+    assert "tokens_per_s" not in run["latest"]

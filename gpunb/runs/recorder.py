@@ -26,6 +26,7 @@ POINTS_PER_WRITE = 25  # log rows kept per write (evenly thinned): curves surviv
 HEARTBEAT_S = 30.0  # without logs, still touch the row this often (others judge liveness by it)
 START_WAIT_S = 0.05  # at fit start, give the writer this long at most to create the run's row
 FINISH_WAIT_S = 2.0  # at fit end, wait this long at most for the final status to be written
+RESULT_FIGURES = ("achieved_tflops", "mfu", "tokens_per_s")  # TrainResult properties kept in `latest`
 _now = time.monotonic  # the clock for throttling (tests replace it)
 
 
@@ -99,6 +100,10 @@ class RunRecorder:
             status = "stopped"
         else:
             status = "completed"
+        for name in RESULT_FIGURES:  # the run's compute figures join its last metrics for the sidebar
+            value = getattr(result, name, None)
+            if value is not None:
+                self._latest[name] = value
         self._finish(state, status, energy_j=getattr(result, "energy_j", None))
 
     def on_exception(self, state, error: BaseException) -> None:

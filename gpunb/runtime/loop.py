@@ -157,6 +157,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
                             steps_per_epoch=steps_per_epoch, total_steps=total_steps,
                             rank=dist.rank, world_size=dist.world_size, val_names=val_names)
     state.extras["summary"] = summary.as_plain()  # plain data: ranks send it to the kernel
+    state.extras["peak_tflops"] = device_peak_tflops(device, precision.name)  # live MFU in the progress line
     phase = _phase_annotator(state)
     no_sync = getattr(train_model, "no_sync", None)
     ema = _weight_ema(model, config, carried)
@@ -316,7 +317,7 @@ def _result(run: _Run, timer) -> TrainResult:
         world_size=state.world_size, steps=state.step, total_steps=state.total_steps, samples=state.samples_seen,
         wall_time_s=timer.elapsed(), data_wait_s=timer.data_wait, validation_s=timer.validation,
         compute_s=max(0.0, timer.elapsed() - timer.data_wait - timer.validation),
-        peak_memory_mb=peak, peak_tflops=device_peak_tflops(device, run.precision.name),
+        peak_memory_mb=peak, peak_tflops=state.extras.get("peak_tflops"),
         oom_recoveries=run.stepper.oom_recoveries,
         skipped_steps=run.precision.skipped_steps, checkpoint_path=state.checkpoint_path,
         resumed_from=state.resumed,

@@ -17,13 +17,17 @@ export function bestMetric(run: IRun): [string, number] | null {
   return notLoss ?? entries[0] ?? null;
 }
 
-/** `1m 05s · 1,125 steps · best val_acc 0.953 · 5 min ago` */
+/** `1m 05s · 1,125 steps · MFU 31.5% · best val_acc 0.953 · 5 min ago` */
 export function finishedSummary(run: IRun): string {
   const parts: string[] = [];
   if (run.started_at && run.ended_at) {
     parts.push(duration(run.ended_at - run.started_at));
   }
   parts.push(`${(run.step ?? 0).toLocaleString('en-US')} steps`);
+  const mfu = run.latest?.mfu;
+  if (typeof mfu === 'number') {
+    parts.push(`MFU ${(100 * mfu).toFixed(1)}%`);
+  }
   const best = bestMetric(run);
   if (best) {
     parts.push(`best ${best[0]} ${metric(best[1])}`);
