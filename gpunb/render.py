@@ -117,14 +117,15 @@ def compute_text(achieved_tflops: float, mfu: float | None, peak_tflops: float |
 
 def live_compute_text(state) -> str | None:
     """compute_text from the summary's FLOPs and the last interval's step time; None when unknown."""
-    per_sample = (state.extras.get("summary") or {}).get("train_flops")
+    extras = getattr(state, "extras", {})  # a state stand-in may carry none
+    per_sample = (extras.get("summary") or {}).get("train_flops")
     step_ms = state.latest.get("step_time_ms")
     batch = getattr(state.config, "batch_size", None)
     if not per_sample or not step_ms or not isinstance(batch, int):
         return None
     # FLOPs per optimizer step / seconds per step / 1e12
-    achieved = per_sample * batch * state.config.grad_accum * state.world_size / step_ms / 1e9
-    peak = state.extras.get("peak_tflops")
+    achieved = per_sample * batch * state.config.grad_accum * getattr(state, "world_size", 1) / step_ms / 1e9
+    peak = extras.get("peak_tflops")
     return compute_text(achieved, achieved / peak if peak else None, peak)
 
 
