@@ -22,7 +22,8 @@ def test_prefetcher_creates_one_stream_and_frees_memory_between_epochs():
     peaks = []
     for _epoch in range(3):
         for x, y in prefetch(iter(batches)):
-            assert x.is_cuda and x.device == device
+            # "cuda" names the current device; a tensor's device always carries its index
+            assert x.device.type == "cuda" and x.device.index == torch.cuda.current_device()
             (x.sum() + y.sum()).item()
         torch.cuda.synchronize()
         peaks.append(torch.cuda.memory_allocated())
@@ -52,11 +53,12 @@ def test_small_tensor_data_lives_on_the_gpu():
 
 def test_auto_precision_on_this_gpu_trains():
     x, y = classification_data(n=1024)
-    result = Trainer(epochs=3, batch_size=64, track=False).fit(mlp(), (x, y), (x, y),
-                                                               loss_fn=nn.CrossEntropyLoss())
+    # 20 epochs of 16 steps: the same run in fp32 on the CPU ends at val_acc 0.959 (0.687 after 3)
+    result = Trainer(epochs=20, batch_size=64, track=False).fit(mlp(), (x, y), (x, y),
+                                                                loss_fn=nn.CrossEntropyLoss())
     expected = "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
     assert result.precision == expected and result.peak_memory_mb > 0
-    assert result.final_metrics["val_acc"] > 0.8
+    assert result.final_metrics["val_acc"] > 0.9
 
 
 def test_grad_scaler_on_gpu_skips_inf_steps():
@@ -89,3 +91,16 @@ def test_dataloader_path_uses_pinned_memory_and_prefetcher():
     result = Trainer(epochs=2, batch_size=64, num_workers=2, track=False).fit(
         mlp(), Pairs(), loss_fn=nn.CrossEntropyLoss())
     assert result.samples == 1024 and result.device.startswith("cuda")
+
+
+def test_a_gpu_run_reports_mfu_against_this_gpus_peak():
+    from gpunb.runtime.peak_flops import device_peak_tflops
+
+    x, y = classification_data(n=1024)
+    result = Trainer(epochs=1, batch_size=64, track=False).fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss())
+    peak = device_peak_tflops(torch.device("cuda", torch.cuda.current_device()), result.precision)
+    assert result.peak_tflops == peak and result.flops_per_step > 0 and result.achieved_tflops > 0
+    if peak is None:  # a GPU not in the table
+        assert result.mfu is None
+    else:
+        assert 0 < result.mfu < 1 and result.mfu == pytest.approx(result.achieved_tflops / peak)
