@@ -93,7 +93,7 @@ def test_nothing_is_claimed_when_flops_were_not_counted():
 def test_a_resumed_run_counts_only_the_steps_it_took():
     summary = RunSummary("M", 1, 0, 4, "cuda", "bf16-mixed", train_flops=10**9, tokens_per_sample=128)
     result = TrainResult("r", batch_size=4, steps=30, wall_time_s=2.0, validation_s=1.0, peak_tflops=100.0,
-                         resumed_from={"step": 20}, summary=summary)
+                         start_step=20, summary=summary)
     assert result.flops_per_step == 4 * 10**9
     assert result.achieved_tflops == pytest.approx(4 * 10**9 * 10 / 1.0 / 1e12)
     assert result.mfu == pytest.approx(result.achieved_tflops / 100.0)
@@ -178,3 +178,15 @@ def test_the_registry_keeps_the_runs_compute_figures(monkeypatch):
     assert run["latest"]["mfu"] == pytest.approx(result.mfu)
     assert run["latest"]["achieved_tflops"] == pytest.approx(result.achieved_tflops)
     assert "tokens_per_s" not in run["latest"]
+
+
+def test_a_continued_fit_counts_only_its_own_steps():
+    model = nn.Linear(12, 5, bias=False)
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(64, 12, generator=g), torch.randn(64, 5, generator=g))
+    first = Trainer(batch_size=8, epochs=1, track=False, accelerator="cpu").fit(model, data, loss_fn=nn.MSELoss())
+    second = Trainer(batch_size=8, epochs=1, track=False, accelerator="cpu").fit(
+        model, data, loss_fn=nn.MSELoss(), continue_from=first)
+    assert (first.start_step, second.start_step, second.steps) == (0, 8, 16)
+    train_s = second.wall_time_s - second.validation_s
+    assert second.achieved_tflops == pytest.approx(second.flops_per_step * 8 / train_s / 1e12)

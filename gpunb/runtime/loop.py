@@ -185,6 +185,7 @@ def _train(run: _Run) -> TrainResult:
     __tracebackhide__ = True  # noqa: F841
     config, state, callbacks, stepper = run.config, run.state, run.callbacks, run.stepper
     timer = Timer()
+    state.extras["start_step"] = state.step  # a resumed or continued fit counts on from here
     interrupt = InterruptFlag()
     try:
         with interrupt:
@@ -314,7 +315,8 @@ def _result(run: _Run, timer) -> TrainResult:
         precision_reason=run.precision_reason, batch_size=run.batch_size,
         batch_size_reason=config.extras.get("batch_size_reason", ""),
         micro_batch_size=run.stepper.micro_batch_size(run.batch_size), grad_accum=config.grad_accum,
-        world_size=state.world_size, steps=state.step, total_steps=state.total_steps, samples=state.samples_seen,
+        world_size=state.world_size, steps=state.step, start_step=state.extras.get("start_step", 0),
+        total_steps=state.total_steps, samples=state.samples_seen,
         wall_time_s=timer.elapsed(), data_wait_s=timer.data_wait, validation_s=timer.validation,
         compute_s=max(0.0, timer.elapsed() - timer.data_wait - timer.validation),
         peak_memory_mb=peak, peak_tflops=state.extras.get("peak_tflops"),

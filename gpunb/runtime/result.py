@@ -22,6 +22,7 @@ class TrainResult:
     grad_accum: int = 1  # loaded batches per optimizer step
     world_size: int = 1
     steps: int = 0
+    start_step: int = 0  # the step this fit began at (> 0 when it resumed or continued a run)
     total_steps: int | None = None  # optimizer steps the run was set to take, when known
     samples: int = 0
     wall_time_s: float = 0.0
@@ -67,8 +68,8 @@ class TrainResult:
 
     @property
     def _steps_here(self) -> int:
-        """Optimizer steps this fit took (a resumed run's step counter starts where it was saved)."""
-        return self.steps - ((self.resumed_from or {}).get("step") or 0)
+        """Optimizer steps this fit took: the step counter of a resumed or continued run starts above 0."""
+        return self.steps - self.start_step
 
     @property
     def flops_per_step(self) -> int | None:
