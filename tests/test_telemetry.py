@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import subprocess
@@ -312,21 +313,113 @@ def test_energy_is_unknown_without_two_readings():
 
 
 # ---------------------------------------------------------------------- sampler
-def test_sampler_keeps_a_ring_buffer_and_closes_its_nvml_session(monkeypatch):
+def _wait_until(condition, limit_s: float = 10.0) -> None:
+    """Poll `condition` (a sampler thread's progress); fails the test after `limit_s`."""
+    waited = threading.Event()
+    for _ in range(int(limit_s / 0.005)):
+        if condition():
+            return
+        waited.wait(0.005)
+    raise AssertionError("the sampler thread made no progress")
+
+
+class _CountingNvml(FakeNvml):
+    """FakeNvml that counts every pynvml call by name."""
+
+    def __init__(self, monkeypatch, **options):
+        super().__init__(monkeypatch, **options)
+        self.calls: collections.Counter = collections.Counter()
+        for name in [n for n in vars(pynvml) if n.startswith("nvml")]:
+            function = getattr(pynvml, name)
+            if callable(function):
+                monkeypatch.setattr(pynvml, name, self._counted(name, function))
+
+    def _counted(self, name, function):
+        def call(*args):
+            with self.lock:
+                self.calls[name] += 1
+            return function(*args)
+
+        return call
+
+
+def test_sampler_keeps_a_ring_buffer_and_uses_the_process_nvml_session(monkeypatch):
     fake = FakeNvml(monkeypatch)
     monkeypatch.setattr(sampler, "MIN_INTERVAL_S", 0.01)
     gpu = GpuSampler(1, interval=0.01, history=3).start()
-    assert gpu.latest is not None  # start() waits for the first sample
-    while fake.energy_mj[1] < 5_000_000 + 6 * 50_000:  # at least 6 samples
-        threading.Event().wait(0.01)
+    _wait_until(lambda: fake.energy_mj[1] >= 5_000_000 + 6 * 50_000)  # at least 6 samples
     gpu.stop()
     assert not gpu.running and gpu.error is None
     samples = gpu.samples()
     assert len(samples) == 3
     assert samples[-1]["name"] == "NVIDIA A10" and samples[-1]["index"] == 1
     assert "processes" not in samples[-1] and "pcie_tx_kbps" not in samples[-1]  # the cheap set only
-    assert gpu.energy_j == pytest.approx((fake.energy_mj[1] - 5_050_000) / 1000)  # first sample to last
-    assert fake.inits == fake.shutdowns == 1
+    assert gpu.energy_j == pytest.approx((fake.energy_mj[1] - 5_050_000) / 1000)  # first sample to stop()'s read
+    GpuSampler(1).start().stop()
+    assert fake.inits == 1 and fake.shutdowns == 0  # one process-wide session, kept
+
+
+def test_sampler_start_returns_before_the_first_sample(monkeypatch):
+    FakeNvml(monkeypatch)
+    release, entered = threading.Event(), threading.Event()
+    handle_of_gpu = pynvml.nvmlDeviceGetHandleByIndex
+
+    def blocked_handle(index):  # the thread's first NVML device call waits for the test
+        entered.set()
+        release.wait(10)
+        return handle_of_gpu(index)
+
+    waited_on: list = []
+
+    class RecordingEvent(threading.Event):
+        def wait(self, timeout=None):
+            waited_on.append(threading.current_thread())
+            return super().wait(timeout)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", blocked_handle)
+    monkeypatch.setattr(sampler, "threading", SimpleNamespace(Event=RecordingEvent, Lock=threading.Lock,
+                                                              Thread=threading.Thread))
+    gpu = GpuSampler(0).start()
+    assert threading.current_thread() not in waited_on  # start() waited on nothing
+    assert gpu.latest is None and gpu.running
+    assert entered.wait(10)
+    release.set()
+    _wait_until(lambda: gpu.latest is not None)
+    gpu.stop()
+    assert not gpu.running and gpu.latest["utilization_gpu"] == 97.0
+
+
+def test_sampler_stop_wakes_the_thread_and_reads_only_the_energy_counter(monkeypatch):
+    fake = _CountingNvml(monkeypatch)
+    gpu = GpuSampler(0, interval=3600).start()  # after its first sample the thread waits an hour
+    _wait_until(lambda: gpu.latest is not None)
+    before = collections.Counter(fake.calls)
+    gpu.stop()
+    assert not gpu.running  # woken, not waited for
+    assert fake.calls - before == collections.Counter({"nvmlDeviceGetTotalEnergyConsumption": 1})
+    assert gpu.energy_j == pytest.approx(50.0)  # the first sample's read to stop()'s
+    assert len(gpu.samples()) == 1
+
+
+def test_sampler_stop_without_an_energy_counter_makes_no_nvml_call(monkeypatch):
+    fake = _CountingNvml(monkeypatch, energy_supported=False)
+    gpu = GpuSampler(0, interval=3600).start()
+    _wait_until(lambda: gpu.latest is not None)
+    before = collections.Counter(fake.calls)
+    gpu.stop()
+    assert not gpu.running and fake.calls == before
+    assert gpu.energy_j is None  # one power reading integrates to nothing
+
+
+def test_sampler_without_nvml_says_why(monkeypatch, caplog):
+    def no_driver():
+        raise pynvml.NVMLError_LibraryNotFound()
+
+    monkeypatch.setattr(pynvml, "nvmlInit", no_driver)
+    gpu = GpuSampler(0).start()
+    gpu.stop()
+    assert gpu.error == nvml.NO_DRIVER_REASON and gpu.energy_j is None
+    assert nvml.NO_DRIVER_REASON in caplog.text
 
 
 def test_sampler_never_exceeds_two_hertz(monkeypatch):
@@ -352,23 +445,24 @@ def _state(device: str) -> FitState:
 @pytest.mark.parametrize("energy_supported", [True, False])
 def test_callback_publishes_samples_and_sets_energy(monkeypatch, energy_supported):
     fake = FakeNvml(monkeypatch, energy_supported=energy_supported)
+    monkeypatch.setattr(sampler, "MIN_INTERVAL_S", 0.01)
     state = _state("cuda:0")
-    callback = TelemetryCallback()
+    callback = TelemetryCallback(interval=0.01)
     callback.on_fit_start(state)
+    _wait_until(lambda: len(callback.sampler.samples()) >= 2)
     assert state.extras["gpu"]["name"] == "NVIDIA H100 80GB HBM3"
     assert state.extras["gpu"]["utilization_gpu"] == 97.0
     sampler_thread = callback.sampler
     callback.on_fit_end(state)
     assert not sampler_thread.running and callback.sampler is None
     samples = sampler_thread.samples()
-    assert len(samples) >= 2
-    if energy_supported:
-        assert state.result.energy_j == pytest.approx(50.0 * (len(samples) - 1))
-    else:  # 350.5 W held for the run's duration
+    if energy_supported:  # each sample's counter read, then stop()'s: 50 J apart
+        assert state.result.energy_j == pytest.approx(50.0 * len(samples))
+    else:  # 350.5 W held from the first sample to the last
         elapsed = samples[-1]["monotonic"] - samples[0]["monotonic"]
         assert state.result.energy_j == pytest.approx(350.5 * elapsed)
     assert state.extras["energy_j"] == state.result.energy_j
-    assert fake.inits == 1 + fake.shutdowns  # the process-wide session stays, the sampler's closed
+    assert fake.inits == 1 and fake.shutdowns == 0  # the process-wide session, shared and kept
 
 
 def test_callback_stops_its_sampler_on_exception(monkeypatch):

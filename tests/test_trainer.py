@@ -294,21 +294,38 @@ def test_nan_loss_stops_with_the_step_and_fixes():
 # The front door (gpunb/trainer.py) over the runtime's one-process loop
 
 
-def test_a_one_process_fit_imports_nothing_of_the_launcher_or_cloudpickle():
+# What a one-device fit may load beyond what a plain torch loop (forward, backward, AdamW) loads.
+_HEAVY = ("cloudpickle", "IPython", "ipykernel", "ipywidgets", "jupyter_client", "jupyter_core", "jupyter_server",
+          "tornado", "sqlite3", "matplotlib", "pandas", "tensorboard", "transformers", "torchmetrics", "mlflow",
+          "wandb", "datasets")
+_ALLOWED_NEW = {"gpunb", "torch", "psutil", "resource"}  # psutil: free host memory, for the summary
+
+
+def test_a_one_process_fit_imports_nothing_of_the_launcher_or_anything_heavy():
+    import json
     import os
     import subprocess
     import sys
 
-    code = ("import sys, torch, gpunb; from torch import nn\n"
+    code = ("import json, sys, torch; from torch import nn\n"
             "x, y = torch.randn(32, 4), torch.randint(0, 2, (32,))\n"
+            "plain = nn.Linear(4, 2); opt = torch.optim.AdamW(plain.parameters())\n"
+            "nn.CrossEntropyLoss()(plain(x), y).backward(); opt.step()\n"
+            "before = set(sys.modules)\n"
+            "import gpunb\n"
             "result = gpunb.Trainer(batch_size=16, track=False).fit(nn.Linear(4, 2), (x, y), "
             "loss_fn=nn.CrossEntropyLoss())\n"
             "assert result.steps == 2, result.steps\n"
-            "print(sorted(m for m in sys.modules if m.startswith('gpunb.distributed') or 'cloudpickle' in m))")
+            "print(json.dumps(sorted(set(sys.modules) - before)))")
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    new = json.loads(done.stdout)
+    gpunb_parts = ("gpunb.distributed", "gpunb.notebook", "gpunb.runs", "gpunb.loggers", "gpunb.profiling",
+                   "gpunb.server.", "gpunb.telemetry.nvml", "gpunb.telemetry.sampler")
+    assert [m for m in new if m.startswith(gpunb_parts)] == []
+    assert [m for m in new if m.split(".")[0] in _HEAVY] == []
+    assert {m.split(".")[0] for m in new} <= _ALLOWED_NEW
 
 
 class _CountingContext:

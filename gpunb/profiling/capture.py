@@ -163,7 +163,7 @@ def _start_nvml_sampler(device: torch.device):
     if ensure_nvml() is not None:
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    sampler = GpuSampler(nvml_index_for_cuda_device(index)).start(wait_s=0)
+    sampler = GpuSampler(nvml_index_for_cuda_device(index)).start()
     return None if sampler.error else sampler
 
 

@@ -1,17 +1,13 @@
 """TelemetryCallback: GPU samples for the dashboard and the energy a run used.
 
 A plain callback (see gpunb/runtime/events.py). On a CPU or MPS run, or where NVML
-is missing, every hook returns at once: no thread, no NVML call.
+is missing, every hook returns at once: no thread, no NVML call, and NVML's bindings
+are not even imported (the Trainer composes this callback into every run).
 """
 
 from __future__ import annotations
 
-import logging
-
-from gpunb.telemetry.nvml import ensure_nvml, nvml_index_for_cuda_device
-from gpunb.telemetry.sampler import MIN_INTERVAL_S, GpuSampler
-
-log = logging.getLogger(__name__)
+MIN_INTERVAL_S = 0.5  # gpunb.telemetry.sampler's floor, repeated so that a CPU run need not import it
 
 
 class TelemetryCallback:
@@ -26,12 +22,19 @@ class TelemetryCallback:
     def __init__(self, device_index: int | None = None, interval: float = MIN_INTERVAL_S):
         self.device_index = device_index
         self.interval = interval
-        self.sampler: GpuSampler | None = None
+        self.sampler = None  # the GpuSampler of the fit under way
 
     def on_fit_start(self, state) -> None:
         self._stop_sampler()  # a callback reused across fits never leaks a thread
         device = state.device
-        if getattr(device, "type", None) != "cuda" or ensure_nvml() is not None:
+        if getattr(device, "type", None) != "cuda":
+            return
+        try:
+            from gpunb.telemetry.nvml import ensure_nvml, nvml_index_for_cuda_device
+            from gpunb.telemetry.sampler import GpuSampler
+        except ImportError:  # nvidia-ml-py missing: a run without telemetry
+            return
+        if ensure_nvml() is not None:
             return
         cuda_index = self.device_index if self.device_index is not None else _cuda_index(device)
         extras = state.extras
@@ -39,12 +42,9 @@ class TelemetryCallback:
         def publish(sample: dict) -> None:
             extras["gpu"] = sample  # one dict assignment: atomic under the GIL
 
-        sampler = GpuSampler(nvml_index_for_cuda_device(cuda_index, _cuda_uuid(cuda_index)),
-                             self.interval, on_sample=publish).start()
-        if sampler.error:
-            log.warning("gpunb: GPU telemetry is off for this run: %s", sampler.error)
-            return
-        self.sampler = sampler
+        # start() returns at once; a sampler that fails later logs why and reports no energy.
+        self.sampler = GpuSampler(nvml_index_for_cuda_device(cuda_index, _cuda_uuid(cuda_index)),
+                                  self.interval, on_sample=publish).start()
 
     def on_fit_end(self, state) -> None:
         energy = self._stop_sampler()

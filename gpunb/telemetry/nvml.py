@@ -111,6 +111,8 @@ SAMPLE_READERS: tuple[Callable[[Any], dict], ...] = (
 SNAPSHOT_READERS: tuple[Callable[[Any], dict], ...] = (
     _utilization, _memory, _power, _power_limit, _temperature, _clock_sm, _clock_mem, _pcie,
     _energy, _processes)
+# stop()'s end point: the energy counter alone, one NVML call.
+ENERGY_READERS: tuple[Callable[[Any], dict], ...] = (_energy,)
 # A MIG instance has its own memory and processes; the rest belongs to its GPU.
 MIG_READERS: tuple[Callable[[Any], dict], ...] = (_memory, _processes)
 

@@ -1,9 +1,11 @@
 """A background thread that samples one GPU through NVML, and the energy it adds up.
 
-The thread owns its NVML session (its own nvmlInit/nvmlShutdown pair, which NVML
-reference-counts) and its device handle, so nothing about it leaks into the
-training thread. NVML calls go through ctypes and release the GIL; the Python work
-per sample is a dict of a handful of floats, at most twice a second.
+Neither end of a run waits on it: `start()` only starts the thread (the thread takes
+the first sample, the energy baseline), and `stop()` wakes the thread with an Event
+and reads the energy counter once for the end point. The thread uses the process's
+NVML session (nvml.ensure_nvml, initialised once and kept), so starting and stopping
+costs no nvmlInit/nvmlShutdown. NVML calls go through ctypes and release the GIL; the
+Python work per sample is a dict of a handful of floats, at most twice a second.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ from collections.abc import Callable
 
 import pynvml
 
-from gpunb.telemetry.nvml import SAMPLE_READERS, device_identity, read_fields
+from gpunb.telemetry.nvml import ENERGY_READERS, SAMPLE_READERS, device_identity, ensure_nvml, read_fields
 from gpunb.telemetry.visible import DeviceId, handle_of, label
 
 log = logging.getLogger(__name__)
 
-MIN_INTERVAL_S = 0.5  # at most 2 Hz: enough for a dashboard, invisible to training
+MIN_INTERVAL_S = 0.5  # at most 2 Hz: enough for a dashboard, invisible to training (callback.py repeats it)
 
 
 class EnergyMeter:
@@ -52,6 +54,11 @@ class EnergyMeter:
             self._power_points += 1
 
     @property
+    def counting(self) -> bool:
+        """Whether the energy counter answered the latest sample: an end read can extend it."""
+        return self._counter_now is not None
+
+    @property
     def joules(self) -> float | None:
         start, end = self._counter_at_start, self._counter_now
         # A counter that went backwards was reset (driver reload): use power instead.
@@ -78,24 +85,35 @@ class GpuSampler:
         self._on_sample = on_sample
         self._samples: collections.deque = collections.deque(maxlen=history)
         self._energy = EnergyMeter()
-        self._stop = threading.Event()
-        self._first_sample_taken = threading.Event()
+        self._stop = threading.Event()  # set by stop(): wakes the thread from its wait at once
+        self._lock = threading.Lock()  # the thread's samples and stop()'s end point, one at a time
+        self._ended = False  # after stop()'s end point the thread records nothing more
+        self._handle = None  # set by the thread once it has the device; stop() reads energy through it
         self._thread: threading.Thread | None = None
 
-    def start(self, wait_s: float = 2.0) -> GpuSampler:
-        """Start the thread and wait (up to `wait_s`) for the first sample, the energy baseline."""
+    def start(self) -> GpuSampler:
+        """Start the thread; returns at once (the thread takes the first sample)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"gpunb-gpu{label(self.index)}-sampler",
                                             daemon=True)
             self._thread.start()
-            self._first_sample_taken.wait(wait_s)
         return self
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Take a last sample and end the thread (joined, so its NVML session is closed)."""
+    def stop(self, timeout: float = 1.0) -> None:
+        """Wake and end the thread, then read the energy counter once: the end point of `energy_j`.
+
+        The thread is woken from its wait, so the join lasts at most the NVML reads of a
+        sample under way; `timeout` bounds it should a read hang (the thread is a daemon).
+        """
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+            if self._handle is not None and self._energy.counting:
+                self._energy.add(read_fields(self._handle, ENERGY_READERS) | {"monotonic": time.monotonic()})
 
     @property
     def running(self) -> bool:
@@ -113,35 +131,32 @@ class GpuSampler:
         return self._energy.joules
 
     def _run(self) -> None:
-        try:
-            pynvml.nvmlInit()
-        except pynvml.NVMLError as error:
-            self.error = f"NVML failed to initialise: {error}"
-            self._first_sample_taken.set()
+        reason = ensure_nvml()
+        if reason is not None:
+            self._fail(reason)
             return
         try:
             handle = handle_of(self.index)
             identity = device_identity(self.index, handle)
-            while True:
+            self._handle = handle
+            while not self._stop.is_set():
                 self._record(identity, handle)
-                if self._stop.wait(self.interval):
-                    break
-            self._record(identity, handle)  # the end point, so energy covers the whole run
+                self._stop.wait(self.interval)
         except pynvml.NVMLError as error:
-            self.error = f"NVML failed on GPU {label(self.index)}: {error}"
-        finally:
-            self._first_sample_taken.set()
-            try:
-                pynvml.nvmlShutdown()
-            except pynvml.NVMLError:
-                pass
+            self._fail(f"NVML failed on GPU {label(self.index)}: {error}")
+
+    def _fail(self, reason: str) -> None:
+        self.error = reason
+        log.warning("gpunb: GPU sampling is off: %s", reason)
 
     def _record(self, identity: dict, handle) -> None:
         sample = {"time": time.time(), "monotonic": time.monotonic(), **identity,
                   **read_fields(handle, SAMPLE_READERS)}
-        self._samples.append(sample)
-        self._energy.add(sample)
-        self._first_sample_taken.set()
+        with self._lock:
+            if self._ended:  # stop() has taken the end point: a later sample would move it
+                return
+            self._samples.append(sample)
+            self._energy.add(sample)
         if self._on_sample is not None:
             try:
                 self._on_sample(sample)
