@@ -178,6 +178,7 @@ def test_profiler_callback_with_the_trainer():
                                                             callbacks=[callback])
     assert fit.steps == 4 and fit.stop_reason == "profiled 2 steps"  # 1 warmup, 1 start-up, 2 profiled
     assert callback.result().steps == 2
+    assert callback.result().signals["batch_size"] == 8  # the small-batch advice can name it
     assert callback.result() is callback.result()  # analysed once; the temporary trace is gone
 
 
@@ -357,8 +358,10 @@ def launch_bound_gpu_trace(sync=False, unfused=False, fp32_mm=False, fused_name=
 def test_tiny_kernels_with_an_idle_gpu_are_launch_bound():
     result = launch_bound_gpu_trace().result(kind="callable")
     assert result.rules[0] == "launch_bound"
-    assert set(result.rules) == {"launch_bound", "low_memory"}  # 1 of 80 GiB used, GPU mostly idle
+    # 1 of 80 GiB used, GPU mostly idle; the tiny kernels are elementwise ones
+    assert set(result.rules) == {"launch_bound", "small_batch", "compile"}
     assert "100 kernels per step, median 3 µs" in result.advice[0].evidence
+    assert 'mode="reduce-overhead"' in result.advice[0].message
 
 
 def test_host_syncs_inside_the_step_are_reported():
@@ -390,7 +393,7 @@ def test_fp32_matmul_share_comes_from_its_kernels_on_a_gpu():
 def test_gpu_only_rules_stay_quiet_for_a_cpu():
     cpu = DeviceCaps()
     result = launch_bound_gpu_trace(sync=True, unfused=True).result(caps=cpu)
-    assert not {"host_sync", "unfused_optimizer", "low_memory", "precision", "tf32"} & set(result.rules)
+    assert not {"host_sync", "unfused_optimizer", "small_batch", "compile", "precision", "tf32"} & set(result.rules)
 
 
 def test_nvml_utilisation_is_optional(monkeypatch):

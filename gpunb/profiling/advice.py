@@ -18,7 +18,11 @@ MATMUL_SHARE = 0.10  # fp32 matrix products above this share: lower precision pa
 TF32_SHARE = 0.05
 LIGHT_OP_SHARE = 0.50  # step time outside ops of >= 20 µs (data loading aside): dispatch-bound
 IDLE_HOST_SHARE = 0.25  # GPU idle waiting on the host this long: launch-bound
+SHORT_KERNEL_US = 20.0  # mean kernel time below this: kernels about as long as their launch
 LOW_MEMORY = 0.40  # peak reserved below this share of the GPU: room for a larger batch
+LOW_BUSY = 0.50  # GPU running kernels less than this share of the step: it could take more work
+FUSIBLE_SHARE = 0.15  # elementwise/copy/cast/norm kernels above this share: compile would fuse them
+FUSION_SAVES = 0.5  # share of those kernels' time fusion is assumed to save (see `compile_fusion`)
 
 
 def advise(result: ProfileResult, caps: DeviceCaps) -> list[Advice]:
@@ -66,36 +70,69 @@ def tf32(result, s, caps) -> Advice | None:
 
 def launch_bound(result, s, caps) -> Advice | None:
     if s["device"]:
-        idle = s["idle_host_share"]
-        if idle < IDLE_HOST_SHARE or s["tiny_kernel_fraction"] < 0.5:
-            return None
-        evidence = (f"{s['kernels_per_step']:.0f} kernels per step, median {s['median_kernel_us']:.3g} µs; "
-                    f"the GPU sits idle waiting on the host {100 * idle:.0f}% of the time")
-        gain = idle * 0.6
-    else:
-        share = s["light_op_share"]
-        if share < LIGHT_OP_SHARE or s["top_ops_per_step"] < 50 or s["median_top_op_us"] >= TINY_OP_US:
-            return None
-        evidence = (f"{s['top_ops_per_step']:.0f} ops per step, median {s['median_top_op_us']:.3g} µs; "
-                    f"{100 * share:.0f}% of the step goes to such small ops and the Python around them")
-        gain = share * 0.5
+        return _cuda_graphs(result, s, caps)
+    share = s["light_op_share"]
+    if share < LIGHT_OP_SHARE or s["top_ops_per_step"] < 50 or s["median_top_op_us"] >= TINY_OP_US:
+        return None
     return Advice("launch_bound", "Many tiny ops: per-op launch and dispatch overhead dominates. Fuse them "
                   "with `--compile` (`compile=True`), or do more work per op with a larger batch.",
-                  evidence, gain)
+                  f"{s['top_ops_per_step']:.0f} ops per step, median {s['median_top_op_us']:.3g} µs; "
+                  f"{100 * share:.0f}% of the step goes to such small ops and the Python around them",
+                  share * 0.5)
 
 
-def low_memory(result, s, caps) -> Advice | None:
+def _cuda_graphs(result, s, caps) -> Advice | None:
+    """The GPU waits while the host launches many short kernels: replaying the step as one
+    CUDA graph removes the launches. At best the step shrinks to the GPU's busy time, so
+    the gain is the share of the step the GPU sat idle waiting on the host."""
+    idle = s["idle_host_share"]
+    short = s["tiny_kernel_fraction"] >= 0.5 or s["mean_kernel_us"] < SHORT_KERNEL_US
+    if idle < IDLE_HOST_SHARE or not short or s["cuda_graphs"]:
+        return None
+    return Advice("launch_bound", "The GPU waits for the host to launch many short kernels: capture the step "
+                  "as a CUDA graph with `torch.compile(model, mode=\"reduce-overhead\")`, which replays all of "
+                  "its kernels with one launch (or do more work per kernel with a larger batch).",
+                  f"{s['kernels_per_step']:.0f} kernels per step, median {s['median_kernel_us']:.3g} µs, "
+                  f"mean {s['mean_kernel_us']:.3g} µs; the GPU sits idle waiting on the host "
+                  f"{100 * idle:.0f}% of the time", idle)
+
+
+def compile_fusion(result, s, caps) -> Advice | None:
+    """Eager PyTorch runs each pointwise op, cast and normalisation as a kernel of its own
+    that reads and writes its whole tensor; torch.compile fuses chains of them into one.
+    The estimate assumes half the time of those kernels is saved (the fused kernel still
+    reads the inputs and writes the outputs once): conservative for long chains."""
+    share = s["fusible_share"]
+    if not caps.gpu or not s["device"] or s["compiled"] or share < FUSIBLE_SHARE:
+        return None
+    return Advice("compile", "Eager mode runs every elementwise op, cast and normalisation as a kernel of "
+                  "its own: compile the model (`--compile`, `compile=True`) so that they fuse.",
+                  f"{s['fusible_kernels_per_step']:.0f} elementwise/copy/cast/norm kernels per step take "
+                  f"{100 * share:.0f}% of the time; no compiled code in the trace; the gain assumes fusion "
+                  f"saves {100 * FUSION_SAVES:.0f}% of their time", share * FUSION_SAVES)
+
+
+def small_batch(result, s, caps) -> Advice | None:
+    """Memory to spare and a GPU mostly idle while the host runs the step (not while it
+    waits for data: a larger batch would not help there): a larger batch does more work per
+    launch. The estimate is for doubling it with the added kernel time not hidden at all:
+    a step of T becomes T + busy*T for twice the samples, so the time per sample falls by
+    (1 - busy) / 2."""
     memory = result.memory
     if not caps.gpu or memory is None or memory.device != "cuda" or not caps.total_memory:
         return None
     used = (memory.peak_reserved or memory.peak_allocated) / caps.total_memory
-    idle = s["idle_host_share"]
-    if used >= LOW_MEMORY or idle < 0.10:
+    busy = s["busy_share"] / max(1.0 - s["idle_data_share"], 1e-9)  # of the time not waiting for data
+    if used >= LOW_MEMORY or busy >= LOW_BUSY:
         return None
-    return Advice("low_memory", "Memory is left over and the GPU idles between kernels: try a larger batch "
-                  "(twice the `--batch-size`, or `--batch-size auto`), scaling the learning rate with it.",
-                  f"peak memory {100 * used:.0f}% of {caps.total_memory / 2**30:.0f} GiB; "
-                  f"GPU idle waiting on the host {100 * idle:.0f}% of the time", idle * 0.5)
+    batch = s.get("batch_size")
+    now = f"`batch_size={batch}`" if batch else "the batch"
+    return Advice("small_batch", f"The batch is too small for this GPU: raise {now} (double it and scale "
+                  "the learning rate with it), or let gpunb find the fastest one with `batch_size=\"auto\"` "
+                  "(`--batch-size auto`).",
+                  (f"batch of {batch}; " if batch else "") + f"peak memory {100 * used:.0f}% of "
+                  f"{caps.total_memory / 2**30:.0f} GiB; outside data waits the GPU runs kernels "
+                  f"{100 * busy:.0f}% of the time", (1 - busy) / 2)
 
 
 def host_sync(result, s, caps) -> Advice | None:
@@ -120,4 +157,4 @@ def unfused_optimizer(result, s, caps) -> Advice | None:
                   s["optimizer_share"] * 0.5)
 
 
-RULES = (data_wait, precision, tf32, launch_bound, low_memory, host_sync, unfused_optimizer)
+RULES = (data_wait, precision, tf32, launch_bound, compile_fusion, small_batch, host_sync, unfused_optimizer)

@@ -7,7 +7,9 @@ that launched that work (forward, backward, ...); when the device is idle, or on
 run where the host is the device, it belongs to the phase the host loop is in (data
 wait, forward, ...), and to "other" outside every phase. Each instant counts once, so
 the phases add up to the step time, and on a GPU a phase's share is the time it holds
-the critical resource, not its (asynchronous) host time.
+the critical resource, not its (asynchronous) host time. A host-to-device copy belongs
+to the h2d phase wherever it was launched from (the prefetcher copies the next batch
+while the loop is in another phase).
 """
 
 from __future__ import annotations
@@ -27,10 +29,17 @@ SYNC_CALLS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 TINY_OP_US = 20.0  # a host op this short is mostly dispatch overhead
 TINY_KERNEL_US = 10.0  # a kernel this short is about as long as its launch
 TOP = 10
+# Kernels torch.compile would fuse into its neighbours: pointwise math, copies and dtype
+# casts (autocast's), and the memory-bound normalisations and softmaxes eager runs alone.
+FUSIBLE = ("elementwise", "copy", "cast", "layer_norm", "layernorm", "softmax", "dropout", "gelu")
+# Traces of a compiled model: Inductor's kernels and Dynamo's named regions.
+COMPILED_MARKS = ("triton_", "Torch-Compiled Region", "CompiledFxGraph", "CompiledFunction")
 
 
-def analyse(trace: Trace, *, kind: str, device: str, device_total: int | None = None) -> ProfileResult:
-    """The numbers of one profile (`advice` is left empty: see advice.py)."""
+def analyse(trace: Trace, *, kind: str, device: str, device_total: int | None = None,
+            batch_size: int | None = None) -> ProfileResult:
+    """The numbers of one profile (`advice` is left empty: see advice.py). `batch_size`:
+    samples per step, when the caller knows it (the Trainer does)."""
     t0, t1 = trace.window
     wall = max(t1 - t0, 1e-9)
     steps = max(len(trace.steps), 1)
@@ -53,10 +62,14 @@ def analyse(trace: Trace, *, kind: str, device: str, device_total: int | None = 
         "phase_share": {name: us / wall for name, us in phase_us.items()} if trace.phases else {},
         "device": bool(device_work),
         "idle_host_share": result.device_time.idle_host_pct / 100 if result.device_time else 0.0,
+        "busy_share": result.device_time.busy_pct / 100 if result.device_time else 0.0,
+        "idle_data_share": result.device_time.idle_data_pct / 100 if result.device_time else 0.0,
+        "batch_size": batch_size,
         **_fp32_matmuls(ops, device_work, wall),
         **_syncs(trace, index, phase_ranges, t0, t1),
         **_optimizer(trace, ops, t0, t1),
         **_tiny(ops, device_work, phase_us, wall, steps),
+        **_fusion(trace, device_work, wall, steps),
     }
     return result
 
@@ -71,9 +84,14 @@ def _device_work(trace: Trace, phase_ranges, t0, t1) -> list:
         if end <= start:
             continue
         launch = launches.get(work.args.get("correlation"))
-        phase = label_at(phase_ranges, starts, launch.start if launch else work.start, "other")
+        phase = "h2d" if _is_h2d(work) else label_at(
+            phase_ranges, starts, launch.start if launch else work.start, "other")
         out.append((start, end, phase, work))
     return out
+
+
+def _is_h2d(work) -> bool:
+    return work.cat == "gpu_memcpy" and "HtoD" in work.name
 
 
 def _phase_time(device_work, phase_ranges, t0, t1) -> dict:
@@ -91,7 +109,8 @@ def _device_time(device_work, phase_ranges, t0, t1) -> DeviceTime:
     wall = t1 - t0
     kernels = cover((s, e, None) for s, e, _, work in device_work if work.cat != "gpu_memcpy")
     idle = gaps(kernels, t0, t1)
-    feeding = [r for r in phase_ranges if r[2] in ("data_wait", "h2d")]
+    copies = [(s, e, "h2d") for s, e, _, work in device_work if _is_h2d(work)]
+    feeding = cover([r for r in phase_ranges if r[2] in ("data_wait", "h2d")] + copies)
     idle_data = sum(e - s for s, e, _ in overlap(idle, feeding))
     busy = sum(e - s for s, e, _ in kernels)
     return DeviceTime(busy_pct=100 * busy / wall, idle_host_pct=100 * (wall - busy - idle_data) / wall,
@@ -208,3 +227,17 @@ def _tiny(ops, device_work, phase_us, wall, steps) -> dict:
             "kernels_per_step": len(kernels) / steps,
             "tiny_kernel_fraction": sum(d < TINY_KERNEL_US for d in kernels) / len(kernels) if kernels else 0.0,
             "median_kernel_us": statistics.median(kernels) if kernels else 0.0}
+
+
+def _fusion(trace: Trace, device_work, wall, steps) -> dict:
+    """What torch.compile and CUDA graphs could take away: the share of the time in kernels
+    that fusion removes, whether the model already runs compiled or as a CUDA graph, and
+    how long the kernels are."""
+    kernels = [(e - s, work.name) for s, e, _, work in device_work if work.cat == "kernel"]
+    fusible = [(d, name) for d, name in kernels if any(k in name.lower() for k in FUSIBLE)]
+    names = [w.name for w in trace.device] + [e.name for e in trace.annotations] + [op.name for op in trace.ops]
+    return {"fusible_share": sum(d for d, _ in fusible) / wall,
+            "fusible_kernels_per_step": len(fusible) / steps,
+            "compiled": any(mark in name for name in names for mark in COMPILED_MARKS),
+            "cuda_graphs": any(call.name.startswith("cudaGraphLaunch") for call in trace.runtime),
+            "mean_kernel_us": sum(d for d, _ in kernels) / len(kernels) if kernels else 0.0}

@@ -77,6 +77,8 @@ class ProfilerCallback:
         state.profile = True
         self._result = None
         self.recorder = Recorder(state.device, steps=self.steps, warmup=self.warmup, save=self.save)
+        batch_size = getattr(state.config, "batch_size", None)
+        self.recorder.batch_size = batch_size if isinstance(batch_size, int) else None
         self.recorder.start()
 
     def on_step_end(self, state) -> None:
@@ -132,9 +134,10 @@ def summarise(recorder: Recorder, kind: str) -> ProfileResult:
                          "were over.", "lower `warmup`, or give the run more data or steps.")
     caps = recorder.caps
     result = analysis.analyse(events, kind=kind, device=_describe(recorder.device, caps),
-                              device_total=caps.total_memory)
+                              device_total=caps.total_memory, batch_size=recorder.batch_size)
     if result.device_time is not None:
         result.device_time.nvml_util_pct = recorder.nvml_util
+        result.device_time.nvml_read = recorder.nvml_read
     result.advice = advise(result, caps)
     result.trace_path = recorder.trace_path if recorder.save is not None else None
     if result.steps < recorder.steps:

@@ -32,7 +32,9 @@ class Recorder:
         self.calls = 0  # steps ended so far, warmup included
         self.caps: hardware.DeviceCaps | None = None  # read at start(), after the Trainer's set-up (TF32)
         self.trace_path: str | None = None  # set once the trace is written
-        self.nvml_util: float | None = None
+        self.nvml_util: float | None = None  # mean NVML utilisation over the recorded steps
+        self.nvml_read = False  # NVML was sampled (a None nvml_util then means: capture too short)
+        self.batch_size: int | None = None  # samples per step, when the Trainer says
         self._profiler = None
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._sampler = None
@@ -95,6 +97,7 @@ class Recorder:
         sampler, self._sampler = self._sampler, None
         if sampler is not None:
             sampler.stop()
+            self.nvml_read = True
             self.nvml_util = _mean_utilisation(sampler.samples(), self._recording_since)
         self._sentinel = None
 
@@ -167,7 +170,13 @@ def _start_nvml_sampler(device: torch.device):
     return None if sampler.error else sampler
 
 
+NVML_PERIOD_S = 1.0  # NVML averages utilisation over the last 1/6 to 1 s, by product
+
+
 def _mean_utilisation(samples: list[dict], since: float | None) -> float | None:
+    """Mean of the samples that saw only recorded steps: taken a full NVML period after
+    recording began (an earlier one also averages the idle time before it). None when
+    the capture was too short for any."""
     values = [s["utilization_gpu"] for s in samples
-              if "utilization_gpu" in s and since is not None and s["time"] >= since]
+              if "utilization_gpu" in s and since is not None and s["time"] >= since + NVML_PERIOD_S]
     return sum(values) / len(values) if values else None

@@ -30,6 +30,7 @@ class DeviceTime:
     idle_host_pct: float  # idle, the host busy elsewhere (Python, launches, syncs)
     idle_data_pct: float  # idle while the loop waited for the next batch or copied it
     nvml_util_pct: float | None = None  # NVML's own utilisation reading, when there is one
+    nvml_read: bool = False  # NVML was sampled; no reading then means the capture was too short
 
 
 @dataclass
@@ -173,6 +174,8 @@ def _device_text(d: DeviceTime) -> str:
             f"on data {_pct(d.idle_data_pct)})")
     if d.nvml_util_pct is not None:
         text += f"; NVML utilisation {_pct(d.nvml_util_pct)}"
+    elif d.nvml_read:  # no sample fell inside the capture: unknown, not 0%
+        text += "; NVML utilisation n/a (capture shorter than NVML's 1 s sample period)"
     return text
 
 
