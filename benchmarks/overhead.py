@@ -4,7 +4,13 @@ Both train the same seeded model on the same data with the same optimizer and
 precision. Runs are interleaved (gpunb, plain, gpunb, plain, ...) so that drift in
 machine speed hits both alike; each reports the median step time after warm-up.
 
-    python benchmarks/overhead.py            # CPU cases (+ the GPU case when CUDA is there)
+    python benchmarks/overhead.py            # CPU cases (+ the GPU cases when CUDA is there)
+    python benchmarks/overhead.py --steps 40 --rounds 1 --warmup 5 --cases mlp   # a quick check
+
+On a GPU it adds GPT-2 124M in nanoGPT's shape (bf16, batch 16 x 1,024), with the MFU of both
+loops (gpunb's FLOP count of a step over the median step time, against the GPU's dense bf16
+peak) beside the MFU gpunb's own result reports, and the digits CNN at batch 64, which is
+launch-bound (kernels of a few µs).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -21,6 +28,8 @@ import torch
 from torch import nn
 
 from gpunb import Trainer
+from gpunb.demo import digits_cnn, digits_data
+from gpunb.runtime.peak_flops import device_peak_tflops
 
 
 class LSTMParity(nn.Module):
@@ -36,26 +45,73 @@ class LSTMParity(nn.Module):
         return self.head(out[:, -1])
 
 
-class TinyGPT(nn.Module):
-    """GPT-2-small-like: 12 layers, 768 wide, 12 heads, vocab 50,304, context 1,024."""
+class CausalSelfAttention(nn.Module):
+    """nanoGPT's attention: one qkv projection, flash attention through SDPA, an output projection."""
+
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.c_attn = nn.Linear(width, 3 * width)
+        self.c_proj = nn.Linear(width, width)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))  # (B, H, T, D)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(width), CausalSelfAttention(width, heads)
+        self.ln_2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT-2 124M in nanoGPT's shape: 12 layers, 768 wide, 12 heads, vocab 50,304 (padded to a
+    multiple of 64), context 1,024, biases, no dropout, the head's weight tied to the embedding,
+    nanoGPT's initialisation (residual projections scaled by 1/sqrt(2 x layers))."""
 
     def __init__(self, vocab=50304, width=768, layers=12, heads=12, context=1024):
         super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.position = nn.Parameter(torch.zeros(context, width))
-        layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, activation="gelu",
-                                           batch_first=True, norm_first=True)
-        self.blocks = nn.TransformerEncoder(layer, layers)
-        self.head = nn.Linear(width, vocab, bias=False)
+        self.wte, self.wpe = nn.Embedding(vocab, width), nn.Embedding(context, width)
+        self.h = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight  # weight tying
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        for name, param in self.named_parameters():
+            if name.endswith(("attn.c_proj.weight", "mlp.2.weight")):
+                nn.init.normal_(param, std=0.02 / math.sqrt(2 * layers))
 
-    def forward(self, tokens):
-        n = tokens.shape[1]
-        x = self.embed(tokens) + self.position[:n]
-        mask = nn.Transformer.generate_square_subsequent_mask(n, device=tokens.device)
-        return self.head(self.blocks(x, mask=mask, is_causal=True))
+    def forward(self, tokens):  # (B, T) token ids -> (B, T, vocab) logits
+        position = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.wte(tokens) + self.wpe(position)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def next_token_loss(logits, target):
+    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+GPU_ONLY = ("gpt2-124m-bf16", "digits-cnn-b64")  # launch-bound or large: only meaningful on a GPU
 
 
 def cases(device):
+    """(name, make_model, data, batch size, loss, precision); the GPU-only ones on CUDA only."""
     g = torch.Generator().manual_seed(0)
     yield ("mlp", lambda: nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)),
            (torch.randn(8192, 64, generator=g), torch.randint(0, 10, (8192,), generator=g)),
@@ -65,9 +121,10 @@ def cases(device):
            30, nn.CrossEntropyLoss(), "32")
     if device.type == "cuda":
         tokens = torch.randint(0, 50304, (256, 1025), generator=g)
-        yield ("gpt2-small-bf16", TinyGPT, (tokens[:, :-1], tokens[:, 1:]), 8,
-               lambda logits, target: nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten()),
-               "bf16-mixed")
+        yield ("gpt2-124m-bf16", GPT, (tokens[:, :-1], tokens[:, 1:]), 16, next_token_loss, "bf16-mixed")
+        # Launch-bound: ~1 ms of GPU work per step, the data held on the GPU by both loops.
+        (x, y), _ = digits_data()
+        yield ("digits-cnn-b64", digits_cnn, (x, y), 64, nn.CrossEntropyLoss(), "bf16-mixed")
 
 
 def plain_loop(make_model, data, batch_size, loss_fn, precision, device, steps):
@@ -118,9 +175,10 @@ class StepTimer:
 def gpunb_loop(make_model, data, batch_size, loss_fn, precision, device, steps):
     torch.manual_seed(0)
     timer = StepTimer(device)
-    Trainer(max_steps=steps, epochs=10**6, batch_size=batch_size, precision=precision, log_every=50,
-            track=False, accelerator=device.type).fit(make_model(), data, loss_fn=loss_fn,
-                                                      callbacks=[timer])
+    result = Trainer(max_steps=steps, epochs=10**6, batch_size=batch_size, precision=precision, log_every=50,
+                     track=False, accelerator=device.type).fit(make_model(), data, loss_fn=loss_fn,
+                                                               callbacks=[timer])
+    LAST_RESULT["gpunb"] = result  # for the MFU columns
     return timer.times
 
 
@@ -158,29 +216,72 @@ def _sync(device):
 
 
 LOOPS = {"plain": plain_loop, "gpunb": gpunb_loop}
+LAST_RESULT: dict = {}  # the TrainResult of the latest gpunb run
+
+
+def mfu_line(case, device, precision, plain_s, gpunb_s) -> str | None:
+    """MFU of both loops from their median step times, and the MFU of gpunb's own result."""
+    result = LAST_RESULT.get("gpunb")
+    peak = device_peak_tflops(device, precision)
+    if result is None or result.flops_per_step is None or not peak:
+        return None
+    mfu = {label: result.flops_per_step / t / 1e12 / peak for label, t in (("plain", plain_s), ("gpunb", gpunb_s))}
+    own = f"{100 * result.mfu:.1f}%" if result.mfu is not None else "n/a"
+    achieved = f"{result.achieved_tflops:.1f}" if result.achieved_tflops is not None else "n/a"
+    line = (f"  {case}: {result.flops_per_step / 1e12:.3g} TFLOP per step, peak {peak:.0f} TFLOPS; MFU plain "
+            f"{100 * mfu['plain']:.1f}%, gpunb {100 * mfu['gpunb']:.1f}% (gpunb's result: "
+            f"{achieved} TFLOPS, MFU {own}, warm-up included)")
+    if "gpt" in case:
+        line += f"; nanoGPT's formula: MFU gpunb {100 * nanogpt_flops(16, 1024) / gpunb_s / 1e12 / peak:.1f}%"
+    return line
+
+
+def nanogpt_flops(batch, context, layers=12, heads=12, width=768) -> float:
+    """FLOPs of one GPT step by nanoGPT's `estimate_mfu`: 6N + 12 L H Q T per token, N without
+    the position embedding (the PaLM appendix B count)."""
+    with torch.device("meta"):
+        model = GPT(layers=layers, width=width, heads=heads, context=context)
+    n = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
+    return (6 * n + 12 * layers * heads * (width // heads) * context) * batch * context
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=30)
+    parser = argparse.ArgumentParser(description="gpunb vs a hand-written PyTorch loop: step time, peak memory "
+                                     "and, on a GPU, MFU.")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (GPT-2: 60)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
+    parser.add_argument("--warmup", type=int, default=30, help="steps left out of each run's median")
+    parser.add_argument("--cases", nargs="+", metavar="CASE", choices=("mlp", "lstm-parity") + GPU_ONLY,
+                        help="run only these: mlp lstm-parity " + " ".join(GPU_ONLY))
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gpt_steps = max(60, args.warmup + 10)
+    if args.warmup >= min(args.steps, gpt_steps) or args.rounds < 1:
+        parser.error(f"--warmup ({args.warmup}) must be below --steps ({args.steps}) and --rounds at least 1")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"device: {name}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    if device.type != "cuda":
+        print(f"skipped: {', '.join(GPU_ONLY)} (they need a CUDA GPU)")
     print(f"{'case':<18}{'plain ms':>10}{'gpunb ms':>10}{'time ratio':>12}{'memory ratio':>14}")
+    notes = []
     for case, make_model, data, batch_size, loss_fn, precision in cases(device):
-        steps = args.steps if device.type == "cpu" or "gpt" not in case else 60
+        if args.cases and case not in args.cases:
+            continue
+        steps = gpt_steps if "gpt" in case else args.steps
         medians = {"plain": [], "gpunb": []}
         for _ in range(args.rounds):  # interleaved rounds
             for label, loop in (("gpunb", gpunb_loop), ("plain", plain_loop)):
                 times = loop(make_model, data, batch_size, loss_fn, precision, device, steps)
                 medians[label].append(statistics.median(times[args.warmup:]))
         plain, ours = statistics.median(medians["plain"]), statistics.median(medians["gpunb"])
-        mem = {label: peak_memory(case, label, device) for label in LOOPS}
+        line = mfu_line(case, device, precision, plain, ours) if case in GPU_ONLY else None  # before
+        mem = {label: peak_memory(case, label, device) for label in LOOPS}  # peak_memory runs gpunb again
         print(f"{case:<18}{1000 * plain:>10.3f}{1000 * ours:>10.3f}{ours / plain:>12.3f}"
               f"{mem['gpunb'] / mem['plain']:>14.3f}")
+        if line:
+            notes.append(line)
+    for line in notes:
+        print(line)
 
 
 if __name__ == "__main__":
