@@ -149,10 +149,13 @@ def test_host_to_device_copies_are_the_h2d_phase_wherever_they_were_launched():
         t._x("cuda_runtime", "cudaMemcpyAsync", s + 400, 2, tid=3, correlation=t.correlation)
         t._x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", s + 50, 200, tid=8, correlation=t.correlation)
         t.kernel("fwd_kernel", launch=s + 310, start=s + 320, dur=600)
+        # a copy that starts 20 µs before fwd_kernel and then runs beside it
+        t._x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", s + 300, 100, tid=8)
     result = result_of(t)
     phases = {p.name: round(p.pct, 6) for p in result.phases}
-    assert phases["h2d"] == 20 and phases["data_wait"] == 10  # the copy holds 200 of the 300 µs wait
-    assert round(result.device_time.idle_data_pct, 6) == 30  # the GPU idles while the copy runs
+    # the first copy holds 200 of the 300 µs wait; of the second only the 20 µs before the kernel count
+    assert phases == {"data_wait": 10, "h2d": 22, "forward": 68, "backward": 0, "optimizer": 0, "other": 0}
+    assert round(result.device_time.idle_data_pct, 6) == 32  # the GPU idles while a copy runs
 
 
 # --- NVML utilisation: unknown on a short capture, never 0% ------------------------------

@@ -9,7 +9,7 @@ wait, forward, ...), and to "other" outside every phase. Each instant counts onc
 the phases add up to the step time, and on a GPU a phase's share is the time it holds
 the critical resource, not its (asynchronous) host time. A host-to-device copy belongs
 to the h2d phase wherever it was launched from (the prefetcher copies the next batch
-while the loop is in another phase).
+while the loop is in another phase), and only where no kernel runs beside it.
 """
 
 from __future__ import annotations
@@ -96,7 +96,11 @@ def _is_h2d(work) -> bool:
 
 def _phase_time(device_work, phase_ranges, t0, t1) -> dict:
     """Microseconds of the window in each phase (see the module docstring); sums to the window."""
-    busy = cover((s, e, phase) for s, e, phase, _ in device_work)
+    # A copy overlapped by compute costs the step nothing: copies count only where no kernel runs.
+    compute = cover((s, e, phase) for s, e, phase, work in device_work if not _is_h2d(work))
+    copies = cover((s, e, phase) for s, e, phase, work in device_work if _is_h2d(work))
+    copies = overlap(gaps(compute, t0, t1), copies)
+    busy = sorted(compute + copies)
     host = overlap(gaps(busy, t0, t1), phase_ranges)
     totals = {name: 0.0 for name in PHASES}
     for start, end, name in busy + host:
