@@ -221,7 +221,9 @@ def _forward_never_ran(error: TypeError) -> bool:
 
 
 def _scalar(loss: Any, source: str, tuples: bool = False) -> torch.Tensor:
-    if hasattr(loss, "loss") and not isinstance(loss, torch.Tensor):
+    if isinstance(loss, torch.Tensor):  # the common case first: no failed attribute lookup per step
+        pass
+    elif hasattr(loss, "loss"):
         loss = loss.loss
     elif isinstance(loss, dict) and "loss" in loss:
         loss = loss["loss"]
