@@ -106,8 +106,7 @@ class Objective:
         if isinstance(batch, torch.Tensor):
             return model(batch), batch
         if isinstance(batch, (list, tuple)) and len(batch) >= 2:
-            args, _ = model_inputs(batch)
-            return model(*args), batch[-1]
+            return model(*batch[:-1]), batch[-1]  # the inputs, as model_inputs() reads them
         if isinstance(batch, (list, tuple)) and len(batch) == 1:
             raise GpunbError(f"With `loss_fn`, a batch must be (inputs, target); this one is a "
                              f"{_describe(batch)}, so the data holds no labels for `loss_fn`.",
