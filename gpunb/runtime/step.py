@@ -42,8 +42,8 @@ class Stepper:
         self.oom_recoveries = 0
         self.pending: list = []  # loaded batches of the step in progress, kept for a replay
         self.step_loss = None  # device tensor: this step's mean loss so far
-        # One context for every micro-batch (never nested): none at all in fp32.
-        self.autocast = precision.autocast() if precision.dtype is not None else _NO_CONTEXT
+        # One autocast context, entered for every micro-batch (never nested); fp32: a shared no-op.
+        self.autocast = precision.autocast()
 
     def accumulate(self, batch, last_in_step: bool) -> None:
         """Forward and backward of one loaded batch (in `splits` pieces)."""
