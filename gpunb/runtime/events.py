@@ -92,23 +92,38 @@ _warned: set = set()  # callback classes already told about their old hook name
 
 
 class Callbacks:
-    """Calls an event on each callback that defines it, in order."""
+    """Calls an event on each callback that defines it, in order.
+
+    Each event's hooks are looked up once, at its first call, so that an event no callback
+    defines (often `on_step_end`, after every optimizer step) costs one dict lookup.
+    """
 
     def __init__(self, callbacks=()):
         self.callbacks = list(callbacks)
+        self._hooks: dict = {}  # event -> the bound hooks to call, in order
 
     def run_first(self, callback) -> None:
         """Put `callback` before all others (a checkpoint is written before others hear of the step)."""
         self.callbacks.insert(0, callback)
+        self._hooks.clear()
 
     def call(self, event: str, *args: Any) -> None:
+        hooks = self._hooks.get(event)
+        if hooks is None:
+            hooks = self._hooks[event] = self._lookup(event)
+        for hook in hooks:
+            hook(*args)
+
+    def _lookup(self, event: str) -> tuple:
         assert event in EVENTS, event
+        hooks = []
         for callback in self.callbacks:
             hook = getattr(callback, event, None)
             if hook is None and event in _OLD_NAMES:
                 hook = _old_hook(callback, event)
             if hook is not None:
-                hook(*args)
+                hooks.append(hook)
+        return tuple(hooks)
 
 
 def _old_hook(callback, event: str):

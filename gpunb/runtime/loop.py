@@ -187,6 +187,7 @@ def _train(run: _Run) -> TrainResult:
     timer = Timer()
     state.extras["start_step"] = state.step  # a resumed or continued fit counts on from here
     interrupt = InterruptFlag()
+    val_every_steps = validation.every_steps(run)  # None: no pass within epochs (the common case)
     try:
         with interrupt:
             callbacks.call("on_fit_start", state)
@@ -212,8 +213,8 @@ def _train(run: _Run) -> TrainResult:
                     step_loss = stepper.update()  # stays on the device: no sync here
                     state.step += 1
                     run.losses.add(step_loss, state.step)  # a list append: no device op
-                    if validation.due_at_step(run):  # before on_step_end: its checkpoints hold the pass
-                        validation.at_step(run, timer)
+                    if val_every_steps and state.step % val_every_steps == 0:
+                        validation.at_step(run, timer)  # before on_step_end: its checkpoints hold the pass
                     callbacks.call("on_step_end", state)
                     if state.step % config.log_every == 0:
                         _log(run, timer)  # syncs

@@ -106,8 +106,7 @@ class Objective:
         if isinstance(batch, torch.Tensor):
             return model(batch), batch
         if isinstance(batch, (list, tuple)) and len(batch) >= 2:
-            args, _ = model_inputs(batch)
-            return model(*args), batch[-1]
+            return model(*batch[:-1]), batch[-1]  # the inputs, as model_inputs() reads them
         if isinstance(batch, (list, tuple)) and len(batch) == 1:
             raise GpunbError(f"With `loss_fn`, a batch must be (inputs, target); this one is a "
                              f"{_describe(batch)}, so the data holds no labels for `loss_fn`.",
@@ -221,7 +220,9 @@ def _forward_never_ran(error: TypeError) -> bool:
 
 
 def _scalar(loss: Any, source: str, tuples: bool = False) -> torch.Tensor:
-    if hasattr(loss, "loss") and not isinstance(loss, torch.Tensor):
+    if isinstance(loss, torch.Tensor):  # the common case first: no failed attribute lookup per step
+        pass
+    elif hasattr(loss, "loss"):
         loss = loss.loss
     elif isinstance(loss, dict) and "loss" in loss:
         loss = loss["loss"]

@@ -12,6 +12,8 @@ import torch
 
 from gpunb.runtime import device as devices
 
+_NO_AUTOCAST = contextlib.nullcontext()  # fp32: one shared context that does nothing
+
 
 def resolve_precision(requested: str, device: torch.device) -> tuple[str, str]:
     """The precision to use on `device`, and one line saying why."""
@@ -45,7 +47,7 @@ class Precision:
 
     def autocast(self):
         if self.dtype is None:
-            return contextlib.nullcontext()
+            return _NO_AUTOCAST
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def backward(self, loss: torch.Tensor) -> None:

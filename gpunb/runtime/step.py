@@ -36,29 +36,38 @@ class Stepper:
         self.model, self.optimizer, self.objective = model, optimizer, objective
         self.precision, self.schedule, self.config, self.phase = precision, schedule, config, phase
         self.ema = ema  # runtime.ema.WeightEma, averaged after each optimizer step
-        self.no_sync = no_sync or (lambda: contextlib.nullcontext())  # DDP: skip all-reduce mid-step
+        self.no_sync = no_sync  # DDP: skips the all-reduce of a step's micro-batches but the last
         self.split_on_oom = split_on_oom
         self.splits = 1  # pieces each loaded batch is cut into (grows on OOM)
         self.oom_recoveries = 0
         self.pending: list = []  # loaded batches of the step in progress, kept for a replay
         self.step_loss = None  # device tensor: this step's mean loss so far
+        # One autocast context, entered for every micro-batch (never nested); fp32: a shared no-op.
+        self.autocast = precision.autocast()
 
     def accumulate(self, batch, last_in_step: bool) -> None:
         """Forward and backward of one loaded batch (in `splits` pieces)."""
         __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
         self.pending.append(batch)
-        todo = [batch]
+        try:
+            self._backward(batch, last_in_step)
+        except torch.OutOfMemoryError:
+            self._drop_step()
+            if not self.split_on_oom:
+                raise
+            self._recover_from_oom(batch)
+            self._replay(last_in_step)
+
+    def _replay(self, last_in_step: bool) -> None:
+        """The whole step so far again, in smaller pieces (halved again on each further OOM)."""
         while True:
             try:
-                for i, loaded in enumerate(todo):
-                    self._backward(loaded, sync=last_in_step and i == len(todo) - 1)
+                for i, loaded in enumerate(self.pending):
+                    self._backward(loaded, sync=last_in_step and i == len(self.pending) - 1)
                 return
             except torch.OutOfMemoryError:
                 self._drop_step()
-                if not self.split_on_oom:
-                    raise
-                self._recover_from_oom(batch)
-                todo = self.pending  # replay the whole step so far with smaller pieces
+                self._recover_from_oom(self.pending[-1])
 
     def update(self) -> torch.Tensor:
         """Clip, step the optimizer, the schedule and the weight average; returns the step's mean
@@ -95,21 +104,28 @@ class Stepper:
 
     def _backward(self, batch, sync: bool) -> None:
         __tracebackhide__ = True  # noqa: F841
+        if self.splits == 1:  # the common case, kept free of per-piece bookkeeping
+            self._piece(batch, 1.0 / self.config.grad_accum, sync)
+            return
         size = batch_size_of(batch)
         pieces = split_batch(batch, self.splits)
         for i, piece in enumerate(pieces):
             # Weight = the piece's share of the optimizer step, so sums of pieces equal the mean.
-            weight = batch_size_of(piece) / size / self.config.grad_accum
-            last = sync and i == len(pieces) - 1
-            with _NO_CONTEXT if last else self.no_sync():
-                with self.phase("forward"), self.precision.autocast():
-                    loss = self.objective.loss(self.model, piece)
-                if weight != 1.0:  # skipping the multiply keeps the common case one op shorter
-                    loss = loss * weight
-                with self.phase("backward"):
-                    self.precision.backward(loss)
-            contribution = loss.detach()
-            self.step_loss = contribution if self.step_loss is None else self.step_loss + contribution
+            self._piece(piece, batch_size_of(piece) / size / self.config.grad_accum,
+                        sync and i == len(pieces) - 1)
+
+    def _piece(self, piece, weight: float, sync: bool) -> None:
+        """Forward and backward of one micro-batch; `sync=False` skips DDP's all-reduce."""
+        __tracebackhide__ = True  # noqa: F841
+        with _NO_CONTEXT if sync or self.no_sync is None else self.no_sync():
+            with self.phase("forward"), self.autocast:
+                loss = self.objective.loss(self.model, piece)
+            if weight != 1.0:  # skipping the multiply keeps the common case one op shorter
+                loss = loss * weight
+            with self.phase("backward"):
+                self.precision.backward(loss)
+        contribution = loss.detach()
+        self.step_loss = contribution if self.step_loss is None else self.step_loss + contribution
 
     def _drop_step(self) -> None:
         """Forget the step's gradients and loss so far (its batches stay in `pending` for a replay)."""

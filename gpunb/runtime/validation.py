@@ -13,9 +13,9 @@ import contextlib
 from gpunb.runtime.evaluation import validation_pass
 
 
-def due_at_step(run) -> bool:
-    every = run.config.val_every_steps
-    return run.val_feed is not None and every is not None and run.state.step % every == 0
+def every_steps(run) -> int | None:
+    """Optimizer steps between passes within epochs, or None (passes at epoch ends only)."""
+    return run.config.val_every_steps if run.val_feed is not None else None
 
 
 def due_at_epoch_end(run) -> bool:
