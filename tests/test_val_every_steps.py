@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import classification_data, mlp
+from test_checkpoint import StopAt
 from torch import nn
 from torch.utils.data import IterableDataset
 
@@ -23,15 +24,6 @@ class Stream(IterableDataset):
 
     def __iter__(self):
         return zip(self.x, self.y)
-
-
-class StopAt:
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, state):
-        if state.step == self.step:
-            state.request_stop("test stop")
 
 
 def fit(model, train, callbacks=(), **options):
