@@ -41,9 +41,10 @@ os.environ.setdefault("GPUNB_HOME", tempfile.mkdtemp(prefix="gpunb-test-home-"))
 
 
 @pytest.fixture
-def mlp_shell():
+def ip():
     """An IPython shell with gpunb loaded, a clean namespace holding torch, nn, mlp and
-    `x, y = classification_data(n=96)`, and no earlier %%gputrain remembered."""
+    `x, y = classification_data(n=96)`, and no earlier %%gputrain remembered (a test module
+    may define its own `ip` instead)."""
     import IPython
     from IPython.testing.globalipapp import get_ipython
 

@@ -124,11 +124,6 @@ def test_something_that_is_not_a_result_is_refused():
         fit(model, continue_from=first)
 
 
-@pytest.fixture
-def ip(mlp_shell):
-    return mlp_shell
-
-
 CELL = "model = mlp()\ntrain_data = (x, y)\nloss_fn = nn.CrossEntropyLoss()\n"
 OPTIONS = "--batch-size 16 --log-every 2 --quiet --no-track"
 

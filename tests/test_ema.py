@@ -199,11 +199,6 @@ def test_an_fp16_step_the_loss_scaler_skips_does_not_move_the_average():
     assert precision.step_taken and not torch.equal(ema.averaged[0], before[0])
 
 
-@pytest.fixture
-def ip(mlp_shell):
-    return mlp_shell
-
-
 CELL = "model = mlp()\ntrain_data = (x, y)\nloss_fn = nn.CrossEntropyLoss()\n"
 
 

@@ -214,11 +214,6 @@ def test_two_ranks_share_the_samples_without_duplicates_and_each_returns_all_in_
 # --------------------------------------------------------------------------- %%gputrain --eval
 
 
-@pytest.fixture
-def ip(mlp_shell):
-    return mlp_shell
-
-
 def test_gputrain_eval_evaluates_val_data_without_training(ip, capsys):
     ip.run_cell_magic("gputrain", "--eval --batch-size 16", "model = mlp()\nval_data = (x, y)\n"
                       "loss_fn = nn.CrossEntropyLoss()\nbefore = [p.clone() for p in model.parameters()]")

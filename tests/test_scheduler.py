@@ -130,11 +130,6 @@ def test_a_scheduler_is_saved_and_resumed_exactly(tmp_path, interval, stop):
         assert torch.equal(a, b)
 
 
-@pytest.fixture
-def ip(mlp_shell):
-    return mlp_shell
-
-
 def test_gputrain_picks_up_a_scheduler_variable(ip):
     ip.run_cell_magic("gputrain", "--epochs 2 --batch-size 16 --log-every 1 --quiet --no-track", """
 model = mlp()

@@ -179,11 +179,6 @@ def test_a_dry_run_leaves_model_optimizer_and_rng_as_they_were_and_records_nothi
 # --------------------------------------------------------------------------- %%gputrain --dry-run
 
 
-@pytest.fixture
-def ip(mlp_shell):
-    return mlp_shell
-
-
 def test_gputrain_dry_run_shows_the_summary_and_trains_nothing(ip, capsys):
     ip.run_cell_magic("gputrain", "--dry-run --batch-size 16", "model = mlp()\ntrain_data = (x, y)\n"
                       "loss_fn = nn.CrossEntropyLoss()\nbefore = [p.clone() for p in model.parameters()]")

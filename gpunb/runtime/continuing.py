@@ -2,8 +2,8 @@
 
 `Trainer.fit(model, data, continue_from=previous_result)` keeps the previous fit's
 optimizer (the default AdamW too, with its moments), its schedule, its weight average,
-the loss scaler, the random number generators, the step count and the history: steps and epochs are numbered on, and
-`epochs` / `max_steps` count what this fit adds. It needs no checkpoint: the objects
+the loss scaler, the random number generators, the step count and the history: steps
+and epochs are numbered on, and `epochs` / `max_steps` count what this fit adds. It needs no checkpoint: the objects
 stay in memory, in `result.continue_state` (set it to None to free the optimizer state).
 One process only; across processes, resume from a checkpoint instead.
 """

@@ -133,7 +133,7 @@ def build_feed(data, *, batch_size, device, config, rank=0, world_size=1, train=
         if world_size > 1 and _needs_sharding(data):
             sampler = _EpochSampler(EpochOrder(len(data.dataset), isinstance(data.sampler, RandomSampler),
                                                config.seed, rank, world_size))
-            return LoaderFeed(_rebuilt(data, sampler), device, transforms, sampler)
+            return LoaderFeed(rebuilt_loader(data, sampler), device, transforms, sampler)
         return LoaderFeed(data, device, transforms)
     if isinstance(data, IterableDataset):
         loader = _own_loader(data, _loader_options(config, device), batch_size=batch_size,
@@ -184,11 +184,11 @@ def with_batch_size(loader: DataLoader, batch_size: int) -> DataLoader:
                          "which gpunb cannot rebuild at another size.",
                          "give the DataLoader `batch_size=` (with `shuffle=` or `sampler=`), pass the "
                          "Dataset itself as train_data, or set an int batch size, e.g. `batch_size=32`.")
-    return _rebuilt(loader, loader.sampler, batch_size)
+    return rebuilt_loader(loader, loader.sampler, batch_size)
 
 
-def _rebuilt(loader: DataLoader, sampler: Sampler | None = None, batch_size: int | None = None,
-             **changes) -> DataLoader:
+def rebuilt_loader(loader: DataLoader, sampler: Sampler | None = None, batch_size: int | None = None,
+                   **changes) -> DataLoader:
     """The same loader (collate_fn, workers, pinning, ...) drawing its indices from `sampler` in
     batches of `batch_size` where given, with `changes` to its other arguments."""
     options = dict(dataset=loader.dataset, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
@@ -214,7 +214,7 @@ def _workable(loader: DataLoader) -> DataLoader:
     objects, workers, method = for_workers(sent, loader.num_workers, loader.multiprocessing_context)
     if objects is sent and workers == loader.num_workers:
         return loader
-    return _rebuilt(loader, num_workers=workers, multiprocessing_context=method if workers else None,
+    return rebuilt_loader(loader, num_workers=workers, multiprocessing_context=method if workers else None,
                     **objects)
 
 

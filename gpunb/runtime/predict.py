@@ -21,7 +21,7 @@ from gpunb.config import TrainConfig
 from gpunb.errors import GpunbError
 from gpunb.runtime import device as devices
 from gpunb.runtime.context import LocalContext
-from gpunb.runtime.data import _rebuilt, build_feed
+from gpunb.runtime.data import build_feed, rebuilt_loader
 from gpunb.runtime.evaluation import validation_sums
 from gpunb.runtime.inputs import adapt_data, data_length, map_tensors
 from gpunb.runtime.objective import Objective, model_inputs
@@ -131,7 +131,7 @@ class _Job:
                     raise GpunbError("A DataLoader with a custom batch_sampler cannot be split between ranks.",
                                      "give the DataLoader a `batch_size`, or pass its Dataset.")
                 return loader
-            return _rebuilt(loader, indices)  # in order, even from a shuffling loader
+            return rebuilt_loader(loader, indices)  # in order, even from a shuffling loader
         return Subset(data, indices) if self.world_size > 1 else data
 
     def gather_outputs(self, outputs):

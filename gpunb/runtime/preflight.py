@@ -37,7 +37,7 @@ def preflight(model, train, val, objective, precision, device, config):
     dtype = model_dtype(model)
     train, val = cast_floats(train, dtype, "train_data"), cast_floats(val, dtype, "val_data")
     if objective.step_fn is None and dtype is not None and next(model.parameters()).device.type != "meta":
-        with _untouched(model, device):
+        with Untouched(model, device):
             _check_batch(model, objective, precision, train, device, config, "train_data", training=True)
             if val is not None:
                 _check_batch(model, objective, precision, val, device, config, "val_data", training=False)
@@ -209,7 +209,7 @@ def describe_model(model) -> str:
     return weights
 
 
-class _untouched:
+class Untouched:
     """Puts back what one forward pass may change: buffers, each module's mode, the RNGs."""
 
     def __init__(self, model, device):

@@ -7,7 +7,7 @@ One forward + backward of one micro-batch, at the batch size training will use, 
 Weights and gradients are counted from the parameters; the optimizer's state from its
 tensors when it has some (a run that continues), else from its type (AdamW keeps two
 tensors the size of each parameter). Nothing is stepped: gradients, buffers, each
-module's mode and the RNGs are put back as they were (preflight's _untouched).
+module's mode and the RNGs are put back as they were (preflight's Untouched).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from gpunb.runtime.batch_size import count_flops
 from gpunb.runtime.data import apply_transforms
 from gpunb.runtime.inputs import batch_size_of, first_batch, map_tensors
-from gpunb.runtime.preflight import _untouched
+from gpunb.runtime.preflight import Untouched
 
 # Tensors of a parameter's size each optimizer keeps per parameter (None: it depends).
 _STATES = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adadelta": 2, "Rprop": 2,
@@ -185,7 +185,7 @@ def _measure(summary, model, objective, precision, data, device, batch_size, con
         with saved, precision.autocast():
             held["loss"] = objective.loss(model, batch)
 
-    with _untouched(model, device):
+    with Untouched(model, device):
         try:
             model.train()
             base = _start_peak(device)
