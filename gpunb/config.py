@@ -20,6 +20,11 @@ _PRECISION_ALIASES = {
     "auto": "auto",
 }
 LR_SCHEDULES = ("none", "one-cycle", "cosine")
+COMPILE_MODES = ("auto", True, False, "reduce-overhead", "max-autotune")
+_COMPILE_ALIASES = {"auto": "auto", "true": True, "on": True, "default": True, "false": False,
+                    "off": False, "eager": False, "reduce-overhead": "reduce-overhead",
+                    "cuda-graphs": "reduce-overhead", "cudagraphs": "reduce-overhead",
+                    "max-autotune": "max-autotune"}
 _SCHEDULE_ALIASES = {"none": "none", "constant": "none", "one-cycle": "one-cycle",
                      "onecycle": "one-cycle", "cosine": "cosine"}
 LOGGERS = ("csv", "tensorboard", "mlflow", "wandb")
@@ -48,7 +53,10 @@ class TrainConfig:
     devices: Union[int, str] = 1  # processes/devices to train on, or "all"
     strategy: str = "ddp"  # with devices > 1: "ddp" (replicate) or "fsdp" (shard)
     precision: str = "auto"  # "auto", "bf16-mixed", "16-mixed" or "32"
-    compile: bool = False  # wrap the model in torch.compile
+    # "auto": on one CUDA device, compile once timing shows the rest of the run pays for it (CUDA
+    # graphs when launch-bound); True: torch.compile from the start; False: eager;
+    # "reduce-overhead" / "max-autotune": torch.compile from the start in that mode
+    compile: Union[bool, str] = "auto"
     activation_checkpointing: bool = False  # recompute each child module's activations in backward
     # --- optimisation
     lr: float | None = None  # learning rate of the default AdamW (1e-3 when unset)
@@ -96,6 +104,8 @@ class TrainConfig:
         self.accelerator = _choice("accelerator", self.accelerator,
                                    {a: a for a in ACCELERATORS} | {"gpu": "cuda"},
                                    "use `auto`, `cuda`, `mps` or `cpu`")
+        self.compile = _choice("compile", self.compile, _COMPILE_ALIASES,
+                               "use `'auto'`, `True`, `False`, `'reduce-overhead'` (CUDA graphs) or `'max-autotune'`")
         self.strategy = _choice("strategy", self.strategy, {s: s for s in STRATEGIES},
                                 "use `ddp` or `fsdp`")
         self.batch_size = _positive_or_auto("batch_size", self.batch_size)

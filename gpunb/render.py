@@ -91,6 +91,8 @@ def summary_rows(r) -> list[tuple[str, str]]:
                      + f", {si(r.flops_per_step)} FLOPs per step"))
     if r.tokens_per_s is not None:
         rows.append(("tokens", f"{r.tokens_per_s:,.0f}/s"))
+    if r.compilation:
+        rows.append(("compile", compile_text(r.compilation)))
     if r.peak_memory_mb is not None:
         rows.append(("peak memory", f"{r.peak_memory_mb:,.0f} MiB"))
     if r.energy_j is not None:
@@ -107,6 +109,18 @@ def summary_rows(r) -> list[tuple[str, str]]:
         rows.append(("last loss", fmt(r.history[-1]["loss"])))  # the last log interval's mean
     rows += [(k, fmt(v)) for k, v in sorted(r.final_metrics.items())]
     return rows
+
+
+def compile_text(info: dict) -> str:
+    """`CUDA graphs from step 13: compile 11.2 s, 1.93x faster (3.10 -> 1.61 ms a step); launch-bound: ...`"""
+    if info.get("mode") is None:
+        return info.get("reason", "")
+    how = "CUDA graphs" if info["mode"] == "reduce-overhead" else f"torch.compile ({info['mode']})"
+    text = f"{how} from step {info['at_step']}"
+    if info.get("speedup") is not None:
+        text += (f": compile {info['compile_s']:.1f} s, {info['speedup']:.2f}x faster "
+                 f"({info['eager_step_ms']:.2f} -> {info['compiled_step_ms']:.2f} ms a step)")
+    return f"{text}; {info['reason']}"
 
 
 def compute_text(achieved_tflops: float, mfu: float | None, peak_tflops: float | None) -> str:

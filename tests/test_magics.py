@@ -55,6 +55,23 @@ def test_options_reach_the_config(ip):
     assert ip.user_ns["res"].run_name == "mine"
 
 
+@pytest.mark.parametrize("option, compile", [("", "auto"), ("--compile", True), ("--compile off", False),
+                                             ("--compile reduce-overhead", "reduce-overhead")])
+def test_the_compile_option(ip, option, compile):
+    from gpunb.notebook.magics import _config
+    from IPython.core.magic_arguments import parse_argstring
+
+    magics = ip.find_cell_magic("gputrain").__self__
+    assert _config(parse_argstring(magics.gputrain, option)).compile == compile
+
+
+def test_a_bad_compile_value_is_a_usage_error(ip):
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError, match="reduce-overhead"):
+        ip.run_cell_magic("gputrain", "--compile fast --quiet --no-track", CELL)
+
+
 def test_other_variable_names(ip):
     cell = CELL.replace("model =", "net =").replace("model.", "net.").replace("train_data =", "data =")
     ip.run_cell_magic("gputrain", "--model net --train-data data --max-steps 2 --quiet --no-track", cell)

@@ -32,7 +32,9 @@ class GpuMagics(Magics):
     @argument("--ema-apply", action="store_true", help="load the averaged weights into the model at the end")
     @argument("--continue", dest="continue_fit", action="store_true",
               help="go on from the last %%%%gputrain of this model: its optimizer, schedule, step count, history")
-    @argument("--compile", action="store_true", help="wrap the model in torch.compile")
+    @argument("--compile", nargs="?", const="on",
+              help="torch.compile: auto (default: on one GPU, once timing shows it pays), on, off, "
+                   "reduce-overhead (CUDA graphs) or max-autotune")
     @argument("--checkpointing", action="store_true", help="activation checkpointing (saves memory)")
     @argument("--checkpoint-dir", help="write checkpoints here")
     @argument("--checkpoint-every", type=int, help="optimizer steps between checkpoints (default: each epoch)")
@@ -180,12 +182,11 @@ def _config(args):
         "checkpoint_every": args.checkpoint_every, "resume": args.resume, "seed": args.seed,
         "log_every": _int_or(args.log_every, "log_every"), "num_workers": _int_or(args.num_workers, "num_workers"),
         "name": args.name, "save_top_k": args.save_top_k, "monitor": args.monitor, "mode": args.mode,
-        "val_every_steps": args.val_every_steps,
+        "val_every_steps": args.val_every_steps, "compile": args.compile,
         "loggers": args.log, "log_dir": args.log_dir,
     }
     chosen = {k: v for k, v in fields.items() if v is not None}
-    chosen.update({k: True for k, flag in (("compile", args.compile),
-                                            ("activation_checkpointing", args.checkpointing),
+    chosen.update({k: True for k, flag in (("activation_checkpointing", args.checkpointing),
                                             ("ema_apply", args.ema_apply),
                                             ("restore_best", args.restore_best)) if flag})
     if args.no_track:

@@ -107,6 +107,16 @@ class Callbacks:
         self.callbacks.insert(0, callback)
         self._hooks.clear()
 
+    def add(self, callback) -> None:
+        self.callbacks.append(callback)
+        self._hooks.clear()
+
+    def remove(self, callback) -> None:
+        """Stop calling `callback` (also from within one of its own hooks); absent: nothing."""
+        if callback in self.callbacks:
+            self.callbacks.remove(callback)
+            self._hooks.clear()
+
     def call(self, event: str, *args: Any) -> None:
         hooks = self._hooks.get(event)
         if hooks is None:

@@ -36,6 +36,7 @@ from gpunb.runtime.schedule import build_schedule
 from gpunb.runtime.setup import setup
 from gpunb.runtime import validation
 from gpunb.runtime.best import BestCheckpoints
+from gpunb.runtime.compiling import Compilation
 from gpunb.runtime.monitor import monitor_of, validation_names
 from gpunb.runtime.step import Stepper
 from gpunb.runtime.peak_flops import device_peak_tflops
@@ -173,6 +174,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
                                          rank=dist.rank, best=run.best))
     if schedule is not None:  # steps at epoch ends before the checkpoint of that epoch is written
         callbacks.run_first(schedule)
+    Compilation(run, device, dist.world_size)  # compiles now, or under "auto" once timing says it pays
     if carried is not None:
         continuing.restore(run, carried)
     if config.resume:
@@ -326,6 +328,7 @@ def _result(run: _Run, timer) -> TrainResult:
         resumed_from=state.resumed,
         interrupted=state.stop_reason == "interrupted", stop_reason=state.stop_reason,
         summary=RunSummary.from_plain(state.extras["summary"]),
+        compilation=dict(state.extras["compilation"]),
         ema_state_dict=run.stepper.ema.state_dict(to_cpu=True) if run.stepper.ema is not None else None,
         continue_state=continuing.capture(run))
 

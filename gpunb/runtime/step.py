@@ -44,6 +44,14 @@ class Stepper:
         self.step_loss = None  # device tensor: this step's mean loss so far
         # One autocast context, entered for every micro-batch (never nested); fp32: a shared no-op.
         self.autocast = precision.autocast()
+        self.cuda_graphs = False  # the model replays CUDA graphs (see use_model)
+        # error -> True when the step should be replayed with the model it switched to (compiling.py)
+        self.on_model_error = None
+
+    def use_model(self, model, cuda_graphs: bool = False) -> None:
+        """Call `model` from the next micro-batch on (eager or compiled). `cuda_graphs`: its outputs
+        live in memory the next replay overwrites, so the kept loss is a copy."""
+        self.model, self.cuda_graphs = model, cuda_graphs
 
     def accumulate(self, batch, last_in_step: bool) -> None:
         """Forward and backward of one loaded batch (in `splits` pieces)."""
@@ -56,6 +64,11 @@ class Stepper:
             if not self.split_on_oom:
                 raise
             self._recover_from_oom(batch)
+            self._replay(last_in_step)
+        except Exception as error:  # a compiled model that cannot run: replayed eagerly
+            if self.on_model_error is None or not self.on_model_error(error):
+                raise
+            self._drop_step()
             self._replay(last_in_step)
 
     def _replay(self, last_in_step: bool) -> None:
@@ -117,6 +130,8 @@ class Stepper:
     def _piece(self, piece, weight: float, sync: bool) -> None:
         """Forward and backward of one micro-batch; `sync=False` skips DDP's all-reduce."""
         __tracebackhide__ = True  # noqa: F841
+        if self.cuda_graphs:  # a new iteration: the graphs may reuse the last one's memory
+            torch.compiler.cudagraph_mark_step_begin()
         with _NO_CONTEXT if sync or self.no_sync is None else self.no_sync():
             with self.phase("forward"), self.autocast:
                 loss = self.objective.loss(self.model, piece)
@@ -124,7 +139,7 @@ class Stepper:
                 loss = loss * weight
             with self.phase("backward"):
                 self.precision.backward(loss)
-        contribution = loss.detach()
+        contribution = loss.detach().clone() if self.cuda_graphs else loss.detach()
         self.step_loss = contribution if self.step_loss is None else self.step_loss + contribution
 
     def _drop_step(self) -> None:

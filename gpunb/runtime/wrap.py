@@ -1,4 +1,4 @@
-"""What the loop calls instead of the user's module: compiled, checkpointed, distributed.
+"""What the loop calls instead of the user's module: checkpointed, distributed (compiled: compiling.py).
 
 Every change is undone by the returned `unwrap()`, so the notebook's model object is
 left as it was given (same class, same state_dict keys), only trained.
@@ -19,8 +19,6 @@ def wrap_model(model: torch.nn.Module, config, dist, device):
     train_model = model
     if dist.world_size > 1:
         train_model = dist.wrap(train_model, device)
-    if config.compile:
-        train_model = torch.compile(train_model)
 
     def unwrap():
         for restore in reversed(undo):

@@ -1,0 +1,123 @@
+"""torch.compile in gpunb: what a second compile of the same model costs, and on a GPU what
+compile="auto" and CUDA graphs buy against a plain eager loop.
+
+    python benchmarks/compile_auto.py            # the cache case (+ the GPU cases when CUDA is there)
+
+cache       a notebook cell that defines a model class and trains it with compile=True, run
+            twice in one process (the class defined anew, as re-running the cell does): the
+            compile's cost each time (fit time minus an eager fit's). Goal: second <= 1/4 of first.
+digits      (GPU) the launch-bound digits CNN at batch 64, data on the GPU, bf16: a plain eager
+            loop, gpunb with compile="reduce-overhead" (CUDA graphs) and gpunb with the default
+            compile="auto" over a run long enough to pay; step-time ratios and the largest gap
+            between gpunb's and the plain loop's loss curves. Goal: >= 1.8x faster than the plain loop.
+gpt2        (GPU) GPT-2 124M in nanoGPT's shape under compile="auto" for --gpt-steps steps:
+            when it compiled, what the compile cost and the measured speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from gpunb import Trainer
+from gpunb.demo import digits_cnn, digits_data
+
+CELL = """
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 256),
+                                  nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 10))
+
+    def forward(self, x):
+        return self.body(x)
+"""
+
+
+def cache_case(device) -> None:
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(2048, 64, generator=g), torch.randint(0, 10, (2048,), generator=g))
+
+    def fit_seconds(compile) -> float:
+        namespace = {"nn": nn}
+        exec(CELL, namespace)  # the cell defines its class anew each time it runs
+        torch.manual_seed(0)
+        begin = time.perf_counter()
+        Trainer(max_steps=5, batch_size=128, compile=compile, track=False, precision="32",
+                accelerator=device.type).fit(namespace["Net"](), data, loss_fn=nn.CrossEntropyLoss())
+        return time.perf_counter() - begin
+
+    fit_seconds(False)  # torch's own first-use costs, paid once by any loop
+    eager = statistics.median(fit_seconds(False) for _ in range(3))
+    first, second = fit_seconds(True) - eager, fit_seconds(True) - eager
+    print(f"cache     eager fit {eager:.2f} s; compile: first {first:.2f} s, same cell again {second:.2f} s, "
+          f"ratio {second / first:.3f} (goal <= 0.25)")
+
+
+def digits_case(device, steps: int) -> None:
+    from overhead import StepTimer, plain_loop  # noqa: PLC0415 (benchmarks/ is on sys.path)
+
+    (x, y), _ = digits_data()
+    data = (x.to(device), y.to(device))
+    plain = plain_loop(digits_cnn, data, 64, nn.CrossEntropyLoss(), "bf16-mixed", device, steps)
+    rows = {"plain eager loop": (plain, None)}
+    for label, compile in (("gpunb reduce-overhead", "reduce-overhead"), ("gpunb auto", "auto")):
+        torch.manual_seed(0)
+        timer = StepTimer(device)
+        result = Trainer(max_steps=steps, epochs=10**6, batch_size=64, precision="bf16-mixed", log_every=50,
+                         track=False, compile=compile).fit(digits_cnn(), data, loss_fn=nn.CrossEntropyLoss(),
+                                                           callbacks=[timer])
+        rows[label] = (timer.times, result)
+    base = statistics.median(plain[steps // 2:])
+    for label, (times, result) in rows.items():
+        step = statistics.median(times[steps // 2:])  # after any compile
+        line = f"digits    {label:<24}{1000 * step:8.3f} ms  {base / step:5.2f}x the plain loop"
+        if result is not None:
+            info = result.compilation
+            line += f"  [{info['mode'] or 'eager'} from step {info['at_step']}; {info['reason'][:90]}]"
+        print(line)
+
+
+def gpt2_case(device, steps: int) -> None:
+    from overhead import GPT, StepTimer, next_token_loss  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 50304, (256, 1025), generator=g)
+    torch.manual_seed(0)
+    timer = StepTimer(device)
+    result = Trainer(max_steps=steps, epochs=10**6, batch_size=16, precision="bf16-mixed", track=False,
+                     compile="auto").fit(GPT(), (tokens[:, :-1], tokens[:, 1:]), loss_fn=next_token_loss,
+                                         callbacks=[timer])
+    info = result.compilation
+    print(f"gpt2      compile='auto' over {steps} steps: {info['mode'] or 'eager'} from step {info['at_step']}, "
+          f"compile {info['compile_s'] or 0:.1f} s, speed-up {info['speedup'] or 1:.2f}x "
+          f"({info['eager_step_ms'] or 0:.1f} -> {info['compiled_step_ms'] or 0:.1f} ms), "
+          f"MFU {100 * (result.mfu or 0):.1f}% over the run; {info['reason']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--digits-steps", type=int, default=3000)
+    parser.add_argument("--gpt-steps", type=int, default=6000)
+    parser.add_argument("--cases", nargs="+", choices=("cache", "digits", "gpt2"), default=("cache", "digits", "gpt2"))
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"device: {name}, torch {torch.__version__}")
+    if "cache" in args.cases:
+        cache_case(device)
+    if device.type != "cuda":
+        print("skipped: digits, gpt2 (they need a CUDA GPU)")
+        return
+    if "digits" in args.cases:
+        digits_case(device, args.digits_steps)
+    if "gpt2" in args.cases:
+        gpt2_case(device, args.gpt_steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""torch.compile in a run: forced from the first step, or `compile="auto"`: when it pays.
+
+`compile="auto"` on one CUDA device starts eager. After WARMUP_STEPS steps it times
+TIMED_STEPS steps one by one, each between two syncs (the only syncs it adds, once per
+run): the step's wall time, and the share of it the host spent issuing the work. A step
+whose GPU work ends about when the host finishes issuing it is launch-bound: the GPU
+waits on Python, and a CUDA graph (`torch.compile(mode="reduce-overhead")`) replays the
+whole forward and backward in one launch. Otherwise the default mode fuses elementwise
+ops. The model is compiled when the time the remaining steps would save, at a modest
+assumed speed-up, is well above the compile's expected cost (what the same model cost to
+compile earlier in this process, else an estimate from its size). Then the compiled
+steps are timed the same way; slower than eager, the run goes back to eager.
+
+Whatever the mode, a compiled step that raises (an op Dynamo or Inductor cannot handle,
+a capture that is not possible) is replayed eagerly and the run goes on eager, with a
+warning that says why. A model whose own code fails fails again eagerly, with its own
+traceback. `TrainResult.compilation` says what happened: when, in which mode, how long
+the compile took and the measured speed-up.
+
+Only the training step is compiled under "auto" (validation runs eager: a second graph
+for eval mode would cost another compile); a forced compile covers validation too.
+Torch's compile caches (Dynamo's, the FX graph and AOTAutograd caches) are left on, so
+compiling the same model again in the kernel reuses them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+WARMUP_STEPS = 5  # eager steps before timing: allocator growth, cuDNN autotuning, lazy inits
+TIMED_STEPS = 8  # steps timed one by one, eager and then compiled
+COMPILED_WARMUP = 3  # compiled steps before timing them: the compile, CUDA-graph recording
+LAUNCH_BOUND = 0.8  # host issue time over step time above this: the GPU waits on the host
+ASSUMED_SPEEDUP = {True: 1.3, "reduce-overhead": 1.8}  # what deciding counts on (measured after)
+PAYBACK_MARGIN = 1.5  # the saving must exceed the expected compile time this many times
+BACKEND = "inductor"
+
+_measured_compile_s: dict = {}  # model signature -> seconds its last compile took in this process
+
+
+@dataclass
+class Decision:
+    mode: object  # None (stay eager), True (default mode) or "reduce-overhead"
+    reason: str
+
+
+def decide(step_s: float, host_share: float, remaining_steps: int, expected_compile_s: float) -> Decision:
+    """Whether to compile, and in which mode, from eager timings and the steps left."""
+    launch_bound = host_share >= LAUNCH_BOUND
+    mode = "reduce-overhead" if launch_bound else True
+    why = (f"launch-bound: the host spent {100 * host_share:.0f}% of each step issuing work"
+           if launch_bound else f"GPU-bound: the host issued each step in {100 * host_share:.0f}% of its time")
+    saving = remaining_steps * step_s * (1 - 1 / ASSUMED_SPEEDUP[mode])
+    if saving < PAYBACK_MARGIN * expected_compile_s:
+        return Decision(None, f"eager: the remaining {remaining_steps} steps (~{remaining_steps * step_s:.0f} s "
+                              f"at {1000 * step_s:.1f} ms) would save ~{saving:.0f} s at a "
+                              f"{ASSUMED_SPEEDUP[mode]}x speed-up, too little for a ~{expected_compile_s:.0f} s "
+                              f"compile ({why})")
+    return Decision(mode, why)
+
+
+def auto_blocker(device, world_size: int) -> str | None:
+    """Why compile="auto" keeps this run eager from the start; None: it times the steps."""
+    if device.type != "cuda":
+        return f"eager: compile='auto' compiles on CUDA only (this run is on {device.type})"
+    if world_size > 1:
+        return "eager: in multi-process runs only compile=True compiles"
+    return None
+
+
+def expected_compile_s(model: torch.nn.Module, signature) -> float:
+    """What the same model cost to compile earlier in this process (the caches only make it
+    cheaper), else 10 s plus 0.25 s per leaf module (GPT-2 124M: ~30 s on an H100)."""
+    if signature in _measured_compile_s:
+        return _measured_compile_s[signature]
+    leaves = sum(1 for m in model.modules() if next(m.children(), None) is None)
+    return 10.0 + 0.25 * leaves
+
+
+def signature_of(model: torch.nn.Module, batch_size) -> tuple:
+    """The same model class, parameter shapes and batch size: what torch's caches key on."""
+    shapes = tuple((name, tuple(p.shape), p.dtype) for name, p in model.named_parameters())
+    return type(model).__qualname__, hash(shapes), batch_size
+
+
+class Compilation:
+    """Owns which module the training step calls: the eager one or its compiled form."""
+
+    def __init__(self, run, device, world_size: int):
+        self.run, self.eager = run, run.stepper.model
+        self.requested = run.config.compile
+        self.info = {"requested": self.requested, "mode": None, "at_step": None, "compile_s": None,
+                     "speedup": None, "eager_step_ms": None, "compiled_step_ms": None, "reason": ""}
+        run.state.extras["compilation"] = self.info
+        run.stepper.on_model_error = self.fall_back
+        self.timings = self.signature = None
+        if self.requested is False:
+            self.info["reason"] = "compile=False"
+        elif self.requested != "auto":
+            self.compile(self.requested, at_step=0, training_only=False)
+            self.info["reason"] = f"compile={self.requested!r}"
+        elif auto_blocker(device, world_size):
+            self.info["reason"] = auto_blocker(device, world_size)
+        else:
+            self.timings = StepTimings(device)
+            self.info["reason"] = "eager while timing the first steps"
+            run.callbacks.add(self)
+
+    def compile(self, mode, at_step: int, training_only: bool = True) -> None:
+        options = {"mode": mode} if isinstance(mode, str) else {}
+        compiled = torch.compile(self.eager, backend=BACKEND, **options)
+        self.run.stepper.use_model(compiled, cuda_graphs=mode == "reduce-overhead")
+        if not training_only:  # validation and callbacks see the compiled module too
+            self.run.train_model = self.run.state.model = compiled
+        self.info.update(mode="default" if mode is True else mode, at_step=at_step)
+
+    def fall_back(self, error: BaseException) -> bool:
+        """A compiled step raised: go on eager (the stepper replays the step). False when the step
+        was eager already: the error is the model's own."""
+        if self.run.stepper.model is self.eager:
+            return False
+        self._use_eager()
+        what = f"{type(error).__name__}: {_gist(error)}"
+        self.info.update(mode=None, reason=f"compiled step failed ({what}); eager from then on")
+        warnings.warn(f"gpunb: torch.compile failed on this model, so training goes on eager: {what}",
+                      RuntimeWarning, stacklevel=2)
+        return True
+
+    def _use_eager(self) -> None:
+        self.run.stepper.use_model(self.eager, cuda_graphs=False)
+        self.run.train_model = self.run.state.model = self.eager
+        self.run.callbacks.remove(self)
+
+    # --- compile="auto": a callback until it has decided and checked the decision
+    def on_step_end(self, state) -> None:
+        if state.profile:  # a profiler looks at the steps as they are
+            self._stay_eager("eager: the run was profiled")
+        elif self.timings.record(state.step):
+            if self.info["eager_step_ms"] is None:
+                self._after_eager_timing(state)
+            else:
+                self._after_compiled_timing()
+
+    def _after_eager_timing(self, state) -> None:
+        step_s, host_share = self.timings.result()
+        self.info["eager_step_ms"] = 1000 * step_s
+        if state.total_steps is None:
+            self._stay_eager("eager: the run's length is unknown (give max_steps, or data with a length)")
+            return
+        model = self.run.model
+        self.signature = signature_of(model, self.run.batch_size)
+        # a partial last batch is a second shape: a second compile (and CUDA graph)
+        expected = expected_compile_s(model, self.signature) * (2 if _partial_last_batch(self.run) else 1)
+        decision = decide(step_s, host_share, state.total_steps - state.step, expected)
+        if decision.mode is None:
+            self._stay_eager(decision.reason)
+            return
+        self.compile(decision.mode, at_step=state.step)
+        self.info["reason"] = decision.reason
+        self.timings.restart(state.step, warmup=COMPILED_WARMUP, compiling=True)
+
+    def _after_compiled_timing(self) -> None:
+        step_s, _ = self.timings.result()
+        self.run.callbacks.remove(self)
+        eager_s = self.info["eager_step_ms"] / 1000
+        compile_s = max(0.0, self.timings.first_step_s - eager_s)
+        _measured_compile_s[self.signature] = compile_s
+        speedup = eager_s / step_s
+        self.info.update(compiled_step_ms=1000 * step_s, compile_s=compile_s, speedup=speedup)
+        skipped = cudagraph_skip_reason() if self.info["mode"] == "reduce-overhead" else None
+        if skipped:
+            self.info["reason"] += f"; torch ran parts without CUDA graphs: {skipped}"
+        if speedup < 1.0:
+            self._use_eager()
+            self.info.update(mode=None, reason=self.info["reason"] + f"; compiled steps were slower "
+                                               f"({speedup:.2f}x), so the run went back to eager")
+
+    def _stay_eager(self, reason: str) -> None:
+        self.info["reason"] = reason
+        self.run.callbacks.remove(self)
+
+
+def _gist(error: BaseException) -> str:
+    """The message's first line, and the next when the first only introduces it (Dynamo's
+    "backend='inductor' raised:")."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):
+        lines[0] = f"{lines[0]} {lines[1]}"
+    return lines[0][:300] if lines else ""
+
+
+def _partial_last_batch(run) -> bool:
+    """Whether an epoch ends with a smaller batch (unknown lengths count as no)."""
+    feed = run.feed
+    order, loader = getattr(feed, "order", None), getattr(feed, "loader", None)
+    if order is not None:
+        return not feed.drop_last and len(order) % feed.batch_size != 0
+    try:
+        return bool(not loader.drop_last and loader.batch_size and len(loader.dataset) % loader.batch_size)
+    except TypeError:
+        return False
+
+
+class StepTimings:
+    """Times steps one by one after a warm-up: wall time and the host's share issuing it."""
+
+    def __init__(self, device):
+        self.device = device
+        self.restart(0, warmup=WARMUP_STEPS)
+
+    def restart(self, step: int, warmup: int, compiling: bool = False) -> None:
+        """Time again from `step`; `compiling`: the next step compiles, and its time is kept."""
+        self.start, self.warmup, self.samples = step, warmup, []
+        self.first_step_s, self.compiling = None, compiling
+        self.mark = self._synced_now() if compiling else None
+
+    def record(self, step: int) -> bool:
+        """Called at each step's end; True once TIMED_STEPS steps are timed."""
+        if self.compiling:
+            self.first_step_s, self.compiling = self._synced_now() - self.mark, False
+        done = step - self.start
+        if done < self.warmup:
+            return False
+        if done == self.warmup:
+            self.mark = self._synced_now()
+            return False
+        issued = time.perf_counter() - self.mark
+        end = self._synced_now()
+        self.samples.append((issued, end - self.mark))
+        self.mark = end
+        return len(self.samples) >= TIMED_STEPS
+
+    def result(self) -> tuple[float, float]:
+        """(median step seconds, median share of it the host spent issuing)."""
+        step_s = statistics.median(total for _, total in self.samples)
+        share = statistics.median(min(1.0, issued / total) if total else 1.0 for issued, total in self.samples)
+        return step_s, share
+
+    def _synced_now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+def cudagraph_skip_reason() -> str | None:
+    """Why torch ran a compiled graph without CUDA graphs, from its compile records (private
+    API: None when it is not there)."""
+    try:
+        from torch._dynamo.utils import get_compilation_metrics
+    except ImportError:
+        return None
+    reasons = [m.cudagraph_skip_reason for m in get_compilation_metrics()
+               if getattr(m, "cudagraph_skip_reason", None)]
+    return reasons[-1] if reasons else None

@@ -1,0 +1,293 @@
+"""torch.compile in a run: compile="auto" (decision, switch, checks), forced modes, the eager fallback."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from gpunb import Trainer
+from gpunb.config import TrainConfig
+from gpunb.errors import GpunbError
+from gpunb.runtime import compiling
+from gpunb.runtime.compiling import Decision, decide, expected_compile_s, signature_of
+from gpunb.runtime.step import Stepper
+
+
+@pytest.fixture(autouse=True)
+def _no_compile_history(monkeypatch):
+    """Each test starts as a fresh kernel: no compile measured earlier in this process."""
+    monkeypatch.setattr(compiling, "_measured_compile_s", {})
+
+
+def _data(n=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return x, (x[:, :2].sum(1) > 0).long()
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def _fit(model, **options):
+    options = {"max_steps": 30, "batch_size": 32, "log_every": 1, "track": False, "lr": 1e-2, **options}
+    return Trainer(**options).fit(model, _data(), loss_fn=nn.CrossEntropyLoss())
+
+
+# --- config and the magic's option
+
+
+@pytest.mark.parametrize("given, canonical", [("auto", "auto"), (True, True), (False, False), ("on", True),
+                                              ("off", False), ("cuda-graphs", "reduce-overhead"),
+                                              ("max-autotune", "max-autotune")])
+def test_compile_values_are_made_canonical(given, canonical):
+    assert TrainConfig(compile=given).compile == canonical
+
+
+def test_auto_is_the_default_and_a_bad_value_is_refused():
+    assert TrainConfig().compile == "auto"
+    with pytest.raises(GpunbError, match="reduce-overhead"):
+        TrainConfig(compile="fast")
+
+
+# --- the decision
+
+
+def test_a_launch_bound_step_gets_cuda_graphs_when_the_rest_of_the_run_pays():
+    decision = decide(step_s=0.003, host_share=0.95, remaining_steps=100_000, expected_compile_s=12)
+    assert decision.mode == "reduce-overhead"
+    assert "launch-bound" in decision.reason and "95%" in decision.reason
+
+
+def test_a_gpu_bound_step_gets_the_default_mode():
+    decision = decide(step_s=0.053, host_share=0.2, remaining_steps=20_000, expected_compile_s=30)
+    assert decision.mode is True and "GPU-bound" in decision.reason
+
+
+def test_a_short_remainder_stays_eager_and_says_the_numbers():
+    decision = decide(step_s=0.053, host_share=0.2, remaining_steps=300, expected_compile_s=30)
+    assert decision.mode is None
+    assert "300 steps" in decision.reason and "~30 s compile" in decision.reason
+
+
+def test_the_break_even_point_follows_the_margin():
+    # saving = steps * 0.01 s * (1 - 1/1.3); eager below PAYBACK_MARGIN x 10 s of compile
+    saving_per_step = 0.01 * (1 - 1 / compiling.ASSUMED_SPEEDUP[True])
+    needed = compiling.PAYBACK_MARGIN * 10 / saving_per_step
+    assert decide(0.01, 0.1, int(needed * 0.95), 10).mode is None
+    assert decide(0.01, 0.1, int(needed * 1.05), 10).mode is True
+
+
+def test_expected_compile_time_is_an_estimate_then_what_was_measured(monkeypatch):
+    model = _model()
+    signature = signature_of(model, 32)
+    assert expected_compile_s(model, signature) == 10 + 0.25 * 3  # three leaf modules
+    compiling._measured_compile_s[signature] = 2.5
+    assert expected_compile_s(model, signature) == 2.5
+    assert signature_of(_model(), 32) == signature  # a new instance of the same model: the same key
+    assert signature_of(_model(), 64) != signature
+
+
+# --- what a run reports
+
+
+def test_auto_on_cpu_stays_eager_and_says_why():
+    result = _fit(_model())
+    assert result.compilation["requested"] == "auto" and result.compilation["mode"] is None
+    assert "CUDA only" in result.compilation["reason"]
+
+
+def _auto_everywhere(monkeypatch, decision=None, backend="eager"):
+    """compile='auto' as on a GPU, with a quick backend (and a decision, when given)."""
+    monkeypatch.setattr(compiling, "auto_blocker", lambda device, world_size: None)
+    monkeypatch.setattr(compiling, "BACKEND", backend)
+    if decision is not None:
+        monkeypatch.setattr(compiling, "decide", lambda *args: decision)
+
+
+def test_auto_times_the_first_steps_then_compiles_and_measures(monkeypatch):
+    _auto_everywhere(monkeypatch, Decision(True, "GPU-bound (test)"))
+    real_result = compiling.StepTimings.result
+    measured = []
+
+    def result(self):  # the real medians, then a compiled step reported twice as fast as eager
+        measured.append(real_result(self))
+        return measured[-1] if len(measured) == 1 else (measured[0][0] / 2, measured[-1][1])
+
+    monkeypatch.setattr(compiling.StepTimings, "result", result)
+    calls = []
+    real = Stepper.use_model
+    monkeypatch.setattr(Stepper, "use_model", lambda self, model, cuda_graphs=False: (
+        calls.append(type(model).__name__), real(self, model, cuda_graphs))[1])
+    result = _fit(_model())
+    info = result.compilation
+    switch = compiling.WARMUP_STEPS + compiling.TIMED_STEPS
+    assert info["mode"] == "default" and info["at_step"] == switch
+    assert len(measured) == 2 and measured[1][0] > 0  # the compiled steps were timed too
+    assert info["eager_step_ms"] == pytest.approx(1000 * measured[0][0]) and info["speedup"] == pytest.approx(2)
+    assert info["compile_s"] >= 0 and info["reason"] == "GPU-bound (test)"
+    assert calls == ["OptimizedModule"]  # one switch, kept
+    assert result.steps == 30 and all(torch.isfinite(torch.tensor(r["loss"])) for r in result.history)
+
+
+def test_auto_goes_back_to_eager_when_the_compiled_steps_are_slower(monkeypatch):
+    _auto_everywhere(monkeypatch, Decision(True, "test"))
+    timings = iter([(0.001, 0.5), (0.002, 0.5)])  # eager, then compiled: twice as slow
+    monkeypatch.setattr(compiling.StepTimings, "result", lambda self: next(timings))
+    model = _model()
+    result = _fit(model)
+    assert result.compilation["mode"] is None and result.compilation["speedup"] == 0.5
+    assert "went back to eager" in result.compilation["reason"]
+
+
+def test_auto_stays_eager_when_the_run_is_too_short_to_pay(monkeypatch):
+    _auto_everywhere(monkeypatch)
+    result = _fit(_model())
+    assert result.compilation["mode"] is None and result.compilation["eager_step_ms"] > 0
+    assert "too little" in result.compilation["reason"]
+
+
+def test_a_partial_last_batch_counts_a_second_compile():
+    class Run:  # what _partial_last_batch reads
+        pass
+
+    from gpunb.runtime.data import EpochOrder, TensorFeed
+
+    run = Run()
+    tensors = _data(100)
+    run.feed = TensorFeed(tensors, 32, EpochOrder(100, True, 0), torch.device("cpu"), drop_last=False)
+    assert compiling._partial_last_batch(run)
+    run.feed = TensorFeed(tensors, 25, EpochOrder(100, True, 0), torch.device("cpu"), drop_last=False)
+    assert not compiling._partial_last_batch(run)
+    run.feed = TensorFeed(tensors, 32, EpochOrder(100, True, 0), torch.device("cpu"), drop_last=True)
+    assert not compiling._partial_last_batch(run)
+
+
+# --- when compiling fails
+
+
+def _failing_backend(graph_module, example_inputs):
+    raise RuntimeError("this backend cannot compile anything")
+
+
+def test_a_compile_that_fails_is_replayed_eagerly_and_the_run_is_the_eager_one(monkeypatch):
+    monkeypatch.setattr(compiling, "BACKEND", _failing_backend)
+    eager = _fit(_model(), compile=False)
+    with pytest.warns(RuntimeWarning, match="goes on eager"):
+        fallen = _fit(_model(), compile=True)
+    assert fallen.compilation["mode"] is None
+    assert "failed" in fallen.compilation["reason"] and "cannot compile" in fallen.compilation["reason"]
+    assert [r["loss"] for r in fallen.history] == [r["loss"] for r in eager.history]
+
+
+def test_a_model_that_fails_eagerly_too_raises_its_own_error(monkeypatch):
+    monkeypatch.setattr(compiling, "BACKEND", "eager")
+
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(8, 2)
+
+        def forward(self, x):
+            raise ValueError("the model's own bug")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(ValueError, match="own bug"):
+            _fit(Broken(), compile=True)
+
+
+def test_an_eager_step_error_is_never_swallowed():
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(8, 2)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls == 3:
+                raise ValueError("third call")
+            return self.linear(x)
+
+    with pytest.raises(ValueError, match="third call"):
+        _fit(Broken(), compile=False)
+
+
+# --- CUDA graphs: outputs live in memory the next replay overwrites
+
+
+def test_with_cuda_graphs_the_kept_loss_is_a_copy_and_each_step_is_marked(monkeypatch):
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    outputs = []
+
+    class LossModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(8, 1)
+
+        def forward(self, x, y):
+            loss = self.linear(x).square().mean()
+            outputs.append(loss)
+            return loss
+
+    from gpunb.runtime.objective import Objective
+    from gpunb.runtime.precision import Precision
+
+    model = LossModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepper = Stepper(model, optimizer, Objective(None, None, None), Precision("32", torch.device("cpu")),
+                      None, TrainConfig(grad_accum=2))
+    stepper.use_model(model, cuda_graphs=True)
+    x, y = _data(8)
+    stepper.accumulate((x, y), last_in_step=False)
+    stepper.accumulate((x, y), last_in_step=True)
+    assert len(marks) == 2  # one per micro-batch: each is a forward and its backward
+    loss = stepper.update()
+    assert all(loss.data_ptr() != out.data_ptr() for out in outputs)
+
+
+# --- torch's caches make a second compile of the same model cheap
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="Inductor on the CPU needs a C++ compiler")
+def test_compiling_the_same_model_again_reuses_the_compile_caches():
+    from torch._dynamo.utils import get_compilation_metrics
+
+    source = ("class Net(nn.Module):\n"
+              "    def __init__(self):\n"
+              "        super().__init__()\n"
+              "        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 2)\n"
+              "    def forward(self, x):\n"
+              "        return self.b(torch.relu(self.a(x)) * 2 + 1)\n")
+    hits = []
+    for _ in range(2):  # a notebook cell defining and training the model, run twice
+        namespace = {"nn": nn, "torch": torch}
+        exec(source, namespace)
+        before = len(get_compilation_metrics())
+        torch.manual_seed(0)
+        _fit(namespace["Net"](), compile=True, max_steps=3)
+        new = get_compilation_metrics()[before:]
+        hits.append(sum((m.aotautograd_local_cache_hit_count or 0) + (m.inductor_fx_local_cache_hit_count or 0)
+                        for m in new))
+    assert hits[1] > 0  # the second run's graphs came from the caches
+
+
+# --- the summary says it
+
+
+def test_the_summary_row_says_what_compile_did():
+    from gpunb.render import compile_text
+
+    info = {"requested": "auto", "mode": "reduce-overhead", "at_step": 13, "compile_s": 11.24, "speedup": 1.934,
+            "eager_step_ms": 3.1, "compiled_step_ms": 1.603, "reason": "launch-bound: the host spent 96% ..."}
+    assert compile_text(info) == ("CUDA graphs from step 13: compile 11.2 s, 1.93x faster (3.10 -> 1.60 ms a step); "
+                                  "launch-bound: the host spent 96% ...")
+    assert compile_text({"mode": None, "reason": "eager: compile='auto' compiles on CUDA only"}).startswith("eager")
