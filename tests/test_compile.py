@@ -102,9 +102,17 @@ def test_auto_on_cpu_stays_eager_and_says_why():
     assert "CUDA only" in result.compilation["reason"]
 
 
+def test_auto_keeps_several_processes_and_short_runs_eager():
+    cuda = torch.device("cuda")
+    assert "multi-process" in compiling.auto_blocker(cuda, 2, 10_000)
+    assert "too few" in compiling.auto_blocker(cuda, 1, compiling.SHORTEST_RUN - 1)
+    assert compiling.auto_blocker(cuda, 1, compiling.SHORTEST_RUN) is None
+    assert compiling.auto_blocker(cuda, 1, None) is None  # a stream: timed, then judged by its length
+
+
 def _auto_everywhere(monkeypatch, decision=None, backend="eager"):
     """compile='auto' as on a GPU, with a quick backend (and a decision, when given)."""
-    monkeypatch.setattr(compiling, "auto_blocker", lambda device, world_size: None)
+    monkeypatch.setattr(compiling, "auto_blocker", lambda device, world_size, total_steps: None)
     monkeypatch.setattr(compiling, "BACKEND", backend)
     if decision is not None:
         monkeypatch.setattr(compiling, "decide", lambda *args: decision)

@@ -38,7 +38,9 @@ COMPILED_WARMUP = 3  # compiled steps before timing them: the compile, CUDA-grap
 LAUNCH_BOUND = 0.8  # host issue time over step time above this: the GPU waits on the host
 ASSUMED_SPEEDUP = {True: 1.3, "reduce-overhead": 1.8}  # what deciding counts on (measured after)
 PAYBACK_MARGIN = 1.5  # the saving must exceed the expected compile time this many times
+SHORTEST_RUN = WARMUP_STEPS + 2 * TIMED_STEPS + COMPILED_WARMUP + 1  # time, compile, check, then gain
 BACKEND = "inductor"
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that replay CUDA graphs
 
 _measured_compile_s: dict = {}  # model signature -> seconds its last compile took in this process
 
@@ -64,12 +66,14 @@ def decide(step_s: float, host_share: float, remaining_steps: int, expected_comp
     return Decision(mode, why)
 
 
-def auto_blocker(device, world_size: int) -> str | None:
+def auto_blocker(device, world_size: int, total_steps: int | None) -> str | None:
     """Why compile="auto" keeps this run eager from the start; None: it times the steps."""
     if device.type != "cuda":
         return f"eager: compile='auto' compiles on CUDA only (this run is on {device.type})"
     if world_size > 1:
         return "eager: in multi-process runs only compile=True compiles"
+    if total_steps is not None and total_steps < SHORTEST_RUN:
+        return f"eager: {total_steps} steps are too few to time and then compile"
     return None
 
 
@@ -104,17 +108,17 @@ class Compilation:
         elif self.requested != "auto":
             self.compile(self.requested, at_step=0, training_only=False)
             self.info["reason"] = f"compile={self.requested!r}"
-        elif auto_blocker(device, world_size):
-            self.info["reason"] = auto_blocker(device, world_size)
+        elif blocker := auto_blocker(device, world_size, run.state.total_steps):
+            self.info["reason"] = blocker
         else:
             self.timings = StepTimings(device)
-            self.info["reason"] = "eager while timing the first steps"
+            self.info["reason"] = "eager: the run ended while its first steps were being timed"
             run.callbacks.add(self)
 
     def compile(self, mode, at_step: int, training_only: bool = True) -> None:
         options = {"mode": mode} if isinstance(mode, str) else {}
         compiled = torch.compile(self.eager, backend=BACKEND, **options)
-        self.run.stepper.use_model(compiled, cuda_graphs=mode == "reduce-overhead")
+        self.run.stepper.use_model(compiled, cuda_graphs=mode in CUDA_GRAPH_MODES)
         if not training_only:  # validation and callbacks see the compiled module too
             self.run.train_model = self.run.state.model = compiled
         self.info.update(mode="default" if mode is True else mode, at_step=at_step)
