@@ -227,6 +227,24 @@ def test_an_eager_step_error_is_never_swallowed():
         _fit(Broken(), compile=False)
 
 
+def test_the_result_counts_graph_breaks(monkeypatch):
+    monkeypatch.setattr(compiling, "BACKEND", "eager")
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(8, 2)
+
+        def forward(self, x):
+            out = self.linear(x)
+            return out * 2 if out.sum().item() > 0 else out  # a host read: Dynamo breaks the graph
+
+    result = _fit(Branchy(), compile=True, max_steps=3)
+    assert result.compilation["mode"] == "default" and result.compilation["graph_breaks"] >= 1
+    assert "graph break" in result.compilation["reason"]
+    assert _fit(_model(), compile=True, max_steps=3).compilation["graph_breaks"] == 0
+
+
 # --- CUDA graphs: outputs live in memory the next replay overwrites
 
 

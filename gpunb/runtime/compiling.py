@@ -100,7 +100,6 @@ class Compilation:
         self.requested = run.config.compile
         self.info = {"requested": self.requested, "mode": None, "at_step": None, "compile_s": None,
                      "speedup": None, "eager_step_ms": None, "compiled_step_ms": None, "reason": ""}
-        run.state.extras["compilation"] = self.info
         run.stepper.on_model_error = self.fall_back
         self.timings = self.signature = None
         if self.requested is False:
@@ -115,7 +114,21 @@ class Compilation:
             self.info["reason"] = "eager: the run ended while its first steps were being timed"
             run.callbacks.add(self)
 
+    def report(self) -> dict:
+        """What the result says: `info`, with what torch did while compiled (graph breaks, parts
+        it ran without CUDA graphs)."""
+        info = dict(self.info)
+        if info["mode"] is not None:
+            breaks, skips = (now - before for now, before in zip(_torch_counts(), self.counts_before))
+            info.update(graph_breaks=breaks, cuda_graph_skips=skips)
+            if breaks:
+                info["reason"] += f"; torch split the model at {breaks} graph break(s), each a return to Python"
+            if skips and (why := cudagraph_skip_reason()):
+                info["reason"] += f"; torch ran parts without CUDA graphs: {why}"
+        return info
+
     def compile(self, mode, at_step: int, training_only: bool = True) -> None:
+        self.counts_before = _torch_counts()
         options = {"mode": mode} if isinstance(mode, str) else {}
         compiled = torch.compile(self.eager, backend=BACKEND, **options)
         self.run.stepper.use_model(compiled, cuda_graphs=mode in CUDA_GRAPH_MODES)
@@ -176,9 +189,6 @@ class Compilation:
         _measured_compile_s[self.signature] = compile_s
         speedup = eager_s / step_s
         self.info.update(compiled_step_ms=1000 * step_s, compile_s=compile_s, speedup=speedup)
-        skipped = cudagraph_skip_reason() if self.info["mode"] == "reduce-overhead" else None
-        if skipped:
-            self.info["reason"] += f"; torch ran parts without CUDA graphs: {skipped}"
         if speedup < 1.0:
             self._use_eager()
             self.info.update(mode=None, reason=self.info["reason"] + f"; compiled steps were slower "
@@ -249,6 +259,13 @@ class StepTimings:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+
+def _torch_counts() -> tuple[int, int]:
+    """(graph breaks, graphs run without CUDA graphs) so far in this process, from Dynamo's counters."""
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values()), counters["inductor"]["cudagraph_skips"]
 
 
 def cudagraph_skip_reason() -> str | None:

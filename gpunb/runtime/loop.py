@@ -99,6 +99,7 @@ class _Run:
     stepper: Stepper
     batch_size: int
     best: BestCheckpoints | None = None  # save_top_k: the best checkpoints kept so far
+    compilation: Compilation | None = None  # which module the step calls: eager or compiled
     start_epoch: int = 0
     skip_batches: int = 0
     losses: StepLosses = field(default_factory=StepLosses)  # step losses since the last log
@@ -174,7 +175,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
                                          rank=dist.rank, best=run.best))
     if schedule is not None:  # steps at epoch ends before the checkpoint of that epoch is written
         callbacks.run_first(schedule)
-    Compilation(run, device, dist.world_size)  # compiles now, or under "auto" once timing says it pays
+    run.compilation = Compilation(run, device, dist.world_size)  # now, or under "auto" once timing says it pays
     if carried is not None:
         continuing.restore(run, carried)
     if config.resume:
@@ -328,7 +329,7 @@ def _result(run: _Run, timer) -> TrainResult:
         resumed_from=state.resumed,
         interrupted=state.stop_reason == "interrupted", stop_reason=state.stop_reason,
         summary=RunSummary.from_plain(state.extras["summary"]),
-        compilation=dict(state.extras["compilation"]),
+        compilation=run.compilation.report(),
         ema_state_dict=run.stepper.ema.state_dict(to_cpu=True) if run.stepper.ema is not None else None,
         continue_state=continuing.capture(run))
 
