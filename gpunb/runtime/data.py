@@ -7,6 +7,8 @@
 
 Both draw their order from EpochOrder, so an epoch's order depends only on the seed
 and the epoch number: a resumed run sees exactly the batches it would have seen.
+Device transforms run on each batch on the device (augment.py): on CUDA one batch
+ahead on the prefetcher's side stream, elsewhere inline.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch.utils.data import (BatchSampler, DataLoader, IterableDataset, RandomS
                               SequentialSampler)
 
 from gpunb.errors import GpunbError
+from gpunb.runtime.augment import Augmenter
 from gpunb.runtime.inputs import move_batch
 from gpunb.runtime.prefetch import CudaPrefetcher
 from gpunb.runtime.worker_seed import SeededBatchSampler, SeededDataset, loader_generator
@@ -70,11 +73,16 @@ class _EpochSampler(Sampler):
 
 
 class TensorFeed:
-    def __init__(self, tensors, batch_size, order: EpochOrder, device, drop_last, transforms=()):
+    def __init__(self, tensors, batch_size, order: EpochOrder, device, drop_last, augment: Augmenter):
         self.tensors, self.batch_size, self.order = tensors, batch_size, order
-        self.device, self.drop_last, self.transforms = device, drop_last, transforms
-        self.prefetch = (CudaPrefetcher(device) if device.type == "cuda"
-                         and tensors[0].device.type == "cpu" else None)
+        self.device, self.drop_last, self.augment = device, drop_last, augment
+        # Host tensors: copy (and transform) on a side stream. Resident tensors: only when there
+        # are transforms to move off the step's stream. Gathering a batch alone is one small
+        # kernel per tensor, far shorter than a step; on a side stream it would cost more host
+        # time (two stream waits and a record_stream per batch) than it could hide, and small
+        # launch-bound models are the ones that hold their data on the GPU.
+        on_host = tensors[0].device.type == "cpu"
+        self.prefetch = (CudaPrefetcher(device) if device.type == "cuda" and (on_host or augment) else None)
         self.padding = order.padding  # repeated samples at the end of each epoch (see EpochOrder)
 
     @property
@@ -84,18 +92,28 @@ class TensorFeed:
 
     def epoch(self, epoch: int, skip: int = 0) -> Iterator:
         index = self.order.indices(epoch).to(self.tensors[0].device)
-        batches = (tuple(t[index[b * self.batch_size:(b + 1) * self.batch_size]] for t in self.tensors)
-                   for b in range(skip, self.num_batches))
+        positions = range(skip, self.num_batches)
+
+        def gather(b: int) -> tuple:
+            return tuple(t[index[b * self.batch_size:(b + 1) * self.batch_size]] for t in self.tensors)
+
         if self.prefetch:
-            batches = self.prefetch(batches)
-        elif self.tensors[0].device != self.device:
+            if index.is_cuda:  # the gathers read it on the side stream
+                index.record_stream(self.prefetch.stream)
+            copy = self.prefetch.copy  # a no-op for resident tensors
+            return self.prefetch(positions, lambda b: self._augmented(copy(gather(b)), epoch, b))
+        batches = (gather(b) for b in positions)
+        if self.tensors[0].device != self.device:
             batches = (move_batch(b, self.device) for b in batches)
-        return _transformed(batches, self.transforms)
+        return _augmented_inline(batches, self.augment, epoch, skip)
+
+    def _augmented(self, batch, epoch: int, position: int):
+        return self.augment(batch, epoch, position) if self.augment else batch
 
 
 class LoaderFeed:
-    def __init__(self, loader: DataLoader, device, transforms=(), sampler: _EpochSampler | None = None):
-        self.loader, self.device, self.transforms, self.sampler = loader, device, transforms, sampler
+    def __init__(self, loader: DataLoader, device, augment: Augmenter, sampler: _EpochSampler | None = None):
+        self.loader, self.device, self.augment, self.sampler = loader, device, augment, sampler
         self.prefetch = CudaPrefetcher(device) if device.type == "cuda" else None
         self.batch_size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
         self.padding = sampler.order.padding if sampler is not None else _sampler_padding(loader.sampler)
@@ -114,16 +132,20 @@ class LoaderFeed:
             batches = iter(self.loader)
             for _ in range(skip):
                 next(batches, None)
-        if self.prefetch:
-            batches = self.prefetch(batches)
-        elif self.device.type != "cpu":
+        if self.prefetch:  # copied and transformed on the side stream
+            augment, copy = self.augment, self.prefetch.copy
+            prepare = ((lambda item: augment(copy(item[1]), epoch, item[0])) if augment
+                       else (lambda item: copy(item[1])))
+            return self.prefetch(enumerate(batches, start=skip), prepare)
+        if self.device.type != "cpu":
             batches = (move_batch(b, self.device, non_blocking=True) for b in batches)
-        return _transformed(batches, self.transforms)
+        return _augmented_inline(batches, self.augment, epoch, skip)
 
 
 def build_feed(data, *, batch_size, device, config, rank=0, world_size=1, train=True):
     """The feed for `data` (already adapted by inputs.adapt_data)."""
     transforms = [t for t in config.transforms if train or not getattr(t, "train_only", False)]
+    transforms = Augmenter(transforms, config.seed, device)
     if isinstance(data, tuple):
         order = EpochOrder(len(data[0]), config.shuffle and train, config.seed, rank, world_size)
         tensors = _maybe_resident(data, device, config.gpu_resident)
@@ -260,27 +282,8 @@ def _maybe_resident(tensors, device, gpu_resident) -> tuple:
     return tuple(t.to(device) for t in tensors)
 
 
-def _transformed(batches, transforms) -> Iterator:
-    if not transforms:
+def _augmented_inline(batches, augment: Augmenter, epoch: int, first: int) -> Iterator:
+    """Batches transformed on the current stream as they are consumed (CPU, MPS)."""
+    if not augment:
         return batches
-    return (apply_transforms(batch, transforms) for batch in batches)
-
-
-def apply_transforms(batch, transforms):
-    """Transforms act on the inputs: a tensor batch, the first element of a tuple batch, or a
-    dict batch's "pixel_values" (the Hugging Face name for images)."""
-    if isinstance(batch, torch.Tensor):
-        for transform in transforms:
-            batch = transform(batch)
-        return batch
-    if isinstance(batch, dict):
-        if "pixel_values" not in batch:
-            raise GpunbError(f"GPU transforms act on images, and this dict batch has no 'pixel_values' "
-                             f"(its keys: {', '.join(map(repr, batch))}).",
-                             "name the images 'pixel_values' in the dataset's rows, or drop `transforms=` "
-                             "and transform inside the Dataset.")
-        return {**batch, "pixel_values": apply_transforms(batch["pixel_values"], transforms)}
-    inputs = batch[0]
-    for transform in transforms:
-        inputs = transform(inputs)
-    return (inputs, *batch[1:])
+    return (augment(batch, epoch, position) for position, batch in enumerate(batches, start=first))

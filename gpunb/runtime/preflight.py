@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from gpunb.errors import GpunbError
 from gpunb.runtime import device as devices
-from gpunb.runtime.data import apply_transforms
+from gpunb.runtime.augment import apply_transforms
 from gpunb.runtime.inputs import data_length, first_batch
 
 AUTO_PROBE = 8  # samples in the checked batch under batch_size="auto" (the probe's first size)

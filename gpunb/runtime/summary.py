@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
+from gpunb.runtime.augment import apply_transforms
 from gpunb.runtime.batch_size import count_flops
-from gpunb.runtime.data import apply_transforms
 from gpunb.runtime.inputs import batch_size_of, first_batch, map_tensors
 from gpunb.runtime.preflight import Untouched
 

@@ -19,12 +19,22 @@ class Normalize:
 
     def __init__(self, mean: Sequence[float], std: Sequence[float]):
         self.mean, self.std = torch.as_tensor(mean), torch.as_tensor(std)
+        self._on = {}  # device -> (mean, std) there, copied once
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = (1, -1) + (1,) * (x.ndim - 2)  # broadcast over the channel dim
-        mean = self.mean.to(x.device, torch.float32).view(shape)
-        std = self.std.to(x.device, torch.float32).view(shape)
-        return (x.float() - mean) / std
+        mean, std = self._on_device(x.device)
+        return (x.float() - mean.view(shape)) / std.view(shape)
+
+    def _on_device(self, device: torch.device) -> tuple:
+        # A copy from pageable host memory waits for the whole stream (a host sync): done once
+        # per device, not per batch. Complete when `to` returns, so any stream may read it.
+        if device not in self._on:
+            self._on[device] = (self.mean.to(device, torch.float32), self.std.to(device, torch.float32))
+        return self._on[device]
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_on": {}}  # device copies stay in this process
 
 
 class RandomFlip:

@@ -35,9 +35,8 @@ class SeededBatchSampler(Sampler):
 
     def __iter__(self):
         first = self.epoch_sampler.start // self.batch_size  # a resumed epoch starts part-way
-        base = (self.seed * 1_000_003 + self.epoch_sampler.epoch) * 1_000_003
         for position, batch in enumerate(self.batch_sampler, start=first):
-            yield SeededBatch(batch, (base + position) % 2**63)
+            yield SeededBatch(batch, batch_seed(self.seed, self.epoch_sampler.epoch, position))
 
     def __len__(self) -> int:
         return len(self.batch_sampler)
@@ -61,6 +60,11 @@ class SeededDataset(Dataset):
             seed_worker(seed)
         batched = getattr(self.dataset, "__getitems__", None)
         return batched(list(indices)) if batched else [self.dataset[i] for i in indices]
+
+
+def batch_seed(seed: int, epoch: int, position: int) -> int:
+    """The seed of the batch at `position` in `epoch` of a run seeded with `seed`."""
+    return ((seed * 1_000_003 + epoch) * 1_000_003 + position) % 2**63
 
 
 def seed_worker(seed: int) -> None:
