@@ -104,3 +104,100 @@ def test_a_gpu_run_reports_mfu_against_this_gpus_peak():
         assert result.mfu is None
     else:
         assert 0 < result.mfu < 1 and result.mfu == pytest.approx(result.achieved_tflops / peak)
+
+
+# --------------------------------------------------------------------------- device transforms
+
+
+def uint8_images(n=512, size=32):
+    g = torch.Generator().manual_seed(3)
+    return (torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=g),
+            torch.randint(0, 10, (n,), generator=g))
+
+
+def augmentations():
+    from gpunb.runtime.transforms import Normalize, RandomCrop, RandomFlip
+
+    return (RandomCrop(4), RandomFlip(), Normalize([127.0] * 3, [64.0] * 3))
+
+
+def augmented_feed(data, **options):
+    from gpunb import TrainConfig
+    from gpunb.runtime.data import build_feed
+
+    config = TrainConfig(transforms=augmentations(), num_workers=0, **options)
+    return build_feed(data, batch_size=64, device=torch.device("cuda"), config=config)
+
+
+def on_host(batches):
+    return [tuple(t.cpu() for t in batch) for batch in batches]
+
+
+def test_transforms_ahead_on_the_side_stream_give_the_inline_values():
+    from torch.utils.data import TensorDataset
+
+    x, y = uint8_images()
+    resident = augmented_feed((x, y))  # small: lives on the GPU; transforms: a side stream
+    assert resident.tensors[0].is_cuda and resident.prefetch is not None
+    ahead = on_host(resident.epoch(1))
+    from_host = augmented_feed((x, y), gpu_resident=False)
+    assert from_host.tensors[0].device.type == "cpu" and from_host.prefetch is not None
+    copied = on_host(from_host.epoch(1))
+    loaded = on_host(augmented_feed(TensorDataset(x, y)).epoch(1))
+    resumed = on_host(resident.epoch(1, skip=3))
+    resident.prefetch = None  # the inline path: transforms on the consumer stream
+    inline = on_host(resident.epoch(1))
+    assert len(inline) == 8 and inline[0][0].dtype == torch.float32
+    for other in (ahead, copied, loaded):  # resident, host tensors, DataLoader: all ahead
+        assert_same_batches(other, inline)
+    assert_same_batches(resumed, inline[3:])
+
+
+def assert_same_batches(got, expected):
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_side_stream_transforms_keep_one_stream_and_free_their_memory_between_epochs():
+    feed = augmented_feed(uint8_images())
+    stream = feed.prefetch.stream
+    peaks = []
+    for epoch in range(3):
+        for x, y in feed.epoch(epoch):
+            assert x.is_cuda and x.dtype == torch.float32 and x.shape == (64, 3, 32, 32)
+            (x.sum() + y.sum()).item()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.memory_allocated())
+    assert feed.prefetch.stream is stream
+    assert peaks[0] == peaks[1] == peaks[2]  # nothing kept alive across epochs
+
+
+def test_resident_data_without_transforms_is_gathered_inline():
+    from gpunb import TrainConfig
+    from gpunb.runtime.data import build_feed
+
+    plain = build_feed(uint8_images(), batch_size=64, device=torch.device("cuda"), config=TrainConfig())
+    assert plain.tensors[0].is_cuda and plain.prefetch is None
+    assert augmented_feed(uint8_images()).prefetch is not None
+
+
+def small_convnet():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4), nn.Flatten(),
+                         nn.Dropout(0.2), nn.Linear(256, 10))
+
+
+def test_training_on_resident_uint8_images_with_transforms_records_its_data_wait():
+    x, y = uint8_images()
+    result = Trainer(epochs=2, batch_size=64, transforms=augmentations(), track=False).fit(
+        small_convnet(), (x, y), loss_fn=nn.CrossEntropyLoss())
+    assert result.steps == 16 and result.device.startswith("cuda")
+    assert 0 < result.data_wait_s < result.wall_time_s
+    assert all(row["loss"] == row["loss"] for row in result.history)  # finite, not NaN
+
+
+def test_random_device_transforms_resume_bit_for_bit_on_the_gpu(tmp_path):
+    from test_resume_exact import test_random_device_transforms_resume_mid_epoch_bit_for_bit as resume_test
+
+    resume_test(tmp_path, accelerator="cuda", deterministic=True)

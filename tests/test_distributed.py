@@ -268,6 +268,32 @@ def test_spawn_ships_a_notebook_class_by_value_and_matches_fork(monkeypatch):
     torch.testing.assert_close(spawned_optimizer.state_dict(), forked_optimizer.state_dict())
 
 
+@pytest.mark.cuda
+def test_spawn_after_the_kernel_used_cuda_brings_the_weights_back_and_leaves_no_process(monkeypatch):
+    """As in a notebook that already used the GPU: CUDA is initialised in this process (for real,
+    not faked), so the launcher spawns the ranks. Two gloo ranks on a one-GPU machine; the
+    notebook's model lives on the GPU and gets the trained weights back there."""
+    torch.ones(1, device="cuda")  # the kernel's earlier GPU work
+    assert torch.cuda.is_initialized()
+    x, y = classification_data(n=256)
+    reference = mlp()
+    Trainer(batch_size=32, shuffle=False, log_every=2, track=False, accelerator="cpu").fit(
+        reference, (x, y), loss_fn=nn.CrossEntropyLoss())
+    methods = []
+    real_start = mp.start_processes
+    monkeypatch.setattr(mp, "start_processes",
+                        lambda *a, **k: methods.append(k["start_method"]) or real_start(*a, **k))
+    model = mlp().cuda()
+    result = Trainer(batch_size=16, shuffle=False, log_every=2, **CPU2).fit(
+        model, (x, y), loss_fn=nn.CrossEntropyLoss())
+
+    assert methods == ["spawn"]
+    assert result.world_size == 2 and result.steps == 8
+    assert all(p.is_cuda for p in model.parameters())  # loaded into the notebook's model, where it lives
+    assert_same_weights(model.cpu(), reference)
+    assert not [p for p in psutil.Process().children(recursive=True) if not _helper(p)]
+
+
 class StreamDataset(Dataset):
     def __init__(self):
         self.source = (i for i in range(10))

@@ -92,3 +92,34 @@ def test_a_mid_epoch_stop_then_resume_has_one_row_per_epoch(tmp_path):
     assert [r["step"] for r in result.epochs] == [r["step"] for r in straight.epochs]
     assert [r["train_loss"] for r in result.epochs] == pytest.approx([r["train_loss"] for r in straight.epochs],
                                                                     rel=1e-6)
+
+
+def image_mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3))
+
+
+def uint8_images(n=96):
+    g = torch.Generator().manual_seed(2)
+    return torch.randint(0, 256, (n, 3, 8, 8), dtype=torch.uint8, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def augmentations():
+    from gpunb.runtime.transforms import Normalize, RandomCrop, RandomFlip
+
+    return [RandomCrop(2), RandomFlip(), Normalize([127.0] * 3, [64.0] * 3)]
+
+
+def test_random_device_transforms_resume_mid_epoch_bit_for_bit(tmp_path, accelerator="cpu", **options):
+    """Transforms draw per (seed, epoch, batch) and Dropout from the run's RNG, saved in the checkpoint."""
+    settings = dict(epochs=2, transforms=augmentations(), accelerator=accelerator, **options)
+    straight = image_mlp()
+    fit(straight, uint8_images(), **settings)
+    fit(image_mlp(), uint8_images(), checkpoint_dir=tmp_path, callbacks=[StopAt(3)], **settings)
+    resumed = image_mlp(seed=7)
+    fit(resumed, uint8_images(), checkpoint_dir=tmp_path, resume="last", **settings)
+    assert_same_weights(straight, resumed)
+    other = image_mlp()
+    fit(other, uint8_images(), **dict(settings, transforms=augmentations()[2:]))
+    with pytest.raises(AssertionError):  # the random transforms do change the run
+        assert_same_weights(straight, other)

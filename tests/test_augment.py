@@ -1,0 +1,198 @@
+"""Device transforms: per-batch randomness, and their place on the prefetcher's side stream.
+
+The stream tests fake torch.cuda's stream API so that the order of the side stream's
+work, the stream waits and the record_stream calls can be checked without a GPU.
+"""
+
+import pickle
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from gpunb import TrainConfig
+from gpunb.runtime import prefetch as prefetch_module
+from gpunb.runtime.augment import Augmenter
+from gpunb.runtime.data import EpochOrder, LoaderFeed, TensorFeed, build_feed
+from gpunb.runtime.transforms import Normalize, RandomCrop, RandomFlip
+
+CPU = torch.device("cpu")
+
+
+def images(n=40):
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 256, (n, 3, 8, 8), dtype=torch.uint8, generator=g), torch.arange(n)
+
+
+def augmentations():
+    return [RandomCrop(2), RandomFlip(), Normalize([0.5] * 3, [0.25] * 3)]
+
+
+def test_a_resumed_epoch_sees_the_same_augmented_batches():
+    feed = build_feed(images(), batch_size=8, device=CPU, config=TrainConfig(transforms=augmentations()))
+    straight = list(feed.epoch(3))
+    resumed = list(feed.epoch(3, skip=2))
+    assert len(resumed) == 3
+    for a, b in zip(straight[2:], resumed):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(straight[0][0], list(feed.epoch(4))[0][0])  # another epoch, other draws
+
+
+def test_seeded_transforms_neither_read_nor_move_the_global_rng():
+    augment = Augmenter([RandomFlip(), RandomCrop(2)], seed=5, device=CPU)
+    x = images()[0][:16].float()
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    first = augment((x,), epoch=1, position=2)[0]
+    assert torch.equal(torch.get_rng_state(), before)  # Dropout's draws stay where they were
+    torch.rand(1000)  # the global RNG elsewhere: another time of preparation
+    assert torch.equal(augment((x,), epoch=1, position=2)[0], first)
+    assert not torch.equal(augment((x,), epoch=1, position=3)[0], first)
+    assert not torch.equal(Augmenter([RandomFlip(), RandomCrop(2)], 6, CPU)((x,), 1, 2)[0], first)
+
+
+def test_without_a_seed_transforms_draw_from_the_global_rng():
+    augment = Augmenter([RandomFlip()], seed=None, device=CPU)
+    x = torch.arange(64.0).view(16, 1, 1, 4)
+    torch.manual_seed(3)
+    got = augment(x, epoch=0, position=0)
+    torch.manual_seed(3)
+    assert torch.equal(got, RandomFlip()(x))
+
+
+def test_normalize_copies_mean_and_std_once_and_not_when_pickled():
+    normalize = Normalize([0.5, 0.5, 0.5], [0.25, 0.25, 0.25])
+    x = torch.full((2, 3, 4, 4), 1.0)
+    assert torch.equal(normalize(x), torch.full((2, 3, 4, 4), 2.0))
+    kept = normalize._on[CPU]
+    normalize(x)
+    assert normalize._on[CPU] is kept and len(normalize._on) == 1
+    assert pickle.loads(pickle.dumps(normalize))._on == {}
+
+
+class FakeStreams:
+    """torch.cuda's Stream, current_stream, stream() and Tensor.record_stream, logging to `log`."""
+
+    def __init__(self, monkeypatch):
+        self.log = []
+        self.consumer = FakeStream("consumer", self.log)
+        self.current = self.consumer
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device: FakeStream("side", self.log))
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
+        monkeypatch.setattr(torch.cuda, "stream", self.stream)
+        monkeypatch.setattr(torch.Tensor, "record_stream",
+                            lambda tensor, stream: self.log.append(("record", id(tensor), stream.name)))
+
+    def stream(self, stream):
+        streams = self
+
+        class Context:
+            def __enter__(self):
+                self.outer, streams.current = streams.current, stream
+
+            def __exit__(self, *exc):
+                streams.current = self.outer
+
+        return Context()
+
+    def transform(self, x):
+        """A transform that logs the stream it runs on and the batch it sees (its first value)."""
+        self.log.append(("transform", self.current.name, int(x.flatten()[0])))
+        return x * 10
+
+
+class FakeStream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(("wait", self.name, other.name))
+
+
+def consume(streams, batches):
+    """Iterate like the training loop, logging each batch as it is used."""
+    seen = []
+    for x, y in batches:
+        streams.log.append(("use", int(x.flatten()[0]) // 10))
+        seen.append((x, y))
+    return seen
+
+
+def assert_prepared_ahead_on_the_side_stream(log, seen, first, n):
+    """Batches first..first+n-1 (batch i holds the value i) were each transformed on the side
+    stream after it waited on the consumer, one batch ahead of their use, and handed over with
+    a consumer wait and a record_stream of exactly the tensors the loop received."""
+    batches = range(first, first + n)
+    assert [e for e in log if e[0] == "transform"] == [("transform", "side", i) for i in batches]
+    assert len(seen) == n
+    for i, (x, y) in zip(batches, seen):
+        use = log.index(("use", i))
+        done = log.index(("transform", "side", i))
+        assert log[done - 1] == ("wait", "side", "consumer")  # never overwrites what a step still reads
+        if i + 1 < first + n:  # the next batch is prepared before this one is used
+            assert log.index(("transform", "side", i + 1)) < use
+        between = log[done:use]
+        assert ("wait", "consumer", "side") in between  # the step waits for its batch
+        for tensor in (x, y):  # the tensors handed over are the transformed ones, kept for the step
+            assert ("record", id(tensor), "consumer") in between
+        assert int(x.flatten()[0]) == 10 * i  # transformed once
+
+
+def test_host_tensors_are_copied_and_transformed_on_the_side_stream(monkeypatch):
+    streams = FakeStreams(monkeypatch)
+    x = torch.arange(5).view(5, 1).repeat(1, 3)  # batch of one: row i is all i
+    feed = TensorFeed((x, torch.arange(5)), 1, EpochOrder(5, False, 0), torch.device("cuda"), False,
+                      Augmenter([streams.transform], 0, CPU))
+    copies = []
+    feed.prefetch.copy = lambda batch: copies.append(streams.current.name) or batch  # no GPU to copy to
+    seen = consume(streams, feed.epoch(0))
+    assert copies == ["side"] * 5
+    assert_prepared_ahead_on_the_side_stream(streams.log, seen, 0, 5)
+
+
+def test_loader_batches_are_copied_and_transformed_on_the_side_stream(monkeypatch):
+    streams = FakeStreams(monkeypatch)
+    loader = DataLoader(TensorDataset(torch.arange(6).view(6, 1), torch.arange(6)), batch_size=1)
+    positions = []
+
+    def augment(batch, epoch, position):
+        positions.append((epoch, position))
+        return (streams.transform(batch[0]), batch[1])
+
+    augment.transforms = [streams.transform]
+    feed = LoaderFeed(loader, torch.device("cuda"), augment)
+    feed.prefetch.copy = lambda batch: batch
+    seen = consume(streams, feed.epoch(2, skip=2))
+    assert positions == [(2, 2), (2, 3), (2, 4), (2, 5)]  # a resumed epoch's batches keep their seeds
+    assert_prepared_ahead_on_the_side_stream(streams.log, seen, 2, 4)
+
+
+def test_an_empty_feed_yields_nothing_on_the_side_stream(monkeypatch):
+    streams = FakeStreams(monkeypatch)
+    feed = TensorFeed((torch.zeros(0, 3), torch.zeros(0)), 4, EpochOrder(0, False, 0), torch.device("cuda"),
+                      False, Augmenter([streams.transform], 0, CPU))
+    assert list(feed.epoch(0)) == []
+    assert not [e for e in streams.log if e[0] == "transform"]
+
+
+def test_without_transforms_a_cpu_feed_has_no_prefetcher():
+    feed = build_feed(images(), batch_size=8, device=CPU, config=TrainConfig())
+    assert feed.prefetch is None and not feed.augment
+    x, index = next(feed.epoch(0))  # the labels are the samples' indices
+    assert torch.equal(x, images()[0][index])  # untouched
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_inline_and_ahead_give_the_same_values(monkeypatch, seed):
+    """The draws depend on (seed, epoch, position) only: the fake side stream sees the same batches."""
+    x, y = images()
+    inline = list(build_feed((x, y), batch_size=8, device=CPU,
+                             config=TrainConfig(transforms=augmentations(), seed=seed)).epoch(1))
+    FakeStreams(monkeypatch)
+    feed = TensorFeed((x, y), 8, EpochOrder(40, True, seed), torch.device("cuda"), False,
+                      Augmenter(augmentations(), seed, CPU))
+    feed.prefetch.copy = lambda batch: batch
+    ahead = list(feed.epoch(1))
+    assert len(ahead) == len(inline) == 5
+    for a, b in zip(inline, ahead):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
