@@ -159,7 +159,6 @@ def test_loader_batches_are_copied_and_transformed_on_the_side_stream(monkeypatc
         positions.append((epoch, position))
         return (streams.transform(batch[0]), batch[1])
 
-    augment.transforms = [streams.transform]
     feed = LoaderFeed(loader, torch.device("cuda"), augment)
     feed.prefetch.copy = lambda batch: batch
     seen = consume(streams, feed.epoch(2, skip=2))
