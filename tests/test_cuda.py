@@ -200,4 +200,5 @@ def test_training_on_resident_uint8_images_with_transforms_records_its_data_wait
 def test_random_device_transforms_resume_bit_for_bit_on_the_gpu(tmp_path):
     from test_resume_exact import test_random_device_transforms_resume_mid_epoch_bit_for_bit as resume_test
 
-    resume_test(tmp_path, accelerator="cuda", deterministic=True)
+    # eager: compile="auto" decides from the time left, which a resumed run sees otherwise
+    resume_test(tmp_path, accelerator="cuda", deterministic=True, compile=False)
