@@ -11,7 +11,6 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from gpunb import TrainConfig
-from gpunb.runtime import prefetch as prefetch_module
 from gpunb.runtime.augment import Augmenter
 from gpunb.runtime.data import EpochOrder, LoaderFeed, TensorFeed, build_feed
 from gpunb.runtime.transforms import Normalize, RandomCrop, RandomFlip
