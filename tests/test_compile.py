@@ -164,15 +164,19 @@ def test_a_partial_last_batch_counts_a_second_compile():
     class Run:  # what _partial_last_batch reads
         pass
 
+    from gpunb.runtime.augment import Augmenter
     from gpunb.runtime.data import EpochOrder, TensorFeed
 
-    run = Run()
-    tensors = _data(100)
-    run.feed = TensorFeed(tensors, 32, EpochOrder(100, True, 0), torch.device("cpu"), drop_last=False)
+    run, cpu = Run(), torch.device("cpu")
+
+    def feed(batch_size, drop_last):
+        return TensorFeed(_data(100), batch_size, EpochOrder(100, True, 0), cpu, drop_last, Augmenter((), 0, cpu))
+
+    run.feed = feed(32, drop_last=False)
     assert compiling._partial_last_batch(run)
-    run.feed = TensorFeed(tensors, 25, EpochOrder(100, True, 0), torch.device("cpu"), drop_last=False)
+    run.feed = feed(25, drop_last=False)
     assert not compiling._partial_last_batch(run)
-    run.feed = TensorFeed(tensors, 32, EpochOrder(100, True, 0), torch.device("cpu"), drop_last=True)
+    run.feed = feed(32, drop_last=True)
     assert not compiling._partial_last_batch(run)
 
 
