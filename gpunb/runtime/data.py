@@ -84,13 +84,20 @@ class TensorFeed:
 
     def epoch(self, epoch: int, skip: int = 0) -> Iterator:
         index = self.order.indices(epoch).to(self.tensors[0].device)
-        batches = (tuple(t[index[b * self.batch_size:(b + 1) * self.batch_size]] for t in self.tensors)
-                   for b in range(skip, self.num_batches))
+        batches = _indexed(self.tensors, index, self.batch_size, skip, self.num_batches)
         if self.prefetch:
             batches = self.prefetch(batches)
         elif self.tensors[0].device != self.device:
             batches = (move_batch(b, self.device) for b in batches)
         return _transformed(batches, self.transforms)
+
+
+def _indexed(tensors, index, batch_size, first, end) -> Iterator[tuple]:
+    """Batches `first` to `end` (exclusive) of `tensors` in the order `index`: one slice of the
+    order and one gather per tensor a batch, as a hand-written loop indexes."""
+    for b in range(first, end):
+        rows = index[b * batch_size:(b + 1) * batch_size]
+        yield tuple([t[rows] for t in tensors])
 
 
 class LoaderFeed:

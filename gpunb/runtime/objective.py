@@ -41,8 +41,13 @@ class Objective:
         if self.step_fn is not None:
             return _scalar(self.step_fn(model, batch), "step(model, batch)")
         if self.loss_fn is not None:
-            output, target = self._forward(model, batch)
-            return _scalar(self._apply_loss(output, target), "loss_fn(output, target)")
+            if type(batch) is tuple and len(batch) == 2:  # (inputs, target): called as a plain loop calls it
+                loss = self._apply_loss(model(batch[0]), batch[1])
+            else:
+                loss = self._apply_loss(*self._forward(model, batch))
+            if type(loss) is torch.Tensor and loss.ndim == 0:  # the common case, checked without a call
+                return loss
+            return _scalar(loss, "loss_fn(output, target)")
         return _scalar(_call(model, batch), "the model's forward", tuples=True)
 
     def evaluate(self, model, batch, score: bool = True) -> dict[str, torch.Tensor]:
