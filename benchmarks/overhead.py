@@ -131,7 +131,7 @@ def cases(device):
 def plain_loop(make_model, data, batch_size, loss_fn, precision, device, steps):
     """What a careful user writes by hand: data on the device, shuffled once per epoch,
     fused/foreach AdamW, autocast when the precision is mixed (none in fp32), and the loss
-    read at the same interval as gpunb's."""
+    read at the same interval as gpunb's. Timed by the same StepTimer as gpunb's loop."""
     torch.manual_seed(0)
     model = make_model().to(device)
     fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
@@ -139,9 +139,10 @@ def plain_loop(make_model, data, batch_size, loss_fn, precision, device, steps):
     x, y = (t.to(device) for t in data)
     dtype = torch.bfloat16 if precision == "bf16-mixed" else None
     mixed = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-    times, order, position = [], None, len(x)
+    timer = StepTimer(device)  # the same clock as gpunb's run: from one step's end to the next
+    order, position = None, len(x)
+    timer.on_fit_start(None)
     for step in range(steps):
-        begin = time.perf_counter()
         if position + batch_size > len(x):  # a new epoch: reshuffle (sampling without replacement)
             order, position = torch.randperm(len(x), device=device), 0
         index = order[position:position + batch_size]
@@ -154,13 +155,14 @@ def plain_loop(make_model, data, batch_size, loss_fn, precision, device, steps):
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % 50 == 0:
             loss.item()  # the same sync cadence as gpunb's log interval
-        _sync(device)
-        times.append(time.perf_counter() - begin)
-    return times
+        timer.on_step_end(None)
+    return timer.times
 
 
 class StepTimer:
-    """Per-step wall time through the runtime's own events (no extra syncs when on CPU)."""
+    """Per-step wall time, from one step's end to the next (no extra syncs when on CPU): gpunb
+    calls it through the runtime's events, the plain loop at the end of each step, so that
+    both pay the same clock and its bookkeeping."""
 
     def __init__(self, device):
         self.device, self.times, self.last = device, [], None

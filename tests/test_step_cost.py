@@ -1,12 +1,17 @@
 """What the loop does per optimizer step beyond a plain loop: nothing that grows with the steps."""
 
+import collections
+
 import pytest
 import torch
 from conftest import classification_data, mlp
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpunb import Trainer
+from gpunb.runtime import epoch as epochs
 from gpunb.runtime import precision as precisions
+from gpunb.runtime import step as steps
 from gpunb.runtime.events import Callbacks
 
 
@@ -86,3 +91,99 @@ def test_the_step_makes_no_autocast_context_per_micro_batch(precision):
     assert short == long  # set-up makes a few; the steps make none
     if precision == "32":
         assert long["torch.autocast"] == 0
+
+
+class StepOps(TorchDispatchMode):
+    """The aten ops of each whole step, data included: from one step's end to the next."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps, self.current = [], collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.current[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    def on_step_end(self, state=None):
+        self.steps.append(self.current)
+        self.current = collections.Counter()
+
+
+def test_a_whole_step_dispatches_the_plain_loops_ops_and_one_detach():
+    x, y = torch.randn(64, 4), torch.randn(64, 2)
+    ops = {}
+    for loop in ("gpunb", "plain"):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        log = StepOps()
+        with log:
+            if loop == "gpunb":  # tensors batched by indexing, as below
+                Trainer(batch_size=8, epochs=1, log_every=4, track=False).fit(
+                    model, (x, y), loss_fn=nn.MSELoss(), optimizer=optimizer, callbacks=[log])
+            else:
+                order = torch.randperm(64)
+                for i in range(8):
+                    rows = order[8 * i:8 * (i + 1)]  # one slice of the order, one gather per tensor
+                    nn.MSELoss()(model(x[rows]), y[rows]).backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    log.on_step_end()
+        ops[loop] = log.steps
+    assert len(ops["gpunb"]) == len(ops["plain"]) == 8
+    for step in (2, 3, 6, 7):  # not the epoch's first step, nor those after a log (its one sync)
+        ours, plain = ops["gpunb"][step - 1], ops["plain"][step - 1]
+        extra, missing = ours - plain, plain - ours
+        assert extra == {"detach": 1} and not missing, f"step {step}: +{dict(extra)} -{dict(missing)}"
+
+
+def _phases_named(profile_from_start: bool) -> list:
+    """The profiler ranges the step's phases open in a fit of 3 steps (fp32)."""
+    named = []
+
+    def counted(name):
+        named.append(name)
+        return torch.profiler.record_function(f"gpunb/{name}")
+
+    class Profiles:
+        def on_fit_start(self, state):
+            state.profile = profile_from_start
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(steps, "phase_range", counted)
+        patch.setattr(epochs, "phase_range", counted)
+        Trainer(batch_size=8, max_steps=3, log_every=4, track=False).fit(
+            mlp(), classification_data(n=64), loss_fn=nn.CrossEntropyLoss(), callbacks=[Profiles()])
+    return named
+
+
+def test_the_phases_are_named_only_while_a_profiler_asks():
+    assert _phases_named(False) == []
+    assert _phases_named(True) == ["data_wait", "forward", "backward", "optimizer"] * 3
+
+
+class Entered:
+    """A no-op context that counts how often it is entered."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __enter__(self):
+        self.count += 1
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _contexts_entered(steps_run: int) -> int:
+    entered = Entered()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(steps, "_NO_CONTEXT", entered)
+        patch.setattr(precisions, "_NO_AUTOCAST", entered)
+        Trainer(batch_size=8, max_steps=steps_run, log_every=3, precision="32", track=False).fit(
+            mlp(), classification_data(n=128), loss_fn=nn.CrossEntropyLoss())
+    return entered.count
+
+
+def test_an_fp32_step_enters_no_context_while_not_profiled():
+    assert _contexts_entered(3) == _contexts_entered(12)  # set-up enters a few; the steps none

@@ -93,22 +93,31 @@ class TensorFeed:
     def epoch(self, epoch: int, skip: int = 0) -> Iterator:
         index = self.order.indices(epoch).to(self.tensors[0].device)
         positions = range(skip, self.num_batches)
-
-        def gather(b: int) -> tuple:
-            return tuple(t[index[b * self.batch_size:(b + 1) * self.batch_size]] for t in self.tensors)
-
         if self.prefetch:
             if index.is_cuda:  # the gathers read it on the side stream
                 index.record_stream(self.prefetch.stream)
-            copy = self.prefetch.copy  # a no-op for resident tensors
-            return self.prefetch(positions, lambda b: self._augmented(copy(gather(b)), epoch, b))
-        batches = (gather(b) for b in positions)
+            copy, tensors, size = self.prefetch.copy, self.tensors, self.batch_size
+            return self.prefetch(positions, lambda b: self._augmented(copy(_gathered(tensors, index, size, b)),
+                                                                       epoch, b))
+        batches = _indexed(self.tensors, index, self.batch_size, skip, self.num_batches)
         if self.tensors[0].device != self.device:
             batches = (move_batch(b, self.device) for b in batches)
         return _augmented_inline(batches, self.augment, epoch, skip)
 
     def _augmented(self, batch, epoch: int, position: int):
         return self.augment(batch, epoch, position) if self.augment else batch
+
+
+def _indexed(tensors, index, batch_size, first, end) -> Iterator[tuple]:
+    """Batches `first` to `end` (exclusive) of `tensors` in the order `index`."""
+    for b in range(first, end):
+        yield _gathered(tensors, index, batch_size, b)
+
+
+def _gathered(tensors, index, batch_size, b: int) -> tuple:
+    """Batch `b`: one slice of the order and one gather per tensor, as a hand-written loop indexes."""
+    rows = index[b * batch_size:(b + 1) * batch_size]
+    return tuple([t[rows] for t in tensors])
 
 
 class LoaderFeed:

@@ -155,6 +155,8 @@ def data_length(data) -> int | None:
 def batch_size_of(batch: Any) -> int:
     """Samples in a batch: the first dimension of its first tensor (a dict's first tensor value),
     or the length of a list of plain values (a column of strings)."""
+    if type(batch) is tuple and batch and type(batch[0]) is torch.Tensor and batch[0].ndim:
+        return batch[0].shape[0]  # the common (inputs, target) batch, answered in one check per step
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.ndim else 1
     if isinstance(batch, dict):

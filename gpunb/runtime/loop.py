@@ -7,7 +7,6 @@ device and is read once per `log_every` steps: the loop has no other host syncs.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -160,10 +159,9 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
                             rank=dist.rank, world_size=dist.world_size, val_names=val_names)
     state.extras["summary"] = summary.as_plain()  # plain data: ranks send it to the kernel
     state.extras["peak_tflops"] = device_peak_tflops(device, precision.name)  # live MFU in the progress line
-    phase = _phase_annotator(state)
     no_sync = getattr(train_model, "no_sync", None)
     ema = _weight_ema(model, config, carried)
-    stepper = Stepper(train_model, optimizer, objective, precision, schedule, config, phase, no_sync, ema=ema)
+    stepper = Stepper(train_model, optimizer, objective, precision, schedule, config, state, no_sync, ema=ema)
     callbacks = Callbacks(list(user_callbacks))
     run = _Run(config, dist, state, callbacks, model, train_model, objective, precision,
                ready.precision_reason, feed, val_feed, stepper, batch_size,
@@ -191,6 +189,7 @@ def _train(run: _Run) -> TrainResult:
     state.extras["start_step"] = state.step  # a resumed or continued fit counts on from here
     interrupt = InterruptFlag()
     val_every_steps = validation.every_steps(run)  # None: no pass within epochs (the common case)
+    log_every = config.log_every
     try:
         with interrupt:
             callbacks.call("on_fit_start", state)
@@ -206,7 +205,9 @@ def _train(run: _Run) -> TrainResult:
                 run.train_model.train()
                 batches = run.feed.epoch(epoch, skip)
                 remaining = None if run.feed.num_batches is None else run.feed.num_batches - skip
-                for batch, last_in_step in EpochSteps(batches, config.grad_accum, timer, stepper.phase, remaining):
+                # Per step, only host bookkeeping beside what a plain loop does (kept to a few
+                # attribute updates: on sub-millisecond steps each call shows).
+                for batch, last_in_step in EpochSteps(batches, config.grad_accum, timer, state, remaining):
                     state.batch_in_epoch += 1
                     state.samples_seen += batch_size_of(batch) * state.world_size
                     stepper.accumulate(batch, last_in_step)
@@ -219,11 +220,12 @@ def _train(run: _Run) -> TrainResult:
                     if val_every_steps and state.step % val_every_steps == 0:
                         validation.at_step(run, timer)  # before on_step_end: its checkpoints hold the pass
                     callbacks.call("on_step_end", state)
-                    if state.step % config.log_every == 0:
+                    if state.step % log_every == 0:
                         _log(run, timer)  # syncs
                     if interrupt.raised:
                         state.request_stop("interrupted")
-                    if state.should_stop or _finished(state):
+                    if state.stop_reason is not None or (state.total_steps is not None
+                                                         and state.step >= state.total_steps):
                         break
                 if run.losses:  # the epoch's last, partial interval
                     _log(run, timer)
@@ -332,16 +334,4 @@ def _result(run: _Run, timer) -> TrainResult:
         compilation=run.compilation.report(),
         ema_state_dict=run.stepper.ema.state_dict(to_cpu=True) if run.stepper.ema is not None else None,
         continue_state=continuing.capture(run))
-
-
-def _phase_annotator(state: FitState):
-    """Named profiler ranges around each phase of a step, only while a profiler asks for them."""
-    nothing = contextlib.nullcontext()
-
-    def phase(name: str):
-        if state.profile:
-            return torch.profiler.record_function(f"gpunb/{name}")
-        return nothing
-
-    return phase
 

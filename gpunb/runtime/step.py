@@ -21,8 +21,15 @@ from gpunb.runtime.inputs import batch_size_of, split_batch
 _NO_CONTEXT = contextlib.nullcontext()
 
 
-def _no_phase(name: str):
-    return _NO_CONTEXT
+class Unmarked:
+    """Marks of a step that no profiler watches (the batch-size probe, the LR sweep)."""
+
+    profile = False
+
+
+def phase_range(name: str):
+    """A named profiler range around one phase of a step (only while a profiler asks for them)."""
+    return torch.profiler.record_function(f"gpunb/{name}")
 
 
 class Stepper:
@@ -31,10 +38,11 @@ class Stepper:
     `split_on_oom=False` lets a CUDA out-of-memory error through (the probe asks "does it fit?").
     """
 
-    def __init__(self, model, optimizer, objective, precision, schedule, config, phase=_no_phase,
+    def __init__(self, model, optimizer, objective, precision, schedule, config, marks=Unmarked,
                  no_sync=None, split_on_oom: bool = True, ema=None):
         self.model, self.optimizer, self.objective = model, optimizer, objective
-        self.precision, self.schedule, self.config, self.phase = precision, schedule, config, phase
+        self.precision, self.schedule, self.config = precision, schedule, config
+        self.marks = marks  # `marks.profile`: name the step's phases for a profiler (the FitState's flag)
         self.ema = ema  # runtime.ema.WeightEma, averaged after each optimizer step
         self.no_sync = no_sync  # DDP: skips the all-reduce of a step's micro-batches but the last
         self.split_on_oom = split_on_oom
@@ -44,9 +52,17 @@ class Stepper:
         self.step_loss = None  # device tensor: this step's mean loss so far
         # One autocast context, entered for every micro-batch (never nested); fp32: a shared no-op.
         self.autocast = precision.autocast()
+        # fp32 without a loss scaler: a micro-batch needs no context at all (unless profiled or
+        # a DDP micro-batch skips its all-reduce), so that common case runs with none.
+        self.bare = precision.dtype is None and precision.scaler is None
+        self.weight = 1.0 / config.grad_accum  # each loaded batch's share of an optimizer step
         self.cuda_graphs = False  # the model replays CUDA graphs (see use_model)
         # error -> True when the step should be replayed with the model it switched to (compiling.py)
         self.on_model_error = None
+
+    def phase(self, name: str):
+        """The profiler range of phase `name` while profiling, else a shared no-op context."""
+        return phase_range(name) if self.marks.profile else _NO_CONTEXT
 
     def use_model(self, model, cuda_graphs: bool = False) -> None:
         """Call `model` from the next micro-batch on (eager or compiled). `cuda_graphs`: its outputs
@@ -58,7 +74,10 @@ class Stepper:
         __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
         self.pending.append(batch)
         try:
-            self._backward(batch, last_in_step)
+            if self.splits == 1:  # the common case, kept free of per-piece bookkeeping
+                self._piece(batch, self.weight, last_in_step)
+            else:
+                self._backward(batch, last_in_step)
         except torch.OutOfMemoryError:
             self._drop_step()
             if not self.split_on_oom:
@@ -88,21 +107,30 @@ class Stepper:
         short = len(self.pending) < self.config.grad_accum  # the epoch ended mid-group
         scale = self.config.grad_accum / len(self.pending) if short else None
         self.pending.clear()  # backward is done: the batches are no longer needed for a replay
-        with self.phase("optimizer"):
-            if scale is not None:
-                self._rescale(scale)
-            if self.config.clip_grad_norm:
-                self.precision.unscale(self.optimizer)
-                params = [p for g in self.optimizer.param_groups for p in g["params"]]
-                torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad_norm)
-            self.precision.step(self.optimizer)
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.schedule is not None:
-                self.schedule.after_step()
-            if self.ema is not None:
-                self.ema.update(self.precision.step_taken)
+        if self.marks.profile:
+            with phase_range("optimizer"):
+                self._step(scale)
+        else:
+            self._step(scale)
         loss, self.step_loss = self.step_loss, None
         return loss
+
+    def _step(self, scale: float | None) -> None:
+        if scale is not None:
+            self._rescale(scale)
+        if self.config.clip_grad_norm:
+            self.precision.unscale(self.optimizer)
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad_norm)
+        if self.precision.scaler is None:
+            self.optimizer.step()
+        else:
+            self.precision.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.schedule is not None:
+            self.schedule.after_step()
+        if self.ema is not None:
+            self.ema.update(self.precision.step_taken)
 
     def _rescale(self, scale: float) -> None:
         """Each batch was weighted 1/grad_accum; a short group's are re-weighted to 1/its size."""
@@ -117,8 +145,8 @@ class Stepper:
 
     def _backward(self, batch, sync: bool) -> None:
         __tracebackhide__ = True  # noqa: F841
-        if self.splits == 1:  # the common case, kept free of per-piece bookkeeping
-            self._piece(batch, 1.0 / self.config.grad_accum, sync)
+        if self.splits == 1:
+            self._piece(batch, self.weight, sync)
             return
         size = batch_size_of(batch)
         pieces = split_batch(batch, self.splits)
@@ -132,13 +160,19 @@ class Stepper:
         __tracebackhide__ = True  # noqa: F841
         if self.cuda_graphs:  # a new iteration: the graphs may reuse the last one's memory
             torch.compiler.cudagraph_mark_step_begin()
-        with _NO_CONTEXT if sync or self.no_sync is None else self.no_sync():
-            with self.phase("forward"), self.autocast:
-                loss = self.objective.loss(self.model, piece)
+        if self.bare and (sync or self.no_sync is None) and not self.marks.profile:
+            loss = self.objective.loss(self.model, piece)  # as a plain loop: no context to enter
             if weight != 1.0:  # skipping the multiply keeps the common case one op shorter
                 loss = loss * weight
-            with self.phase("backward"):
-                self.precision.backward(loss)
+            loss.backward()
+        else:
+            with _NO_CONTEXT if sync or self.no_sync is None else self.no_sync():
+                with self.phase("forward"), self.autocast:
+                    loss = self.objective.loss(self.model, piece)
+                if weight != 1.0:
+                    loss = loss * weight
+                with self.phase("backward"):
+                    self.precision.backward(loss)
         contribution = loss.detach().clone() if self.cuda_graphs else loss.detach()
         self.step_loss = contribution if self.step_loss is None else self.step_loss + contribution
 
