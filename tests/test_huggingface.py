@@ -208,7 +208,7 @@ def test_two_ranks_train_a_tiny_gpt2_on_dict_batches_like_one_process():
 
 
 def test_gpu_transforms_act_on_the_pixel_values_of_a_dict_batch():
-    from gpunb.runtime.data import apply_transforms
+    from gpunb.runtime.augment import apply_transforms
 
     batch = {"pixel_values": torch.ones(2, 3), "labels": torch.tensor([0, 1])}
     out = apply_transforms(batch, [lambda x: x * 2])

@@ -43,12 +43,7 @@ class Objective:
         if self.loss_fn is not None:
             output, target = ((model(batch[0]), batch[1]) if type(batch) is tuple and len(batch) == 2
                               else self._forward(model, batch))  # (inputs, target): as a plain loop calls it
-            try:
-                loss = self.loss_fn(output, target)
-            except (TypeError, AttributeError) as error:
-                if isinstance(output, (list, tuple)):
-                    raise _loss_mismatch(output, error) from error
-                raise
+            loss = self._apply_loss(output, target)
             if type(loss) is torch.Tensor and loss.ndim == 0:  # the common case, checked without a call
                 return loss
             return _scalar(loss, "loss_fn(output, target)")
