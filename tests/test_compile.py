@@ -143,6 +143,15 @@ def test_auto_times_the_first_steps_then_compiles_and_measures(monkeypatch):
     assert result.steps == 30 and all(torch.isfinite(torch.tensor(r["loss"])) for r in result.history)
 
 
+def test_auto_times_a_resumed_run_from_where_it_starts(monkeypatch, tmp_path):
+    first = _fit(_model(), compile=False, max_steps=10, checkpoint_dir=str(tmp_path), checkpoint_every=10)
+    assert first.steps == 10
+    _auto_everywhere(monkeypatch, Decision(True, "test"))
+    resumed = _fit(_model(), max_steps=40, checkpoint_dir=str(tmp_path), resume="last")
+    assert resumed.start_step == 10 and resumed.steps == 40
+    assert resumed.compilation["at_step"] == 10 + compiling.WARMUP_STEPS + compiling.TIMED_STEPS
+
+
 def test_auto_goes_back_to_eager_when_the_compiled_steps_are_slower(monkeypatch):
     _auto_everywhere(monkeypatch, Decision(True, "test"))
     timings = iter([(0.001, 0.5), (0.002, 0.5)])  # eager, then compiled: twice as slow

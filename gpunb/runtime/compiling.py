@@ -110,7 +110,7 @@ class Compilation:
         elif blocker := auto_blocker(device, world_size, run.state.total_steps):
             self.info["reason"] = blocker
         else:
-            self.timings = StepTimings(device)
+            self.timings = StepTimings(device)  # started at on_fit_start, from the step the fit starts at
             self.info["reason"] = "eager: the run ended while its first steps were being timed"
             run.callbacks.add(self)
 
@@ -154,6 +154,9 @@ class Compilation:
         self.run.callbacks.remove(self)
 
     # --- compile="auto": a callback until it has decided and checked the decision
+    def on_fit_start(self, state) -> None:
+        self.timings.restart(state.step, warmup=WARMUP_STEPS)  # a resumed fit starts above 0
+
     def on_step_end(self, state) -> None:
         if state.profile:  # a profiler looks at the steps as they are
             self._stay_eager("eager: the run was profiled")
@@ -225,7 +228,6 @@ class StepTimings:
 
     def __init__(self, device):
         self.device = device
-        self.restart(0, warmup=WARMUP_STEPS)
 
     def restart(self, step: int, warmup: int, compiling: bool = False) -> None:
         """Time again from `step`; `compiling`: the next step compiles, and its time is kept."""
