@@ -5,7 +5,9 @@ dropped, each loaded batch is cut into twice as many pieces, and the step is rep
 from its first batch. Each piece's loss is weighted by its share of the step, so the
 gradient, and hence the whole run, is the same as with the smaller batch from the start.
 An epoch's last step may hold fewer than `grad_accum` batches: its gradient and loss are
-rescaled to the mean over the batches it really had.
+rescaled to the mean over the batches it really had. The same replay serves a compiled
+model that fails: `on_model_error` switches the step to the eager module (compiling.py),
+and the step so far runs again.
 """
 
 from __future__ import annotations
