@@ -102,20 +102,25 @@ def test_auto_on_cpu_stays_eager_and_says_why():
     assert "CUDA only" in result.compilation["reason"]
 
 
-def test_auto_keeps_several_processes_and_short_runs_eager():
+def test_auto_keeps_fsdp_and_short_runs_eager():
     cuda = torch.device("cuda")
-    assert "multi-process" in compiling.auto_blocker(cuda, 2, 10_000)
+    assert "FSDP" in compiling.auto_blocker(cuda, 2, 10_000, "fsdp")
+    assert compiling.auto_blocker(cuda, 2, 10_000, "ddp") is None
     assert "too few" in compiling.auto_blocker(cuda, 1, compiling.SHORTEST_RUN - 1)
     assert compiling.auto_blocker(cuda, 1, compiling.SHORTEST_RUN) is None
     assert compiling.auto_blocker(cuda, 1, None) is None  # a stream: timed, then judged by its length
 
 
+def test_several_processes_never_get_cuda_graphs():
+    assert decide(0.003, 0.95, 10**6, 1, cuda_graphs=False).mode is True
+
+
 def _auto_everywhere(monkeypatch, decision=None, backend="eager"):
     """compile='auto' as on a GPU, with a quick backend (and a decision, when given)."""
-    monkeypatch.setattr(compiling, "auto_blocker", lambda device, world_size, total_steps: None)
+    monkeypatch.setattr(compiling, "auto_blocker", lambda *args: None)
     monkeypatch.setattr(compiling, "BACKEND", backend)
     if decision is not None:
-        monkeypatch.setattr(compiling, "decide", lambda *args: decision)
+        monkeypatch.setattr(compiling, "decide", lambda *args, **options: decision)
 
 
 def test_auto_times_the_first_steps_then_compiles_and_measures(monkeypatch):
@@ -330,3 +335,80 @@ def test_the_summary_row_says_what_compile_did():
     assert compile_text(info) == ("CUDA graphs from step 13: compile 11.2 s, 1.93x faster (3.10 -> 1.60 ms a step); "
                                   "launch-bound: the host spent 96% ...")
     assert compile_text({"mode": None, "reason": "eager: compile='auto' compiles on CUDA only"}).startswith("eager")
+
+
+# --- several processes (DDP over gloo): every rank compiles, or none
+
+
+def _ddp_fit(model, **options):
+    import torch.distributed  # noqa: F401 (the backends below ask for the rank)
+
+    x, y = _data(512)
+    options = {"max_steps": 30, "batch_size": 16, "log_every": 5, "devices": 2, "accelerator": "cpu",
+               "track": False, **options}
+    return Trainer(**options).fit(model, (x, y), loss_fn=nn.CrossEntropyLoss())
+
+
+class Net(nn.Module):
+    """A model class of the user's: under DDP, Dynamo compiles from the wrapped module's own
+    forward (it does not trace into torch's own module classes, e.g. nn.Sequential, from there)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.hidden, self.out = nn.Linear(8, 16), nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.hidden(x)))
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank()
+
+
+def _same_weights(a, b, atol=1e-5):
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        torch.testing.assert_close(p, q, atol=atol, rtol=0, msg=name)
+
+
+def test_ddp_ranks_that_agree_all_compile_and_train_as_eager_does(monkeypatch):
+    _auto_everywhere(monkeypatch, Decision(True, "GPU-bound (test)"))
+    timings = iter([(0.002, 0.5), (0.001, 0.5)])  # eager, then compiled: faster
+    monkeypatch.setattr(compiling.StepTimings, "result", lambda self: next(timings))
+    eager = Net()
+    _ddp_fit(eager, compile=False)
+    compiled = Net()
+    result = _ddp_fit(compiled)
+    info = result.compilation
+    assert info["mode"] == "default" and info["at_step"] == compiling.WARMUP_STEPS + compiling.TIMED_STEPS
+    assert info["speedup"] == pytest.approx(2)
+    _same_weights(compiled, eager)
+
+
+def test_ddp_ranks_compile_only_when_every_rank_says_it_pays(monkeypatch):
+    _auto_everywhere(monkeypatch)
+    monkeypatch.setattr(compiling, "decide", lambda *args, **options: (
+        Decision(True, "pays here") if _rank() == 0 else Decision(None, "eager: does not pay here")))
+    result = _ddp_fit(Net())  # rank 0's result
+    assert result.compilation["mode"] is None
+    assert result.compilation["reason"] == "eager: another process found that compiling would not pay"
+
+
+def test_a_rank_whose_compiled_step_fails_takes_every_rank_back_to_eager(monkeypatch):
+    def fails_on_rank_1(graph_module, example_inputs):
+        if _rank() == 1:
+            raise RuntimeError("no compiler on this rank")
+        return graph_module.forward
+
+    _auto_everywhere(monkeypatch, Decision(True, "test"), backend=fails_on_rank_1)
+    timings = iter([(0.002, 0.5), (0.001, 0.5)])  # rank 0's compiled steps are faster
+    monkeypatch.setattr(compiling.StepTimings, "result", lambda self: next(timings))
+    eager = Net()
+    _ddp_fit(eager, compile=False)
+    model = Net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        result = _ddp_fit(model)
+    assert result.compilation["mode"] is None and "another process" in result.compilation["reason"]
+    assert result.steps == 30
+    _same_weights(model, eager)

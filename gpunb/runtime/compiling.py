@@ -21,6 +21,12 @@ Only the training step is compiled under "auto" (validation runs eager: a second
 for eval mode would cost another compile); a forced compile covers validation too.
 Torch's compile caches (Dynamo's, the FX graph and AOTAutograd caches) are left on, so
 compiling the same model again in the kernel reuses them.
+
+Under DDP every process times its own steps and the processes vote (one all-reduce at
+each of the two decisions, at the same step on every rank): all compile, or none, and
+all keep the compiled step only if it is faster on every one. A process whose compiled
+step failed votes to go back to eager. CUDA graphs are left out (the all-reduce hooks
+run between the graphs), and FSDP runs compile only when asked to.
 """
 
 from __future__ import annotations
@@ -51,10 +57,12 @@ class Decision:
     reason: str
 
 
-def decide(step_s: float, host_share: float, remaining_steps: int, expected_compile_s: float) -> Decision:
-    """Whether to compile, and in which mode, from eager timings and the steps left."""
+def decide(step_s: float, host_share: float, remaining_steps: int, expected_compile_s: float,
+           cuda_graphs: bool = True) -> Decision:
+    """Whether to compile, and in which mode, from eager timings and the steps left
+    (`cuda_graphs=False`: the default mode even when launch-bound)."""
     launch_bound = host_share >= LAUNCH_BOUND
-    mode = "reduce-overhead" if launch_bound else True
+    mode = "reduce-overhead" if launch_bound and cuda_graphs else True
     why = (f"launch-bound: the host spent {100 * host_share:.0f}% of each step issuing work"
            if launch_bound else f"GPU-bound: the host issued each step in {100 * host_share:.0f}% of its time")
     saving = remaining_steps * step_s * (1 - 1 / ASSUMED_SPEEDUP[mode])
@@ -66,12 +74,12 @@ def decide(step_s: float, host_share: float, remaining_steps: int, expected_comp
     return Decision(mode, why)
 
 
-def auto_blocker(device, world_size: int, total_steps: int | None) -> str | None:
+def auto_blocker(device, world_size: int, total_steps: int | None, strategy: str = "ddp") -> str | None:
     """Why compile="auto" keeps this run eager from the start; None: it times the steps."""
     if device.type != "cuda":
         return f"eager: compile='auto' compiles on CUDA only (this run is on {device.type})"
-    if world_size > 1:
-        return "eager: in multi-process runs only compile=True compiles"
+    if world_size > 1 and strategy == "fsdp":
+        return "eager: FSDP runs compile only with compile=True"
     if total_steps is not None and total_steps < SHORTEST_RUN:
         return f"eager: {total_steps} steps are too few to time and then compile"
     return None
@@ -96,7 +104,8 @@ class Compilation:
     """Owns which module the training step calls: the eager one or its compiled form."""
 
     def __init__(self, run, device, world_size: int):
-        self.run, self.eager = run, run.stepper.model
+        self.run, self.eager, self.world_size = run, run.stepper.model, world_size
+        self.failed = False  # a compiled step raised here (a vote for eager in multi-process runs)
         self.requested = run.config.compile
         self.info = {"requested": self.requested, "mode": None, "at_step": None, "compile_s": None,
                      "speedup": None, "eager_step_ms": None, "compiled_step_ms": None, "reason": ""}
@@ -107,7 +116,7 @@ class Compilation:
         elif self.requested != "auto":
             self.compile(self.requested, at_step=0, training_only=False)
             self.info["reason"] = f"compile={self.requested!r}"
-        elif blocker := auto_blocker(device, world_size, run.state.total_steps):
+        elif blocker := auto_blocker(device, world_size, run.state.total_steps, run.config.strategy):
             self.info["reason"] = blocker
         else:
             self.timings = StepTimings(device)  # started at on_fit_start, from the step the fit starts at
@@ -141,24 +150,30 @@ class Compilation:
         was eager already: the error is the model's own."""
         if self.run.stepper.model is self.eager:
             return False
-        self._use_eager()
+        self.failed = True
+        self._use_eager(keep_voting=self.world_size > 1 and self.info["compiled_step_ms"] is None)
         what = f"{type(error).__name__}: {_gist(error)}"
         self.info.update(mode=None, reason=f"compiled step failed ({what}); eager from then on")
         warnings.warn(f"gpunb: torch.compile failed on this model, so training goes on eager: {what}",
                       RuntimeWarning, stacklevel=2)
         return True
 
-    def _use_eager(self) -> None:
+    def _use_eager(self, keep_voting: bool = False) -> None:
         self.run.stepper.use_model(self.eager, cuda_graphs=False)
         self.run.train_model = self.run.state.model = self.eager
-        self.run.callbacks.remove(self)
+        if not keep_voting:  # the other processes wait for this one's vote
+            self.run.callbacks.remove(self)
+
+    def _agreed(self, yes: bool) -> bool:
+        """Whether every process says yes (one all-reduce in multi-process runs)."""
+        return bool(self.run.dist.smallest(int(yes))) if self.world_size > 1 else yes
 
     # --- compile="auto": a callback until it has decided and checked the decision
     def on_fit_start(self, state) -> None:
         self.timings.restart(state.step, warmup=WARMUP_STEPS)  # a resumed fit starts above 0
 
     def on_step_end(self, state) -> None:
-        if state.profile:  # a profiler looks at the steps as they are
+        if state.profile and self.world_size == 1:  # a profiler looks at the steps as they are
             self._stay_eager("eager: the run was profiled")
         elif self.timings.record(state.step):
             if self.info["eager_step_ms"] is None:
@@ -176,9 +191,13 @@ class Compilation:
         self.signature = signature_of(model, self.run.batch_size)
         # a partial last batch is a second shape: a second compile (and CUDA graph)
         expected = expected_compile_s(model, self.signature) * (2 if _partial_last_batch(self.run) else 1)
-        decision = decide(step_s, host_share, state.total_steps - state.step, expected)
-        if decision.mode is None:
-            self._stay_eager(decision.reason)
+        decision = decide(step_s, host_share, state.total_steps - state.step, expected,
+                          cuda_graphs=self.world_size == 1)
+        if state.profile:  # the processes of a profiled run vote for eager
+            decision = Decision(None, "eager: the run was profiled")
+        if not self._agreed(decision.mode is not None):
+            self._stay_eager(decision.reason if decision.mode is None
+                             else "eager: another process found that compiling would not pay")
             return
         self.compile(decision.mode, at_step=state.step)
         self.info["reason"] = decision.reason
@@ -192,10 +211,14 @@ class Compilation:
         _measured_compile_s[self.signature] = compile_s
         speedup = eager_s / step_s
         self.info.update(compiled_step_ms=1000 * step_s, compile_s=compile_s, speedup=speedup)
-        if speedup < 1.0:
+        keep = self._agreed(speedup >= 1.0 and not self.failed)
+        if self.failed:  # eager already, since the failure (the reason says why)
+            return
+        if not keep:
             self._use_eager()
-            self.info.update(mode=None, reason=self.info["reason"] + f"; compiled steps were slower "
-                                               f"({speedup:.2f}x), so the run went back to eager")
+            why = (f"compiled steps were slower ({speedup:.2f}x)" if speedup < 1.0
+                   else "another process found its compiled steps slower, or failing")
+            self.info.update(mode=None, reason=f"{self.info['reason']}; {why}, so the run went back to eager")
 
     def _stay_eager(self, reason: str) -> None:
         self.info["reason"] = reason
