@@ -297,6 +297,31 @@ def test_with_cuda_graphs_the_kept_loss_is_a_copy_and_each_step_is_marked(monkey
     assert all(loss.data_ptr() != out.data_ptr() for out in outputs)
 
 
+def test_cuda_graphs_with_gradient_accumulation_keep_gradients_in_buffers_of_their_own(monkeypatch):
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: None)
+    from gpunb.runtime.objective import Objective
+    from gpunb.runtime.precision import Precision
+
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepper = Stepper(model, optimizer, Objective(nn.CrossEntropyLoss(), None, None),
+                      Precision("32", torch.device("cpu")), None, TrainConfig(grad_accum=2))
+    stepper.use_model(model, cuda_graphs=True)
+    buffers = [p.grad for p in model.parameters()]
+    assert all(g is not None and not g.any() for g in buffers)  # made before any graph runs
+    x, y = _data(16)
+    stepper.accumulate((x[:8], y[:8]), last_in_step=False)
+    stepper.accumulate((x[8:], y[8:]), last_in_step=True)
+    assert all(p.grad is g for p, g in zip(model.parameters(), buffers))  # accumulated in place
+    stepper.update()
+    assert all(p.grad is g and not g.any() for p, g in zip(model.parameters(), buffers))  # zeroed, kept
+    stepper.use_model(model, cuda_graphs=False)
+    stepper.accumulate((x, y), last_in_step=False)
+    stepper.accumulate((x, y), last_in_step=True)
+    stepper.update()
+    assert all(p.grad is None for p in model.parameters())  # eager: dropped after the step, as before
+
+
 # --- torch's caches make a second compile of the same model cheap
 
 

@@ -58,7 +58,7 @@ class Stepper:
         # a DDP micro-batch skips its all-reduce), so that common case runs with none.
         self.bare = precision.dtype is None and precision.scaler is None
         self.weight = 1.0 / config.grad_accum  # each loaded batch's share of an optimizer step
-        self.cuda_graphs = False  # the model replays CUDA graphs (see use_model)
+        self.cuda_graphs = self.stable_grads = False  # the model replays CUDA graphs (see use_model)
         # error -> True when the step should be replayed with the model it switched to (compiling.py)
         self.on_model_error = None
 
@@ -68,8 +68,16 @@ class Stepper:
 
     def use_model(self, model, cuda_graphs: bool = False) -> None:
         """Call `model` from the next micro-batch on (eager or compiled). `cuda_graphs`: its outputs
-        live in memory the next replay overwrites, so the kept loss is a copy."""
+        live in memory the next replay overwrites, so the kept loss is a copy; and with gradient
+        accumulation the gradients live in buffers of their own, zeroed rather than dropped
+        after each step (a .grad made by a graph would be overwritten by the next micro-batch's)."""
         self.model, self.cuda_graphs = model, cuda_graphs
+        self.stable_grads = cuda_graphs and self.config.grad_accum > 1
+        if self.stable_grads:
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    if p.requires_grad and p.grad is None:
+                        p.grad = torch.zeros_like(p)
 
     def accumulate(self, batch, last_in_step: bool) -> None:
         """Forward and backward of one loaded batch (in `splits` pieces)."""
@@ -128,7 +136,7 @@ class Stepper:
             self.optimizer.step()
         else:
             self.precision.step(self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.stable_grads)
         if self.schedule is not None:
             self.schedule.after_step()
         if self.ema is not None:
@@ -180,7 +188,7 @@ class Stepper:
 
     def _drop_step(self) -> None:
         """Forget the step's gradients and loss so far (its batches stay in `pending` for a replay)."""
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.stable_grads)
         self.step_loss = None
         if not self.split_on_oom:
             self.pending.clear()  # no replay: the caller gets the error
