@@ -204,17 +204,17 @@ class Compilation:
         self.timings.restart(state.step, warmup=COMPILED_WARMUP, compiling=True)
 
     def _after_compiled_timing(self) -> None:
-        step_s, _ = self.timings.result()
         self.run.callbacks.remove(self)
+        if self.failed:  # eager since the failure (the reason says why); its vote still counts
+            self._agreed(False)
+            return
+        step_s, _ = self.timings.result()
         eager_s = self.info["eager_step_ms"] / 1000
         compile_s = max(0.0, self.timings.first_step_s - eager_s)
         _measured_compile_s[self.signature] = compile_s
         speedup = eager_s / step_s
         self.info.update(compiled_step_ms=1000 * step_s, compile_s=compile_s, speedup=speedup)
-        keep = self._agreed(speedup >= 1.0 and not self.failed)
-        if self.failed:  # eager already, since the failure (the reason says why)
-            return
-        if not keep:
+        if not self._agreed(speedup >= 1.0):
             self._use_eager()
             why = (f"compiled steps were slower ({speedup:.2f}x)" if speedup < 1.0
                    else "another process found its compiled steps slower, or failing")
