@@ -266,6 +266,18 @@ def test_the_result_counts_graph_breaks(monkeypatch):
 # --- CUDA graphs: outputs live in memory the next replay overwrites
 
 
+def _graphed_stepper(model, loss_fn) -> Stepper:
+    """fit's step over `model` as if it replayed CUDA graphs: SGD, fp32, two micro-batches a step."""
+    from gpunb.runtime.objective import Objective
+    from gpunb.runtime.precision import Precision
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepper = Stepper(model, optimizer, Objective(loss_fn, None, None), Precision("32", torch.device("cpu")),
+                      None, TrainConfig(grad_accum=2))
+    stepper.use_model(model, cuda_graphs=True)
+    return stepper
+
+
 def test_with_cuda_graphs_the_kept_loss_is_a_copy_and_each_step_is_marked(monkeypatch):
     marks = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
@@ -281,14 +293,8 @@ def test_with_cuda_graphs_the_kept_loss_is_a_copy_and_each_step_is_marked(monkey
             outputs.append(loss)
             return loss
 
-    from gpunb.runtime.objective import Objective
-    from gpunb.runtime.precision import Precision
-
     model = LossModel()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    stepper = Stepper(model, optimizer, Objective(None, None, None), Precision("32", torch.device("cpu")),
-                      None, TrainConfig(grad_accum=2))
-    stepper.use_model(model, cuda_graphs=True)
+    stepper = _graphed_stepper(model, loss_fn=None)
     x, y = _data(8)
     stepper.accumulate((x, y), last_in_step=False)
     stepper.accumulate((x, y), last_in_step=True)
@@ -299,14 +305,8 @@ def test_with_cuda_graphs_the_kept_loss_is_a_copy_and_each_step_is_marked(monkey
 
 def test_cuda_graphs_with_gradient_accumulation_keep_gradients_in_buffers_of_their_own(monkeypatch):
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: None)
-    from gpunb.runtime.objective import Objective
-    from gpunb.runtime.precision import Precision
-
     model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    stepper = Stepper(model, optimizer, Objective(nn.CrossEntropyLoss(), None, None),
-                      Precision("32", torch.device("cpu")), None, TrainConfig(grad_accum=2))
-    stepper.use_model(model, cuda_graphs=True)
+    stepper = _graphed_stepper(model, loss_fn=nn.CrossEntropyLoss())
     buffers = [p.grad for p in model.parameters()]
     assert all(g is not None and not g.any() for g in buffers)  # made before any graph runs
     x, y = _data(16)

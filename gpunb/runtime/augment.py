@@ -30,6 +30,8 @@ class Augmenter:
         return bool(self.transforms)
 
     def __call__(self, batch, epoch: int, position: int):
+        if not self.transforms:
+            return batch
         if self.seed is None:
             return apply_transforms(batch, self.transforms)
         with batch_rng(transform_seed(self.seed, epoch, position), self.device):

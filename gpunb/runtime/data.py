@@ -96,16 +96,12 @@ class TensorFeed:
         if self.prefetch:
             if index.is_cuda:  # the gathers read it on the side stream
                 index.record_stream(self.prefetch.stream)
-            copy, tensors, size = self.prefetch.copy, self.tensors, self.batch_size
-            return self.prefetch(positions, lambda b: self._augmented(copy(_gathered(tensors, index, size, b)),
-                                                                       epoch, b))
+            augment, copy, tensors, size = self.augment, self.prefetch.copy, self.tensors, self.batch_size
+            return self.prefetch(positions, lambda b: augment(copy(_gathered(tensors, index, size, b)), epoch, b))
         batches = _indexed(self.tensors, index, self.batch_size, skip, self.num_batches)
         if self.tensors[0].device != self.device:
             batches = (move_batch(b, self.device) for b in batches)
         return _augmented_inline(batches, self.augment, epoch, skip)
-
-    def _augmented(self, batch, epoch: int, position: int):
-        return self.augment(batch, epoch, position) if self.augment else batch
 
 
 def _indexed(tensors, index, batch_size, first, end) -> Iterator[tuple]:
@@ -143,9 +139,7 @@ class LoaderFeed:
                 next(batches, None)
         if self.prefetch:  # copied and transformed on the side stream
             augment, copy = self.augment, self.prefetch.copy
-            prepare = ((lambda item: augment(copy(item[1]), epoch, item[0])) if augment
-                       else (lambda item: copy(item[1])))
-            return self.prefetch(enumerate(batches, start=skip), prepare)
+            return self.prefetch(enumerate(batches, start=skip), lambda item: augment(copy(item[1]), epoch, item[0]))
         if self.device.type != "cpu":
             batches = (move_batch(b, self.device, non_blocking=True) for b in batches)
         return _augmented_inline(batches, self.augment, epoch, skip)
@@ -153,23 +147,23 @@ class LoaderFeed:
 
 def build_feed(data, *, batch_size, device, config, rank=0, world_size=1, train=True):
     """The feed for `data` (already adapted by inputs.adapt_data)."""
-    transforms = [t for t in config.transforms if train or not getattr(t, "train_only", False)]
-    transforms = Augmenter(transforms, config.seed, device)
+    augment = Augmenter([t for t in config.transforms if train or not getattr(t, "train_only", False)],
+                        config.seed, device)
     if isinstance(data, tuple):
         order = EpochOrder(len(data[0]), config.shuffle and train, config.seed, rank, world_size)
         tensors = _maybe_resident(data, device, config.gpu_resident)
-        return TensorFeed(tensors, batch_size, order, device, config.drop_last and train, transforms)
+        return TensorFeed(tensors, batch_size, order, device, config.drop_last and train, augment)
     if isinstance(data, DataLoader):
         data = _workable(data)
         if world_size > 1 and _needs_sharding(data):
             sampler = _EpochSampler(EpochOrder(len(data.dataset), isinstance(data.sampler, RandomSampler),
                                                config.seed, rank, world_size))
-            return LoaderFeed(rebuilt_loader(data, sampler), device, transforms, sampler)
-        return LoaderFeed(data, device, transforms)
+            return LoaderFeed(rebuilt_loader(data, sampler), device, augment, sampler)
+        return LoaderFeed(data, device, augment)
     if isinstance(data, IterableDataset):
         loader = _own_loader(data, _loader_options(config, device), batch_size=batch_size,
                              generator=loader_generator(config.seed))
-        return LoaderFeed(loader, device, transforms)
+        return LoaderFeed(loader, device, augment)
     sampler = _EpochSampler(EpochOrder(len(data), config.shuffle and train, config.seed, rank, world_size))
     batch_sampler = BatchSampler(sampler, batch_size, drop_last=config.drop_last and train)
     options = _loader_options(config, device)
@@ -177,7 +171,7 @@ def build_feed(data, *, batch_size, device, config, rank=0, world_size=1, train=
         data = SeededDataset(data)
         batch_sampler = SeededBatchSampler(batch_sampler, sampler, config.seed)
     loader = _own_loader(data, options, batch_sampler=batch_sampler, generator=loader_generator(config.seed))
-    return LoaderFeed(loader, device, transforms, sampler)
+    return LoaderFeed(loader, device, augment, sampler)
 
 
 def _sampler_padding(sampler) -> int:

@@ -27,9 +27,7 @@ class EpochSteps:
 
     def __next__(self):
         if self.remaining is not None:
-            begin = time.perf_counter()  # _fetch, inlined in this per-step path
-            batch = self._fetch_marked() if self.marks.profile else next(self.batches, None)
-            self.timer.data_wait += time.perf_counter() - begin
+            batch = self._fetch()
             if batch is None:
                 raise StopIteration
             self.remaining -= 1

@@ -224,8 +224,7 @@ def _train(run: _Run) -> TrainResult:
                         _log(run, timer)  # syncs
                     if interrupt.raised:
                         state.request_stop("interrupted")
-                    if state.stop_reason is not None or (state.total_steps is not None
-                                                         and state.step >= state.total_steps):
+                    if state.should_stop or _finished(state):
                         break
                 if run.losses:  # the epoch's last, partial interval
                     _log(run, timer)

@@ -41,12 +41,8 @@ class Objective:
         if self.step_fn is not None:
             return _scalar(self.step_fn(model, batch), "step(model, batch)")
         if self.loss_fn is not None:
-            output, target = ((model(batch[0]), batch[1]) if type(batch) is tuple and len(batch) == 2
-                              else self._forward(model, batch))  # (inputs, target): as a plain loop calls it
-            loss = self._apply_loss(output, target)
-            if type(loss) is torch.Tensor and loss.ndim == 0:  # the common case, checked without a call
-                return loss
-            return _scalar(loss, "loss_fn(output, target)")
+            output, target = self._forward(model, batch)
+            return _scalar(self._apply_loss(output, target), "loss_fn(output, target)")
         return _scalar(_call(model, batch), "the model's forward", tuples=True)
 
     def evaluate(self, model, batch, score: bool = True) -> dict[str, torch.Tensor]:
@@ -97,12 +93,18 @@ class Objective:
         try:
             return self.loss_fn(output, target)
         except (TypeError, AttributeError) as error:
-            if isinstance(output, (list, tuple)):
-                raise _loss_mismatch(output, error) from error
-            raise
+            if not isinstance(output, (list, tuple)):
+                raise
+            raise GpunbError(f"The model returned a {type(output).__name__} of {len(output)}, and "
+                             f"`loss_fn` cannot take it: {type(error).__name__}: {error}",
+                             "return only the output the loss needs from forward, or pass a "
+                             "`step(model, batch)` that picks it, e.g. `def step(model, batch): "
+                             "x, y = batch; return loss_fn(model(x)[0], y)`.") from error
 
     def _forward(self, model, batch):
         __tracebackhide__ = True  # noqa: F841
+        if type(batch) is tuple and len(batch) == 2:  # (inputs, target): the common case, first
+            return model(batch[0]), batch[1]
         if isinstance(batch, torch.Tensor):
             return model(batch), batch
         if isinstance(batch, (list, tuple)) and len(batch) >= 2:
@@ -217,15 +219,6 @@ def _forward_never_ran(error: TypeError) -> bool:
         tb = tb.tb_next
     filename = tb.tb_frame.f_code.co_filename.replace("\\", "/")
     return filename.endswith(("torch/nn/modules/module.py", "gpunb/runtime/objective.py"))
-
-
-def _loss_mismatch(output, error: Exception) -> GpunbError:
-    """`loss_fn(output, target)` failed on a tuple output (a model returning several things)."""
-    return GpunbError(f"The model returned a {type(output).__name__} of {len(output)}, and "
-                      f"`loss_fn` cannot take it: {type(error).__name__}: {error}",
-                      "return only the output the loss needs from forward, or pass a "
-                      "`step(model, batch)` that picks it, e.g. `def step(model, batch): "
-                      "x, y = batch; return loss_fn(model(x)[0], y)`.")
 
 
 def _scalar(loss: Any, source: str, tuples: bool = False) -> torch.Tensor:

@@ -84,10 +84,7 @@ class Stepper:
         __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
         self.pending.append(batch)
         try:
-            if self.splits == 1:  # the common case, kept free of per-piece bookkeeping
-                self._piece(batch, self.weight, last_in_step)
-            else:
-                self._backward(batch, last_in_step)
+            self._backward(batch, last_in_step)
         except torch.OutOfMemoryError:
             self._drop_step()
             if not self.split_on_oom:
@@ -132,10 +129,7 @@ class Stepper:
             self.precision.unscale(self.optimizer)
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
             torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad_norm)
-        if self.precision.scaler is None:
-            self.optimizer.step()
-        else:
-            self.precision.step(self.optimizer)
+        self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=not self.stable_grads)
         if self.schedule is not None:
             self.schedule.after_step()
@@ -155,7 +149,7 @@ class Stepper:
 
     def _backward(self, batch, sync: bool) -> None:
         __tracebackhide__ = True  # noqa: F841
-        if self.splits == 1:
+        if self.splits == 1:  # the common case, kept free of per-piece bookkeeping
             self._piece(batch, self.weight, sync)
             return
         size = batch_size_of(batch)
