@@ -169,6 +169,21 @@ def test_training_profile_leaves_the_weights_alone():
     assert optimizer.state_dict()["state"] == {}
 
 
+def test_a_per_parameter_optimizer_on_a_cpu_is_told_to_fuse_and_the_default_is_not():
+    x, y = torch.randn(64, 8), torch.randint(0, 2, (64,))
+
+    def profiled(optimizer_of):
+        model = tiny_model()
+        return profile(train=dict(model=model, train_data=(x, y), optimizer=optimizer_of(model),
+                                  loss_fn=nn.CrossEntropyLoss(), config=dict(batch_size=16)), steps=2, warmup=0)
+
+    usual = profiled(lambda model: torch.optim.AdamW(model.parameters()))  # torch's default on a CPU: a loop
+    assert "unfused_optimizer" in usual.rules
+    advice = next(a for a in usual.advice if a.rule == "unfused_optimizer")
+    assert "fused=True" in advice.message and "foreach" not in advice.message and advice.est_gain > 0
+    assert "unfused_optimizer" not in profiled(lambda model: None).rules  # gpunb's fused AdamW
+
+
 def test_profiler_callback_with_the_trainer():
     from gpunb import Trainer
 
@@ -393,7 +408,7 @@ def test_fp32_matmul_share_comes_from_its_kernels_on_a_gpu():
 def test_gpu_only_rules_stay_quiet_for_a_cpu():
     cpu = DeviceCaps()
     result = launch_bound_gpu_trace(sync=True, unfused=True).result(caps=cpu)
-    assert not {"host_sync", "unfused_optimizer", "small_batch", "compile", "precision", "tf32"} & set(result.rules)
+    assert not {"host_sync", "small_batch", "compile", "precision", "tf32"} & set(result.rules)
 
 
 def test_nvml_utilisation_is_optional(monkeypatch):

@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from gpunb import Trainer, TrainResult
 from gpunb.errors import GpunbError
+from gpunb.runtime.optim import default_optimizer
 
 # Losses of the first 8 steps of a seeded 2-layer MLP (batch 16, AdamW 1e-3, fp32, CPU).
 RECORDED = [1.118733, 1.053832, 1.0929, 1.098509, 1.067541, 1.057247, 1.032906, 1.108601]
@@ -30,6 +31,30 @@ def test_losses_match_recorded_values():
     _, result = fit(max_steps=8)
     assert [h["loss"] for h in result.history] == pytest.approx(RECORDED, rel=1e-4)
     assert result.steps == 8 and result.samples == 128
+
+
+def test_the_default_optimizer_is_adamw_with_torchs_fused_kernel_and_matches_it():
+    model, _ = fit(max_steps=8, shuffle=False)
+    default = default_optimizer(mlp(), lr=None)
+    assert isinstance(default, torch.optim.AdamW) and default.defaults["fused"] is True
+    assert default.defaults["lr"] == 1e-3
+    # the same run by hand, with the fused AdamW a user would have to ask for
+    reference = mlp()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True)
+    x, y = classification_data(n=128)
+    for i in range(8):
+        nn.functional.cross_entropy(reference(x[16 * i:16 * (i + 1)]), y[16 * i:16 * (i + 1)]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:Complex modules")
+def test_parameters_without_a_fused_kernel_get_the_foreach_adamw():
+    model = nn.Linear(4, 4).to(torch.complex64)  # torch's fused AdamW takes real floating point only
+    optimizer = default_optimizer(model, lr=None)
+    assert optimizer.defaults["foreach"] is True and not optimizer.defaults["fused"]
 
 
 def test_same_seed_same_run_and_different_seed_differs():

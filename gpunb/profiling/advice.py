@@ -149,11 +149,13 @@ def host_sync(result, s, caps) -> Advice | None:
 
 
 def unfused_optimizer(result, s, caps) -> Advice | None:
-    if not caps.gpu or s["optimizer_fused"] or s["optimizer_ops_per_step"] < 10:
+    """A per-parameter optimizer (torch's default on a CPU, or `foreach=False`): a fused one
+    updates every parameter in one pass (on a GPU, foreach does in a few kernels)."""
+    if s["optimizer_fused"] or s["optimizer_ops_per_step"] < 10:
         return None
-    return Advice("unfused_optimizer", "The optimizer updates one parameter at a time: create it with "
-                  "`fused=True` (or `foreach=True`), e.g. `torch.optim.AdamW(params, fused=True)` "
-                  "(gpunb's default AdamW is fused already).",
+    how = "`fused=True` (or `foreach=True`)" if caps.gpu else "`fused=True`"
+    return Advice("unfused_optimizer", f"The optimizer updates one parameter at a time: create it with {how}, "
+                  "e.g. `torch.optim.AdamW(params, fused=True)` (gpunb's default AdamW is fused already).",
                   f"{s['optimizer_ops_per_step']:.0f} ops per optimizer step, none of them _foreach_/_fused_; "
                   f"the optimizer takes {100 * s['optimizer_share']:.0f}% of the step",
                   s["optimizer_share"] * 0.5)

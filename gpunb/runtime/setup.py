@@ -38,6 +38,6 @@ def setup(config, context, model, train_data, val_data=None, optimizer=None) -> 
     val = adapt_data(val_data, "val_data") if val_data is not None else None
     model.to(device)
     if optimizer is None:
-        optimizer = default_optimizer(model, config.lr, device)
+        optimizer = default_optimizer(model, config.lr)
     check_optimizer(optimizer, model)
     return Setup(device, precision, reason, train, val, optimizer)
