@@ -1,8 +1,16 @@
 """gpunb vs a hand-written PyTorch loop doing the same work: step time and peak memory.
 
 Both train the same seeded model on the same data with the same optimizer and
-precision. Runs are interleaved (gpunb, plain, gpunb, plain, ...) so that drift in
-machine speed hits both alike; each reports the median step time after warm-up.
+precision. Runs are interleaved, in turn forwards and backwards (gpunb, plain, usual,
+usual, plain, gpunb, ...), so that drift in machine speed hits all alike; each run
+reports its median step time after warm-up, and each ratio is the median of the
+rounds' ratios (with the middle half of them, to show the noise).
+
+"time ratio" measures gpunb's own cost: the plain loop does exactly gpunb's work, with
+the optimizer implementation gpunb picks (fused AdamW). "vs usual" compares gpunb with
+the loop as it is usually written, `torch.optim.AdamW(model.parameters())` with torch's
+defaults (a Python loop over the parameters on CPU, foreach on CUDA): what gpunb's
+defaults gain a user over their own loop.
 
     python benchmarks/overhead.py            # CPU cases (+ the GPU cases when CUDA is there)
     python benchmarks/overhead.py --steps 40 --rounds 1 --warmup 5 --cases mlp   # a quick check
@@ -128,14 +136,14 @@ def cases(device):
         yield ("digits-cnn-b64", digits_cnn, (x, y), 64, nn.CrossEntropyLoss(), "bf16-mixed")
 
 
-def plain_loop(make_model, data, batch_size, loss_fn, precision, device, steps):
+def plain_loop(make_model, data, batch_size, loss_fn, precision, device, steps, fused=True):
     """What a careful user writes by hand: data on the device, shuffled once per epoch,
-    fused/foreach AdamW, autocast when the precision is mixed (none in fp32), and the loss
-    read at the same interval as gpunb's. Timed by the same StepTimer as gpunb's loop."""
+    fused AdamW, autocast when the precision is mixed (none in fp32), and the loss read at
+    the same interval as gpunb's. Timed by the same StepTimer as gpunb's loop.
+    `fused=False`: torch's default AdamW, as most hand-written loops create it."""
     torch.manual_seed(0)
     model = make_model().to(device)
-    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **fast)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **({"fused": True} if fused else {}))
     x, y = (t.to(device) for t in data)
     dtype = torch.bfloat16 if precision == "bf16-mixed" else None
     mixed = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
@@ -175,6 +183,10 @@ class StepTimer:
         now = time.perf_counter()
         self.times.append(now - self.last)
         self.last = now
+
+
+def usual_loop(make_model, data, batch_size, loss_fn, precision, device, steps):
+    return plain_loop(make_model, data, batch_size, loss_fn, precision, device, steps, fused=False)
 
 
 def gpunb_loop(make_model, data, batch_size, loss_fn, precision, device, steps):
@@ -220,7 +232,7 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-LOOPS = {"plain": plain_loop, "gpunb": gpunb_loop}
+LOOPS = {"gpunb": gpunb_loop, "plain": plain_loop, "usual": usual_loop}
 LAST_RESULT: dict = {}  # the TrainResult of the latest gpunb run
 
 
@@ -241,6 +253,14 @@ def mfu_line(case, device, precision, plain_s, gpunb_s) -> str | None:
     return line
 
 
+def _middle_half(values) -> tuple[float, float]:
+    """The 25th and 75th percentiles (the only value twice, for one round)."""
+    if len(values) < 2:
+        return values[0], values[0]
+    quartiles = statistics.quantiles(values, n=4, method="inclusive")
+    return quartiles[0], quartiles[2]
+
+
 def nanogpt_flops(batch, context, layers=12, heads=12, width=768) -> float:
     """FLOPs of one GPT step by nanoGPT's `estimate_mfu`: 6N + 12 L H Q T per token, N without
     the position embedding (the PaLM appendix B count)."""
@@ -254,7 +274,7 @@ def main():
     parser = argparse.ArgumentParser(description="gpunb vs a hand-written PyTorch loop: step time, peak memory "
                                      "and, on a GPU, MFU.")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (GPT-2: 60)")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median is reported")
     parser.add_argument("--warmup", type=int, default=30, help="steps left out of each run's median")
     parser.add_argument("--cases", nargs="+", metavar="CASE", choices=("mlp", "lstm-parity") + GPU_ONLY,
                         help="run only these: mlp lstm-parity " + " ".join(GPU_ONLY))
@@ -267,22 +287,27 @@ def main():
     print(f"device: {name}, torch {torch.__version__}, threads {torch.get_num_threads()}")
     if device.type != "cuda":
         print(f"skipped: {', '.join(GPU_ONLY)} (they need a CUDA GPU)")
-    print(f"{'case':<18}{'plain ms':>10}{'gpunb ms':>10}{'time ratio':>12}{'memory ratio':>14}")
+    print(f"{'case':<18}{'plain ms':>10}{'gpunb ms':>10}{'time ratio':>12}{'middle half':>14}"
+          f"{'memory ratio':>14}{'usual ms':>10}{'vs usual':>10}")
     notes = []
     for case, make_model, data, batch_size, loss_fn, precision in cases(device):
         if args.cases and case not in args.cases:
             continue
         steps = gpt_steps if "gpt" in case else args.steps
-        medians = {"plain": [], "gpunb": []}
-        for _ in range(args.rounds):  # interleaved rounds
-            for label, loop in (("gpunb", gpunb_loop), ("plain", plain_loop)):
+        medians = {label: [] for label in LOOPS}
+        for round_ in range(args.rounds):  # interleaved, every other round backwards
+            for label, loop in (list(LOOPS.items()) if round_ % 2 == 0 else reversed(LOOPS.items())):
                 times = loop(make_model, data, batch_size, loss_fn, precision, device, steps)
                 medians[label].append(statistics.median(times[args.warmup:]))
-        plain, ours = statistics.median(medians["plain"]), statistics.median(medians["gpunb"])
+        plain, ours, usual = (statistics.median(medians[label]) for label in ("plain", "gpunb", "usual"))
+        ratios = [g / p for g, p in zip(medians["gpunb"], medians["plain"])]
+        low, high = _middle_half(ratios)
+        versus_usual = statistics.median(g / u for g, u in zip(medians["gpunb"], medians["usual"]))
         line = mfu_line(case, device, precision, plain, ours) if case in GPU_ONLY else None  # before
-        mem = {label: peak_memory(case, label, device) for label in LOOPS}  # peak_memory runs gpunb again
-        print(f"{case:<18}{1000 * plain:>10.3f}{1000 * ours:>10.3f}{ours / plain:>12.3f}"
-              f"{mem['gpunb'] / mem['plain']:>14.3f}")
+        mem = {label: peak_memory(case, label, device) for label in ("plain", "gpunb")}  # runs gpunb again
+        print(f"{case:<18}{1000 * plain:>10.3f}{1000 * ours:>10.3f}{statistics.median(ratios):>12.3f}"
+              f"{f'{low:.3f}-{high:.3f}':>14}{mem['gpunb'] / mem['plain']:>14.3f}"
+              f"{1000 * usual:>10.3f}{versus_usual:>10.3f}")
         if line:
             notes.append(line)
     for line in notes:

@@ -16,7 +16,7 @@ FUSED_DEVICES = ("cuda", "cpu", "mps", "xpu")  # where torch has a fused AdamW k
 def default_optimizer(model: torch.nn.Module, lr: float | None):
     """AdamW with torch's fused kernel where it has one for these parameters (CUDA, CPU, MPS):
     one pass over all parameters instead of one op per update term. On a CPU, torch's own
-    default is a Python loop over the parameters, and a small model's whole step takes 15-19%
+    default is a Python loop over the parameters, and a small model's whole step takes 10-20%
     less time with fused (benchmarks/RESULTS.md). Elsewhere the foreach implementation."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:

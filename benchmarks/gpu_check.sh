@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Everything a CUDA machine should check, in one call: the CUDA tests, then the GPU
+# benchmarks. Each step's output goes to its own file in OUT_DIR (default
+# benchmarks/out), and a failing step does not stop the ones after it; the exit
+# status is the number of steps that failed.
+#
+#     bash benchmarks/gpu_check.sh                # all of it
+#     OUT_DIR=/tmp/gpu bash benchmarks/gpu_check.sh tests overhead   # only these steps
+#
+# Steps: tests overhead compile startup data_wait profile launch (launch needs 2 GPUs).
+set -u
+cd "$(dirname "$0")/.."
+out=${OUT_DIR:-benchmarks/out}
+mkdir -p "$out"
+steps=${*:-tests overhead compile startup data_wait profile launch}
+python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/device.txt" 2>&1
+python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" >> "$out/device.txt"
+
+failed=0
+run() {  # run NAME COMMAND...: the command's output in $out/NAME.txt, timed
+    local name=$1; shift
+    echo "== $name: $*"
+    local start=$SECONDS
+    "$@" > "$out/$name.txt" 2>&1
+    local status=$?
+    echo "   exit $status after $((SECONDS - start)) s ($out/$name.txt)"
+    [ $status -eq 0 ] || failed=$((failed + 1))
+}
+
+for step in $steps; do
+    case $step in
+        tests) run tests python -m pytest -p no:cacheprovider -o addopts="" -m cuda -rs -v tests ;;
+        overhead) run overhead python benchmarks/overhead.py ;;
+        compile) run compile python benchmarks/compile_auto.py ;;
+        startup) run startup python benchmarks/startup.py ;;
+        data_wait) run data_wait python benchmarks/data_wait.py ;;
+        profile) run profile python benchmarks/profile_overhead.py ;;
+        launch)
+            if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+                run launch python benchmarks/launch.py --accelerator cuda
+            else
+                echo "== launch: skipped (one GPU)"
+            fi ;;
+        *) echo "unknown step: $step" >&2; failed=$((failed + 1)) ;;
+    esac
+done
+exit $failed
