@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything a CUDA machine should check, in one call: the CUDA tests, then the GPU
+# Everything a CUDA machine should check: the CUDA tests, then the GPU
 # benchmarks. Each step's output goes to its own file in OUT_DIR (default
 # benchmarks/out), and a failing step does not stop the ones after it; the exit
 # status is the number of steps that failed.
@@ -8,6 +8,8 @@
 #     OUT_DIR=/tmp/gpu bash benchmarks/gpu_check.sh tests overhead   # only these steps
 #
 # Steps: tests overhead compile startup data_wait profile launch (launch needs 2 GPUs).
+# Together they run for well over ten minutes on one GPU (compile alone trains GPT-2 for 6,000
+# steps); where a call has a time limit, give one step per call.
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT_DIR:-benchmarks/out}

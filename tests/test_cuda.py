@@ -89,6 +89,18 @@ def test_dataloader_path_uses_pinned_memory_and_prefetcher():
         def __getitem__(self, i):
             return self.x[i], self.y[i]
 
+    from gpunb.config import TrainConfig
+    from gpunb.runtime.data import LoaderFeed, build_feed
+    from gpunb.runtime.inputs import adapt_data
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    feed = build_feed(adapt_data(Pairs(), "train_data"), batch_size=64, device=device,
+                      config=TrainConfig(num_workers=2))  # the feed fit builds for this data
+    assert isinstance(feed, LoaderFeed) and feed.loader.pin_memory and feed.prefetch is not None
+    first = next(iter(feed.epoch(0)))
+    assert first[0].device == device and first[0].shape == (64, 10)
+    del feed, first  # the loader's workers go with it
+
     result = Trainer(epochs=2, batch_size=64, num_workers=2, track=False).fit(
         mlp(), Pairs(), loss_fn=nn.CrossEntropyLoss())
     assert result.samples == 1024 and result.device.startswith("cuda")

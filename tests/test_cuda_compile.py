@@ -10,6 +10,16 @@ from gpunb.runtime import compiling
 pytestmark = pytest.mark.cuda
 
 
+@pytest.fixture(autouse=True)
+def fresh_compiler():
+    """Each test compiles anew: Dynamo would otherwise reuse an earlier test's graphs for this
+    same model class (and CUDA-graph trees their recordings), so no test would see a compile.
+    The on-disk caches stay, so a compile here takes seconds."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def _data(n, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 32, generator=g)
@@ -67,6 +77,8 @@ def test_auto_times_a_small_model_finds_it_launch_bound_and_captures_it(monkeypa
     info = result.compilation
     assert info["at_step"] == compiling.WARMUP_STEPS + compiling.TIMED_STEPS
     assert "launch-bound" in info["reason"]  # a 32-64-2 MLP: microsecond kernels, the host is slower
+    assert info["mode"] == "reduce-overhead", info["reason"]  # the graphs were faster, and kept
+    assert info["cuda_graph_skips"] == 0
     assert info["eager_step_ms"] > 0 and info["compiled_step_ms"] > 0 and info["compile_s"] > 0
     assert info["speedup"] is not None
     assert result.steps == 60 and all(r["loss"] == r["loss"] for r in result.history)  # no NaN

@@ -45,11 +45,14 @@ def no_process_left_behind():
 
 
 def _helper(process) -> bool:
-    """multiprocessing's resource tracker: one per process that ever used spawn, by design."""
+    """By design, kept for the process's lifetime: multiprocessing's resource tracker (one per
+    process that ever used spawn) and torch.compile's pool of compile workers (started at the
+    first Inductor compile where Triton is installed, as with a CUDA build of torch)."""
     try:
-        return "resource_tracker" in " ".join(process.cmdline())
+        commands = [" ".join(p.cmdline()) for p in (process, *process.parents())]  # the pool's workers too
     except psutil.Error:
         return True
+    return "resource_tracker" in commands[0] or any("_inductor/compile_worker" in c for c in commands)
 
 
 def assert_same_weights(a, b, atol=ATOL):

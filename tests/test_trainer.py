@@ -471,3 +471,31 @@ def test_the_old_hook_warning_points_at_the_callbacks_own_definition():
         fit(max_steps=1, callbacks=[Old()])
     warning = next(w for w in caught if w.category is DeprecationWarning)
     assert warning.filename == __file__ and warning.lineno == Old.on_train_batch_end.__code__.co_firstlineno
+
+
+def test_a_finished_fit_lets_go_of_its_run_and_loader_workers_without_the_garbage_collector(monkeypatch):
+    """The run (optimizer state, data the GPU holds, the loader's persistent workers) goes when
+    fit returns, not at the garbage collector's next full pass, which may be long after."""
+    import gc
+    import weakref
+
+    import psutil
+
+    from gpunb.runtime import loop
+
+    x, y = classification_data(n=128)
+    fit(data=PairDataset(x, y), max_steps=2)  # torch's first imports inside a fit hold its frames until gc
+    runs = []
+    train = loop._train
+    monkeypatch.setattr(loop, "_train", lambda run: runs.append(weakref.ref(run)) or train(run))
+    before = {p.pid for p in psutil.Process().children()}
+    gc.collect()
+    gc.disable()
+    try:
+        _, result = fit(data=PairDataset(x, y), val_data=(x, y), epochs=2, num_workers=2)
+        assert result.steps == 16
+        del result
+        assert runs[0]() is None
+        assert not [p for p in psutil.Process().children() if p.pid not in before]
+    finally:
+        gc.enable()

@@ -34,6 +34,7 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -104,7 +105,9 @@ class Compilation:
     """Owns which module the training step calls: the eager one or its compiled form."""
 
     def __init__(self, run, device, world_size: int):
-        self.run, self.eager, self.world_size = run, run.stepper.model, world_size
+        # The run owns this object: a weak reference back keeps the two out of a reference cycle,
+        # so that the run's GPU memory (resident data, optimizer state) goes when fit returns
+        self.run, self.eager, self.world_size = weakref.proxy(run), run.stepper.model, world_size
         self.failed = False  # a compiled step raised here (a vote for eager in multi-process runs)
         self.requested = run.config.compile
         self.info = {"requested": self.requested, "mode": None, "at_step": None, "compile_s": None,
