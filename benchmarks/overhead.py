@@ -2,15 +2,16 @@
 
 Both train the same seeded model on the same data with the same optimizer and
 precision. Runs are interleaved, in turn forwards and backwards (gpunb, plain, usual,
-usual, plain, gpunb, ...), so that drift in machine speed hits all alike; each run
-reports its median step time after warm-up, and each ratio is the median of the
+loader, loader, usual, plain, gpunb, ...), so that drift in machine speed hits all alike;
+each run reports its median step time after warm-up, and each ratio is the median of the
 rounds' ratios (with the middle half of them, to show the noise).
 
 "time ratio" measures gpunb's own cost: the plain loop does exactly gpunb's work, with
 the optimizer implementation gpunb picks (fused AdamW). "vs usual" compares gpunb with
 the loop as it is usually written, `torch.optim.AdamW(model.parameters())` with torch's
 defaults (a Python loop over the parameters on CPU, foreach on CUDA): what gpunb's
-defaults gain a user over their own loop.
+defaults gain a user over their own loop. "vs loader" compares it with that loop fed the
+usual way, by a shuffling DataLoader over a TensorDataset of the same tensors.
 
     python benchmarks/overhead.py            # CPU cases (+ the GPU cases when CUDA is there)
     python benchmarks/overhead.py --steps 40 --rounds 1 --warmup 5 --cases mlp   # a quick check
@@ -35,6 +36,7 @@ import time
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from gpunb import Trainer
 from gpunb.demo import digits_cnn, digits_data
@@ -189,6 +191,37 @@ def usual_loop(make_model, data, batch_size, loss_fn, precision, device, steps):
     return plain_loop(make_model, data, batch_size, loss_fn, precision, device, steps, fused=False)
 
 
+def loader_loop(make_model, data, batch_size, loss_fn, precision, device, steps):
+    """The usual loop fed the usual way: torch's default AdamW and a shuffling DataLoader over a
+    TensorDataset on the host (pinned on CUDA), each batch copied to the device. gpunb, given the
+    same TensorDataset, takes its tensors and batches them by slicing."""
+    torch.manual_seed(0)
+    model = make_model().to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = DataLoader(TensorDataset(*data), batch_size=batch_size, shuffle=True, drop_last=True,
+                        pin_memory=device.type == "cuda")
+    dtype = torch.bfloat16 if precision == "bf16-mixed" else None
+    mixed = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    timer = StepTimer(device)
+    batches = iter(loader)
+    timer.on_fit_start(None)
+    for step in range(steps):
+        batch = next(batches, None)
+        if batch is None:  # a new epoch
+            batches = iter(loader)
+            batch = next(batches)
+        xb, yb = (t.to(device, non_blocking=True) for t in batch)
+        with mixed:
+            loss = loss_fn(model(xb), yb)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if (step + 1) % 50 == 0:
+            loss.item()
+        timer.on_step_end(None)
+    return timer.times
+
+
 def gpunb_loop(make_model, data, batch_size, loss_fn, precision, device, steps):
     torch.manual_seed(0)
     timer = StepTimer(device)
@@ -232,7 +265,7 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-LOOPS = {"gpunb": gpunb_loop, "plain": plain_loop, "usual": usual_loop}
+LOOPS = {"gpunb": gpunb_loop, "plain": plain_loop, "usual": usual_loop, "loader": loader_loop}
 LAST_RESULT: dict = {}  # the TrainResult of the latest gpunb run
 
 
@@ -288,7 +321,7 @@ def main():
     if device.type != "cuda":
         print(f"skipped: {', '.join(GPU_ONLY)} (they need a CUDA GPU)")
     print(f"{'case':<18}{'plain ms':>10}{'gpunb ms':>10}{'time ratio':>12}{'middle half':>14}"
-          f"{'memory ratio':>14}{'usual ms':>10}{'vs usual':>10}")
+          f"{'memory ratio':>14}{'usual ms':>10}{'vs usual':>10}{'loader ms':>11}{'vs loader':>11}")
     notes = []
     for case, make_model, data, batch_size, loss_fn, precision in cases(device):
         if args.cases and case not in args.cases:
@@ -299,15 +332,17 @@ def main():
             for label, loop in (list(LOOPS.items()) if round_ % 2 == 0 else reversed(LOOPS.items())):
                 times = loop(make_model, data, batch_size, loss_fn, precision, device, steps)
                 medians[label].append(statistics.median(times[args.warmup:]))
-        plain, ours, usual = (statistics.median(medians[label]) for label in ("plain", "gpunb", "usual"))
+        plain, ours, usual, loader = (statistics.median(medians[label])
+                                      for label in ("plain", "gpunb", "usual", "loader"))
+        ratio_to = {label: statistics.median(g / t for g, t in zip(medians["gpunb"], medians[label]))
+                    for label in ("usual", "loader")}
         ratios = [g / p for g, p in zip(medians["gpunb"], medians["plain"])]
         low, high = _middle_half(ratios)
-        versus_usual = statistics.median(g / u for g, u in zip(medians["gpunb"], medians["usual"]))
         line = mfu_line(case, device, precision, plain, ours) if case in GPU_ONLY else None  # before
         mem = {label: peak_memory(case, label, device) for label in ("plain", "gpunb")}  # runs gpunb again
         print(f"{case:<18}{1000 * plain:>10.3f}{1000 * ours:>10.3f}{statistics.median(ratios):>12.3f}"
               f"{f'{low:.3f}-{high:.3f}':>14}{mem['gpunb'] / mem['plain']:>14.3f}"
-              f"{1000 * usual:>10.3f}{versus_usual:>10.3f}")
+              f"{1000 * usual:>10.3f}{ratio_to['usual']:>10.3f}{1000 * loader:>11.3f}{ratio_to['loader']:>11.3f}")
         if line:
             notes.append(line)
     for line in notes:
