@@ -138,26 +138,41 @@ def cases(device):
         yield ("digits-cnn-b64", digits_cnn, (x, y), 64, nn.CrossEntropyLoss(), "bf16-mixed")
 
 
-def plain_loop(make_model, data, batch_size, loss_fn, precision, device, steps, fused=True):
+def plain_loop(make_model, data, batch_size, loss_fn, precision, device, steps, fused=True, loader=False):
     """What a careful user writes by hand: data on the device, shuffled once per epoch,
     fused AdamW, autocast when the precision is mixed (none in fp32), and the loss read at
     the same interval as gpunb's. Timed by the same StepTimer as gpunb's loop.
-    `fused=False`: torch's default AdamW, as most hand-written loops create it."""
+    `fused=False`: torch's default AdamW, as most hand-written loops create it. `loader=True`:
+    fed the usual way, by a shuffling DataLoader over a TensorDataset on the host (pinned on
+    CUDA), each batch copied to the device; gpunb, given that TensorDataset, batches its tensors
+    by slicing."""
     torch.manual_seed(0)
     model = make_model().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **({"fused": True} if fused else {}))
-    x, y = (t.to(device) for t in data)
+    if loader:
+        shuffled = DataLoader(TensorDataset(*data), batch_size=batch_size, shuffle=True, drop_last=True,
+                              pin_memory=device.type == "cuda")
+        batches = iter(shuffled)
+    else:
+        x, y = (t.to(device) for t in data)
+        order, position = None, len(x)
     dtype = torch.bfloat16 if precision == "bf16-mixed" else None
     mixed = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
     timer = StepTimer(device)  # the same clock as gpunb's run: from one step's end to the next
-    order, position = None, len(x)
     timer.on_fit_start(None)
     for step in range(steps):
-        if position + batch_size > len(x):  # a new epoch: reshuffle (sampling without replacement)
-            order, position = torch.randperm(len(x), device=device), 0
-        index = order[position:position + batch_size]
-        position += batch_size
-        xb, yb = x[index], y[index]  # held through backward, as in any hand-written loop
+        if loader:
+            batch = next(batches, None)
+            if batch is None:  # a new epoch
+                batches = iter(shuffled)
+                batch = next(batches)
+            xb, yb = (t.to(device, non_blocking=True) for t in batch)
+        else:
+            if position + batch_size > len(x):  # a new epoch: reshuffle (sampling without replacement)
+                order, position = torch.randperm(len(x), device=device), 0
+            index = order[position:position + batch_size]
+            position += batch_size
+            xb, yb = x[index], y[index]  # held through backward, as in any hand-written loop
         with mixed:
             loss = loss_fn(model(xb), yb)
         loss.backward()
@@ -192,34 +207,7 @@ def usual_loop(make_model, data, batch_size, loss_fn, precision, device, steps):
 
 
 def loader_loop(make_model, data, batch_size, loss_fn, precision, device, steps):
-    """The usual loop fed the usual way: torch's default AdamW and a shuffling DataLoader over a
-    TensorDataset on the host (pinned on CUDA), each batch copied to the device. gpunb, given the
-    same TensorDataset, takes its tensors and batches them by slicing."""
-    torch.manual_seed(0)
-    model = make_model().to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = DataLoader(TensorDataset(*data), batch_size=batch_size, shuffle=True, drop_last=True,
-                        pin_memory=device.type == "cuda")
-    dtype = torch.bfloat16 if precision == "bf16-mixed" else None
-    mixed = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-    timer = StepTimer(device)
-    batches = iter(loader)
-    timer.on_fit_start(None)
-    for step in range(steps):
-        batch = next(batches, None)
-        if batch is None:  # a new epoch
-            batches = iter(loader)
-            batch = next(batches)
-        xb, yb = (t.to(device, non_blocking=True) for t in batch)
-        with mixed:
-            loss = loss_fn(model(xb), yb)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if (step + 1) % 50 == 0:
-            loss.item()
-        timer.on_step_end(None)
-    return timer.times
+    return plain_loop(make_model, data, batch_size, loss_fn, precision, device, steps, fused=False, loader=True)
 
 
 def gpunb_loop(make_model, data, batch_size, loss_fn, precision, device, steps):

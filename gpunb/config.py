@@ -20,7 +20,6 @@ _PRECISION_ALIASES = {
     "auto": "auto",
 }
 LR_SCHEDULES = ("none", "one-cycle", "cosine")
-COMPILE_MODES = ("auto", True, False, "reduce-overhead", "max-autotune")
 _COMPILE_ALIASES = {"auto": "auto", "true": True, "on": True, "default": True, "false": False,
                     "off": False, "eager": False, "reduce-overhead": "reduce-overhead",
                     "cuda-graphs": "reduce-overhead", "cudagraphs": "reduce-overhead",

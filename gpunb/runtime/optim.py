@@ -10,7 +10,6 @@ import torch
 from gpunb.errors import GpunbError
 
 DEFAULT_LR = 1e-3
-FUSED_DEVICES = ("cuda", "cpu", "mps", "xpu")  # where torch has a fused AdamW kernel
 
 
 def default_optimizer(model: torch.nn.Module, lr: float | None):
@@ -28,7 +27,10 @@ def default_optimizer(model: torch.nn.Module, lr: float | None):
 def fastest_implementation(params) -> dict:
     """{"fused": True} when every parameter is a plain floating-point tensor on a device with
     the fused kernel, else {"foreach": True} (subclasses such as DTensor take the foreach path)."""
-    if all(type(p) in (torch.Tensor, torch.nn.Parameter) and p.device.type in FUSED_DEVICES
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices  # torch's own list
+
+    fused_devices = _get_fused_kernels_supported_devices()
+    if all(type(p) in (torch.Tensor, torch.nn.Parameter) and p.device.type in fused_devices
            and torch.is_floating_point(p) for p in params):
         return {"fused": True}
     return {"foreach": True}
