@@ -109,7 +109,7 @@ class StepOps(TorchDispatchMode):
         self.current = collections.Counter()
 
 
-def test_a_whole_step_dispatches_the_plain_loops_ops_and_one_detach():
+def test_a_whole_step_dispatches_the_plain_loops_ops_and_one_detach_with_a_faster_gather_and_no_zero_grad_range():
     x, y = torch.randn(64, 4), torch.randn(64, 2)
     ops = {}
     for loop in ("gpunb", "plain"):
@@ -134,7 +134,11 @@ def test_a_whole_step_dispatches_the_plain_loops_ops_and_one_detach():
     for step in (2, 3, 6, 7):  # not the epoch's first step, nor those after a log (its one sync)
         ours, plain = ops["gpunb"][step - 1], ops["plain"][step - 1]
         extra, missing = ours - plain, plain - ours
-        assert extra == {"detach": 1} and not missing, f"step {step}: +{dict(extra)} -{dict(missing)}"
+        # gpunb gathers each tensor's rows with index_select, where the plain loop's x[rows] is
+        # `index`, and drops the gradients without optimizer.zero_grad's profiler range
+        assert extra == {"detach": 1, "index_select": 2}, f"step {step}: +{dict(extra)}"
+        assert missing == {"index": 2, "_record_function_enter_new": 1, "_record_function_exit": 1}, \
+            f"step {step}: -{dict(missing)}"
 
 
 def _phases_named(profile_from_start: bool) -> list:
@@ -187,3 +191,36 @@ def _contexts_entered(steps_run: int) -> int:
 
 def test_an_fp32_step_enters_no_context_while_not_profiled():
     assert _contexts_entered(3) == _contexts_entered(12)  # set-up enters a few; the steps none
+
+
+class CountsZeroGrad(torch.optim.SGD):
+    """An optimizer class with its own zero_grad (as ZeRO's or apex's have)."""
+
+    calls = 0
+
+    def zero_grad(self, set_to_none: bool = True):
+        CountsZeroGrad.calls += 1
+        super().zero_grad(set_to_none)
+
+
+def _zero_grad_calls(steps_run: int, optimizer_type) -> tuple[int, int]:
+    """(calls of torch's Optimizer.zero_grad, calls of CountsZeroGrad.zero_grad) in a fit."""
+    torchs = []
+    original = torch.optim.Optimizer.zero_grad
+    CountsZeroGrad.calls = 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.optim.Optimizer, "zero_grad",
+                      lambda self, set_to_none=True: torchs.append(1) or original(self, set_to_none))
+        model = mlp()
+        optimizer = optimizer_type(model.parameters(), lr=0.1)
+        Trainer(batch_size=8, max_steps=steps_run, log_every=4, track=False).fit(
+            model, classification_data(n=256), loss_fn=nn.CrossEntropyLoss(), optimizer=optimizer)
+    assert all(p.grad is None for p in model.parameters())  # as zero_grad(set_to_none=True) leaves them
+    return len(torchs), CountsZeroGrad.calls
+
+
+def test_a_step_drops_the_gradients_itself_unless_the_optimizer_has_its_own_zero_grad():
+    # torch's zero_grad (a profiler range around `p.grad = None` per parameter) is not called per step
+    assert _zero_grad_calls(4, torch.optim.SGD) == _zero_grad_calls(12, torch.optim.SGD)
+    short, long = _zero_grad_calls(4, CountsZeroGrad), _zero_grad_calls(12, CountsZeroGrad)
+    assert long[1] - short[1] == 8  # an optimizer's own zero_grad is called once per step
