@@ -86,7 +86,6 @@ class Objective:
         metrics = self.metrics if self.metrics or self.stateful else _default_metrics(output, target)
         return {f"val_{name}": torch.as_tensor(fn(output, target), device=output.device).float() * n
                 for name, fn in metrics.items()}
-        return sums
 
     def _apply_loss(self, output, target):
         __tracebackhide__ = True  # noqa: F841
