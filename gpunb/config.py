@@ -30,6 +30,7 @@ LOGGERS = ("csv", "tensorboard", "mlflow", "wandb")
 _LOGGER_ALIASES = {name: name for name in LOGGERS} | {"tb": "tensorboard", "w&b": "wandb"}
 ACCELERATORS = ("auto", "cuda", "mps", "cpu")
 STRATEGIES = ("ddp", "fsdp")
+BACKENDS = ("auto", "nccl", "gloo")
 LOG_POINTS = 100  # log_every="auto" aims at about this many log points a run
 FALLBACK_LOG_EVERY = 50  # log_every="auto" when the run's length is unknown
 
@@ -51,6 +52,9 @@ class TrainConfig:
     accelerator: str = "auto"  # "auto" (cuda > mps > cpu), "cuda", "mps" or "cpu"
     devices: Union[int, str] = 1  # processes/devices to train on, or "all"
     strategy: str = "ddp"  # with devices > 1: "ddp" (replicate) or "fsdp" (shard)
+    # how the processes talk: "auto" (NCCL between GPUs, gloo between CPU processes), "nccl" or "gloo";
+    # under "gloo" there may be more processes than GPUs (they share them: multi-process code on one GPU)
+    backend: str = "auto"
     precision: str = "auto"  # "auto", "bf16-mixed", "16-mixed" or "32"
     # "auto": on one CUDA device, compile once timing shows the rest of the run pays for it (CUDA
     # graphs when launch-bound); True: torch.compile from the start; False: eager;
@@ -107,6 +111,11 @@ class TrainConfig:
                                "use `'auto'`, `True`, `False`, `'reduce-overhead'` (CUDA graphs) or `'max-autotune'`")
         self.strategy = _choice("strategy", self.strategy, {s: s for s in STRATEGIES},
                                 "use `ddp` or `fsdp`")
+        self.backend = _choice("backend", self.backend, {b: b for b in BACKENDS},
+                               "use `auto`, `nccl` or `gloo`")
+        if self.backend == "nccl" and self.accelerator in ("cpu", "mps"):
+            raise GpunbError(f"backend='nccl' connects CUDA GPUs, and accelerator={self.accelerator!r}.",
+                             "use `backend='gloo'` (or 'auto') between CPU processes, or `accelerator='cuda'`.")
         self.batch_size = _positive_or_auto("batch_size", self.batch_size)
         self.num_workers = _count_or_auto("num_workers", self.num_workers)
         if self.devices != "all":

@@ -274,26 +274,33 @@ def test_spawn_ships_a_notebook_class_by_value_and_matches_fork(monkeypatch):
 @pytest.mark.cuda
 def test_spawn_after_the_kernel_used_cuda_brings_the_weights_back_and_leaves_no_process(monkeypatch):
     """As in a notebook that already used the GPU: CUDA is initialised in this process (for real,
-    not faked), so the launcher spawns the ranks. Two gloo ranks on a one-GPU machine; the
-    notebook's model lives on the GPU and gets the trained weights back there."""
+    not faked), so the launcher spawns the ranks. Two processes on the first GPU over gloo (NCCL
+    takes one GPU per process); the notebook's model lives on the GPU and gets the trained weights
+    back there, equal to one process's training on the same GPU."""
     torch.ones(1, device="cuda")  # the kernel's earlier GPU work
     assert torch.cuda.is_initialized()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # one GPU, seen by the ranks as by this process
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     x, y = classification_data(n=256)
-    reference = mlp()
-    Trainer(batch_size=32, shuffle=False, log_every=2, track=False, accelerator="cpu").fit(
-        reference, (x, y), loss_fn=nn.CrossEntropyLoss())
+    # SGD: a gradient that differs in the last bits (TF32, another summation order) moves a
+    # weight by as little; AdamW's normalised step could move a near-zero gradient's weight by lr.
+    settings = dict(shuffle=False, log_every=2, track=False, accelerator="cuda", precision="32", compile=False)
+    reference = mlp().cuda()
+    Trainer(batch_size=32, **settings).fit(reference, (x, y), loss_fn=nn.CrossEntropyLoss(),
+                                           optimizer=torch.optim.SGD(reference.parameters(), lr=0.1))
     methods = []
     real_start = mp.start_processes
     monkeypatch.setattr(mp, "start_processes",
                         lambda *a, **k: methods.append(k["start_method"]) or real_start(*a, **k))
     model = mlp().cuda()
-    result = Trainer(batch_size=16, shuffle=False, log_every=2, **CPU2).fit(
-        model, (x, y), loss_fn=nn.CrossEntropyLoss())
+    result = Trainer(batch_size=16, devices=2, backend="gloo", **settings).fit(
+        model, (x, y), loss_fn=nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
     assert methods == ["spawn"]
     assert result.world_size == 2 and result.steps == 8
+    assert [rank["device"] for rank in result.per_rank] == ["cuda:0", "cuda:0"]
     assert all(p.is_cuda for p in model.parameters())  # loaded into the notebook's model, where it lives
-    assert_same_weights(model.cpu(), reference)
+    assert_same_weights(model, reference, atol=1e-4)
     assert not [p for p in psutil.Process().children(recursive=True) if not _helper(p)]
 
 
@@ -438,13 +445,55 @@ def test_the_launcher_runs_the_entry_it_is_given_with_each_ranks_context():
 
 def test_devices_all_on_cpu_is_one_process_and_too_many_gpus_is_an_error(monkeypatch):
     assert not launch.needs_processes(TrainConfig(devices="all", accelerator="cpu"))
-    assert launch.plan_devices(TrainConfig(devices=3, accelerator="cpu")) == ("cpu", 3)
+    assert launch.plan_devices(TrainConfig(devices=3, accelerator="cpu")) == ("cpu", 3, "gloo")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert launch.plan_devices(TrainConfig(devices="all")) == ("cuda", 2)
+    assert launch.plan_devices(TrainConfig(devices="all")) == ("cuda", 2, "nccl")
     with pytest.raises(GpunbError, match="asks for 4 GPUs, but 2 are visible"):
         launch.plan_devices(TrainConfig(devices=4, accelerator="cuda"))
     with pytest.raises(GpunbError, match="batch_size='auto' is not available with strategy='fsdp'"):
         Trainer(devices=2, accelerator="cpu", strategy="fsdp", batch_size="auto").fit(mlp(), classification_data())
+
+
+def test_gloo_may_put_several_processes_on_one_gpu_and_nccl_may_not(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for backend in ("auto", "nccl"):
+        with pytest.raises(GpunbError, match=r"asks for 2 GPUs, but 1 is visible(.|\n)*HINT: (.|\n)*"
+                                             r"`backend='gloo'` runs 2 processes on this GPU"):
+            launch.plan_devices(TrainConfig(devices=2, backend=backend))
+    assert launch.plan_devices(TrainConfig(devices=2, backend="gloo")) == ("cuda", 2, "gloo")
+    assert launch.plan_devices(TrainConfig(devices="all", backend="gloo")) == ("cuda", 1, "gloo")
+
+
+def test_nccl_without_a_gpu_is_refused_before_any_process_starts(monkeypatch):
+    import gpunb.runtime.device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(gpunb.runtime.device, "mps_available", lambda: False)
+    monkeypatch.setattr(mp, "start_processes", lambda *a, **k: pytest.fail("a process was started"))
+    with pytest.raises(GpunbError, match=r"backend='nccl' connects CUDA GPUs, and this run has none "
+                                         r"(.|\n)*HINT: use `backend='gloo'`"):
+        Trainer(devices=2, backend="nccl", track=False).fit(mlp(), classification_data(),
+                                                             loss_fn=nn.CrossEntropyLoss())
+    with pytest.raises(GpunbError, match="backend='nccl' connects CUDA GPUs, and accelerator='cpu'"):
+        TrainConfig(accelerator="cpu", backend="nccl")
+    with pytest.raises(GpunbError, match=r"Unknown backend 'mpi'(.|\n)*`auto`, `nccl` or `gloo`"):
+        TrainConfig(backend="mpi")
+
+
+def test_a_torchrun_group_is_joined_with_the_backend_asked_for(monkeypatch):
+    from gpunb.distributed.context import join_torchrun_group
+
+    joined = []
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: joined.append(backend))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT="29500").items():
+        monkeypatch.setenv(name, value)
+    join_torchrun_group(TrainConfig())
+    join_torchrun_group(TrainConfig(backend="gloo"))
+    with pytest.raises(GpunbError, match="backend='nccl' connects CUDA GPUs"):
+        join_torchrun_group(TrainConfig(backend="nccl"))
+    assert joined == ["gloo", "gloo"]
 
 
 NOTEBOOK = [

@@ -65,6 +65,18 @@ def test_the_compile_option(ip, option, compile):
     assert _config(parse_argstring(magics.gputrain, option)).compile == compile
 
 
+def test_the_backend_option(ip):
+    from gpunb.notebook.magics import _config
+    from IPython.core.error import UsageError
+    from IPython.core.magic_arguments import parse_argstring
+
+    magics = ip.find_cell_magic("gputrain").__self__
+    assert _config(parse_argstring(magics.gputrain, "")).backend == "auto"
+    assert _config(parse_argstring(magics.gputrain, "--devices 2 --backend gloo")).backend == "gloo"
+    with pytest.raises(UsageError, match="`auto`, `nccl` or `gloo`"):
+        ip.run_cell_magic("gputrain", "--backend mpi --quiet --no-track", CELL)
+
+
 def test_a_bad_compile_value_is_a_usage_error(ip):
     from IPython.core.error import UsageError
 

@@ -41,7 +41,7 @@ from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from gpunb.distributed import worker
 from gpunb.distributed.loopback import loopback_store
-from gpunb.distributed.context import check_config
+from gpunb.distributed.context import backend_for, check_config
 from gpunb.distributed.shipping import FitArgs, ship
 from gpunb.errors import GpunbError
 from gpunb.runtime.events import Callbacks, FitState
@@ -73,8 +73,8 @@ def needs_processes(config) -> bool:
     return plan_devices(config)[1] > 1
 
 
-def plan_devices(config) -> tuple[str, int]:
-    """(accelerator, number of processes), found without initialising CUDA here."""
+def plan_devices(config) -> tuple[str, int, str]:
+    """(accelerator, number of processes, backend), found without initialising CUDA here."""
     from gpunb.runtime.device import mps_available
 
     gpus = torch.cuda.device_count()  # asks NVML before CUDA is initialised: fork stays possible
@@ -84,12 +84,16 @@ def plan_devices(config) -> tuple[str, int]:
     count = config.devices
     if count == "all":
         count = gpus if accelerator == "cuda" else 1
-    if accelerator == "cuda" and count > gpus:
+    backend = backend_for(accelerator, config.backend)
+    # NCCL takes one GPU per process; gloo lets processes share them (rank r on GPU r % gpus).
+    if accelerator == "cuda" and count > gpus and backend == "nccl":
         raise GpunbError(f"devices={config.devices!r} asks for {count} GPUs, but {gpus} "
                          f"{'is' if gpus == 1 else 'are'} visible.",
                          f"use `devices={gpus}` or `devices='all'`, or check CUDA_VISIBLE_DEVICES "
-                         "and `nvidia-smi`.")
-    return accelerator, count
+                         f"and `nvidia-smi`; `backend='gloo'` runs {count} processes on "
+                         f"{'this GPU' if gpus == 1 else 'these GPUs'} (to try multi-process code: "
+                         "slower than one process).")
+    return accelerator, count, backend
 
 
 def start_method() -> str:
@@ -101,8 +105,8 @@ def fit(config, entry, model, train_data, val_data=None, *, optimizer=None, sche
         step=None, metrics=None, callbacks=(), method: str | None = None) -> TrainResult:
     """Train on one process per device, each running `entry`; returns rank 0's TrainResult
     (world_size = N). `callbacks` run here, in this process."""
-    accelerator, count = plan_devices(config)
-    config = config.replace(accelerator=accelerator, devices=count)
+    accelerator, count, backend = plan_devices(config)
+    config = config.replace(accelerator=accelerator, devices=count, backend=backend)
     check_config(config)
     _check_arguments(model, train_data, val_data, optimizer, loss_fn, step, metrics)
     args = FitArgs(config.replace(track=False), model, train_data, val_data, optimizer, scheduler, loss_fn,
@@ -140,7 +144,7 @@ class _Launch:
         store = loopback_store()
         scratch = tempfile.TemporaryDirectory(prefix="gpunb-launch-")
         plan = worker.Plan(entry=self.entry, world_size=self.count, port=store.port, method=method,
-                           accelerator=self.config.accelerator, threads=_threads_per_rank(self.count),
+                           accelerator=self.config.accelerator, backend=self.config.backend, threads=_threads_per_rank(self.count),
                            weights_path=os.path.join(scratch.name, "weights.pt"),
                            return_optimizer=self.args.optimizer is not None)
         try:

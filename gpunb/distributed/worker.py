@@ -36,6 +36,7 @@ class Plan:
     port: int  # of the parent's TCPStore on HOST
     method: str  # "fork" or "spawn"
     accelerator: str  # "cuda" or "cpu"
+    backend: str  # "nccl" or "gloo"
     threads: int  # CPU threads per rank (the cores shared out)
     weights_path: str  # where rank 0 writes the final weights
     return_optimizer: bool  # also the optimizer's state (the caller passed an optimizer)
@@ -90,10 +91,9 @@ def _own_signals() -> None:
 
 def _join_group(rank: int, plan: Plan) -> None:
     store = dist.TCPStore(HOST, plan.port, is_master=False)
-    backend = "nccl" if plan.accelerator == "cuda" else "gloo"
-    if backend == "nccl":
+    if plan.backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=plan.world_size)
+    dist.init_process_group(plan.backend, store=store, rank=rank, world_size=plan.world_size)
 
 
 def _fit(rank: int, plan: Plan, args: FitArgs, queue, stop) -> dict:

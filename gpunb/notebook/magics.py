@@ -23,6 +23,8 @@ class GpuMagics(Magics):
     @argument("--devices", help="devices/processes to train on: an integer or 'all'")
     @argument("--accelerator", help="auto (default), cuda, mps or cpu")
     @argument("--strategy", help="with several devices: ddp (default) or fsdp")
+    @argument("--backend", help="with several devices: auto (default: nccl between GPUs), nccl or gloo "
+                                "(gloo may put several processes on one GPU)")
     @argument("--grad-accum", type=int, help="micro-batches accumulated per optimizer step")
     @argument("--clip", type=float, help="clip the gradient norm to this value")
     @argument("--lr", type=float, help="learning rate of the default AdamW (or of your optimizer)")
@@ -176,8 +178,8 @@ def _config(args):
     fields = {
         "epochs": args.epochs, "max_steps": args.max_steps, "batch_size": args.batch_size,
         "precision": args.precision, "devices": _int_or(args.devices, "devices"),
-        "accelerator": args.accelerator, "strategy": args.strategy, "grad_accum": args.grad_accum,
-        "clip_grad_norm": args.clip, "lr": args.lr, "lr_schedule": args.lr_schedule,
+        "accelerator": args.accelerator, "strategy": args.strategy, "backend": args.backend,
+        "grad_accum": args.grad_accum, "clip_grad_norm": args.clip, "lr": args.lr, "lr_schedule": args.lr_schedule,
         "warmup_steps": args.warmup_steps, "ema": args.ema, "checkpoint_dir": args.checkpoint_dir,
         "checkpoint_every": args.checkpoint_every, "resume": args.resume, "seed": args.seed,
         "log_every": _int_or(args.log_every, "log_every"), "num_workers": _int_or(args.num_workers, "num_workers"),
