@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 import warnings
 
@@ -375,8 +376,7 @@ def _ddp_fit(model, **options):
 
 
 class Net(nn.Module):
-    """A model class of the user's: under DDP, Dynamo compiles from the wrapped module's own
-    forward (it does not trace into torch's own module classes, e.g. nn.Sequential, from there)."""
+    """A model class of the user's (for nn.Sequential: the test after these)."""
 
     def __init__(self):
         super().__init__()
@@ -437,3 +437,48 @@ def test_a_rank_whose_compiled_step_fails_takes_every_rank_back_to_eager(monkeyp
     assert result.compilation["mode"] is None and "another process" in result.compilation["reason"]
     assert result.steps == 30
     _same_weights(model, eager)
+
+
+def test_under_ddp_a_model_of_torchs_own_classes_compiles_too(monkeypatch, tmp_path):
+    """Dynamo starts no trace in torch's files, where nn.Sequential's forward is: without a frame
+    of gpunb's in front of it, the DDP-wrapped model ran eager though "compiled"."""
+    def recording(graph_module, example_inputs):
+        (tmp_path / f"rank{_rank()}").touch()  # the ranks are forked: a file says what they did
+        return graph_module.forward
+
+    _auto_everywhere(monkeypatch, Decision(True, "test"), backend=recording)
+    timings = iter([(0.002, 0.5), (0.001, 0.5)])
+    monkeypatch.setattr(compiling.StepTimings, "result", lambda self: next(timings))
+    eager = _model()
+    _ddp_fit(eager, compile=False)
+    assert not list(tmp_path.iterdir())
+    model = _model()
+    result = _ddp_fit(model)
+    assert result.compilation["mode"] == "default"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]  # both ranks ran graphs
+    _same_weights(model, eager)
+
+
+def test_the_frame_in_front_of_torchs_forward_is_there_only_while_wrapped():
+    from types import SimpleNamespace
+
+    from gpunb.runtime.wrap import wrap_model
+
+    ddp = SimpleNamespace(world_size=2, wrap=lambda model, device: nn.Module())  # a wrapper, as DDP is
+    sequential, net, x = _model(), Net(), torch.randn(4, 8)
+    expected = sequential(x)
+    _, unwrap = wrap_model(sequential, TrainConfig(), ddp, torch.device("cpu"))
+    assert sequential.forward.__name__ == "forward_traced_from_here"
+    torch.testing.assert_close(sequential(x), expected)
+    unwrap()
+    assert "forward" not in sequential.__dict__  # the model is as it was given
+    for model, config in ((net, TrainConfig()), (_model(), TrainConfig(compile=False))):
+        _, unwrap = wrap_model(model, config, ddp, torch.device("cpu"))
+        assert "forward" not in model.__dict__  # a forward Dynamo traces, or nothing to compile
+        unwrap()
+    own = functools.partial(nn.Sequential.forward, sequential)  # a forward set on the instance stays
+    sequential.forward = own
+    _, unwrap = wrap_model(sequential, TrainConfig(), ddp, torch.device("cpu"))
+    assert sequential.forward is not own
+    unwrap()
+    assert sequential.forward is own
