@@ -201,18 +201,17 @@ def join_torchrun_group(config) -> None:
                          "start the script with `torchrun --nproc-per-node N script.py` (or srun with "
                          "all of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set), or unset "
                          "WORLD_SIZE to train in one process.")
-    accelerator = config.accelerator
-    if accelerator == "auto":
-        accelerator = "cuda" if torch.cuda.is_available() else "cpu"
-    backend = backend_for(accelerator, config.backend)
+    backend = backend_for(config.accelerator, config.backend)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     dist.init_process_group(backend, init_method="env://")
 
 
 def backend_for(accelerator: str, backend: str = "auto") -> str:
-    """The process group's backend on `accelerator` ("cuda", "mps" or "cpu"): the one asked
-    for, else NCCL between GPUs and gloo between CPU processes."""
+    """The process group's backend on `accelerator`: the one asked for, else NCCL between
+    GPUs and gloo between CPU processes."""
+    if accelerator == "auto":
+        accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     if backend == "auto":
         return "nccl" if accelerator == "cuda" else "gloo"
     if backend == "nccl" and accelerator != "cuda":

@@ -144,7 +144,8 @@ class _Launch:
         store = loopback_store()
         scratch = tempfile.TemporaryDirectory(prefix="gpunb-launch-")
         plan = worker.Plan(entry=self.entry, world_size=self.count, port=store.port, method=method,
-                           accelerator=self.config.accelerator, backend=self.config.backend, threads=_threads_per_rank(self.count),
+                           accelerator=self.config.accelerator, backend=self.config.backend,
+                           threads=_threads_per_rank(self.count),
                            weights_path=os.path.join(scratch.name, "weights.pt"),
                            return_optimizer=self.args.optimizer is not None)
         try:
