@@ -7,9 +7,9 @@ cache       a notebook cell that defines a model class and trains it with compil
             twice in one process (the class defined anew, as re-running the cell does): the
             compile's cost each time (fit time minus an eager fit's). Goal: second <= 1/4 of first.
 digits      (GPU) the launch-bound digits CNN at batch 64, data on the GPU, bf16: a plain eager
-            loop, gpunb with compile="reduce-overhead" (CUDA graphs) and gpunb with the default
-            compile="auto" over a run long enough to pay; step-time ratios and the largest gap
-            between gpunb's and the plain loop's loss curves. Goal: >= 1.8x faster than the plain loop.
+            loop, gpunb with compile="step-graph" (the whole step as one CUDA graph), with
+            compile="reduce-overhead" (torch.compile's CUDA graphs of forward and backward) and
+            with the default compile="auto"; step-time ratios. Goal: >= 1.8x faster than the plain loop.
 gpt2        (GPU) GPT-2 124M in nanoGPT's shape under compile="auto" for --gpt-steps steps:
             when it compiled, what the compile cost and the measured speed-up.
 """
@@ -65,7 +65,8 @@ def digits_case(device, steps: int) -> None:
     data = (x.to(device), y.to(device))
     plain = plain_loop(digits_cnn, data, 64, nn.CrossEntropyLoss(), "bf16-mixed", device, steps)
     rows = {"plain eager loop": (plain, None)}
-    for label, compile in (("gpunb reduce-overhead", "reduce-overhead"), ("gpunb auto", "auto")):
+    for label, compile in (("gpunb step-graph", "step-graph"), ("gpunb reduce-overhead", "reduce-overhead"),
+                           ("gpunb auto", "auto")):
         torch.manual_seed(0)
         timer = StepTimer(device)
         result = Trainer(max_steps=steps, epochs=10**6, batch_size=64, precision="bf16-mixed", log_every=50,

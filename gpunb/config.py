@@ -23,7 +23,7 @@ LR_SCHEDULES = ("none", "one-cycle", "cosine")
 _COMPILE_ALIASES = {"auto": "auto", "true": True, "on": True, "default": True, "false": False,
                     "off": False, "eager": False, "reduce-overhead": "reduce-overhead",
                     "cuda-graphs": "reduce-overhead", "cudagraphs": "reduce-overhead",
-                    "max-autotune": "max-autotune"}
+                    "max-autotune": "max-autotune", "step-graph": "step-graph"}
 _SCHEDULE_ALIASES = {"none": "none", "constant": "none", "one-cycle": "one-cycle",
                      "onecycle": "one-cycle", "cosine": "cosine"}
 LOGGERS = ("csv", "tensorboard", "mlflow", "wandb")
@@ -56,9 +56,10 @@ class TrainConfig:
     # under "gloo" there may be more processes than GPUs (they share them: multi-process code on one GPU)
     backend: str = "auto"
     precision: str = "auto"  # "auto", "bf16-mixed", "16-mixed" or "32"
-    # "auto": on one CUDA device, compile once timing shows the rest of the run pays for it (CUDA
-    # graphs when launch-bound); True: torch.compile from the start; False: eager;
-    # "reduce-overhead" / "max-autotune": torch.compile from the start in that mode
+    # "auto": on one CUDA device, time the first steps; launch-bound: the whole step as one CUDA
+    # graph, else compile once the rest of the run pays for it; True: torch.compile from the start;
+    # False: eager; "reduce-overhead" / "max-autotune": torch.compile from the start in that mode;
+    # "step-graph": the whole step (forward, backward, optimizer) captured as one CUDA graph
     compile: Union[bool, str] = "auto"
     activation_checkpointing: bool = False  # recompute each child module's activations in backward
     # --- optimisation
@@ -108,7 +109,8 @@ class TrainConfig:
                                    {a: a for a in ACCELERATORS} | {"gpu": "cuda"},
                                    "use `auto`, `cuda`, `mps` or `cpu`")
         self.compile = _choice("compile", self.compile, _COMPILE_ALIASES,
-                               "use `'auto'`, `True`, `False`, `'reduce-overhead'` (CUDA graphs) or `'max-autotune'`")
+                               "use `'auto'`, `True`, `False`, `'reduce-overhead'` (CUDA graphs), `'max-autotune'` "
+                               "or `'step-graph'` (the whole step as one CUDA graph)")
         self.strategy = _choice("strategy", self.strategy, {s: s for s in STRATEGIES},
                                 "use `ddp` or `fsdp`")
         self.backend = _choice("backend", self.backend, {b: b for b in BACKENDS},

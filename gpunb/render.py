@@ -115,10 +115,12 @@ def compile_text(info: dict) -> str:
     """`CUDA graphs from step 13: compile 11.2 s, 1.93x faster (3.10 -> 1.61 ms a step); launch-bound: ...`"""
     if info.get("mode") is None:
         return info.get("reason", "")
-    how = "CUDA graphs" if info["mode"] == "reduce-overhead" else f"torch.compile ({info['mode']})"
+    how = {"reduce-overhead": "CUDA graphs", "step-graph": "one CUDA graph a step"}.get(
+        info["mode"], f"torch.compile ({info['mode']})")
     text = f"{how} from step {info['at_step']}"
     if info.get("speedup") is not None:
-        text += (f": compile {info['compile_s']:.1f} s, {info['speedup']:.2f}x faster "
+        cost = "capture" if info["mode"] == "step-graph" else "compile"
+        text += (f": {cost} {info['compile_s']:.1f} s, {info['speedup']:.2f}x faster "
                  f"({info['eager_step_ms']:.2f} -> {info['compiled_step_ms']:.2f} ms a step)")
     return f"{text}; {info['reason']}"
 

@@ -59,19 +59,27 @@ def test_auto_is_the_default_and_a_bad_value_is_refused():
 # --- the decision
 
 
-def test_a_launch_bound_step_gets_cuda_graphs_when_the_rest_of_the_run_pays():
-    decision = decide(step_s=0.003, host_share=0.95, remaining_steps=100_000, expected_compile_s=12)
-    assert decision.mode == "reduce-overhead"
-    assert "launch-bound" in decision.reason and "95%" in decision.reason
+def test_a_launch_bound_step_is_captured_whole_as_one_cuda_graph():
+    decision = decide(step_s=0.003, gpu_share=0.11, remaining_steps=1_000, expected_compile_s=12)
+    assert decision.mode == "step-graph"  # no compile to pay back: 1,000 steps are plenty
+    assert "launch-bound" in decision.reason and "busy 11%" in decision.reason
+
+
+def test_a_launch_bound_step_that_cannot_be_one_graph_gets_reduce_overhead_when_it_pays():
+    why = "gradient accumulation runs several backward passes a step"
+    decision = decide(step_s=0.003, gpu_share=0.11, remaining_steps=100_000, expected_compile_s=12, step_graph=why)
+    assert decision.mode == "reduce-overhead" and why in decision.reason
+    assert decide(0.003, 0.11, 1_000, 12, step_graph=why).mode is None  # 1.3 s to save: not worth 12 s
 
 
 def test_a_gpu_bound_step_gets_the_default_mode():
-    decision = decide(step_s=0.053, host_share=0.2, remaining_steps=20_000, expected_compile_s=30)
-    assert decision.mode is True and "GPU-bound" in decision.reason
+    decision = decide(step_s=0.053, gpu_share=0.84, remaining_steps=20_000, expected_compile_s=30)
+    assert decision.mode is True and "GPU-bound" in decision.reason and "84%" in decision.reason
+    assert decide(0.053, None, 20_000, 30).mode is True  # not probed: taken as GPU-bound
 
 
 def test_a_short_remainder_stays_eager_and_says_the_numbers():
-    decision = decide(step_s=0.053, host_share=0.2, remaining_steps=300, expected_compile_s=30)
+    decision = decide(step_s=0.053, gpu_share=0.9, remaining_steps=300, expected_compile_s=30)
     assert decision.mode is None
     assert "300 steps" in decision.reason and "~30 s compile" in decision.reason
 
@@ -80,8 +88,8 @@ def test_the_break_even_point_follows_the_margin():
     # saving = steps * 0.01 s * (1 - 1/1.3); eager below PAYBACK_MARGIN x 10 s of compile
     saving_per_step = 0.01 * (1 - 1 / compiling.ASSUMED_SPEEDUP[True])
     needed = compiling.PAYBACK_MARGIN * 10 / saving_per_step
-    assert decide(0.01, 0.1, int(needed * 0.95), 10).mode is None
-    assert decide(0.01, 0.1, int(needed * 1.05), 10).mode is True
+    assert decide(0.01, 0.9, int(needed * 0.95), 10).mode is None
+    assert decide(0.01, 0.9, int(needed * 1.05), 10).mode is True
 
 
 def test_expected_compile_time_is_an_estimate_then_what_was_measured(monkeypatch):
@@ -92,6 +100,61 @@ def test_expected_compile_time_is_an_estimate_then_what_was_measured(monkeypatch
     assert expected_compile_s(model, signature) == 2.5
     assert signature_of(_model(), 32) == signature  # a new instance of the same model: the same key
     assert signature_of(_model(), 64) != signature
+
+
+# --- the whole step as one CUDA graph: what is checked before any capture (the capture itself
+# needs a GPU: tests/test_cuda_compile.py)
+
+
+def _stepper(optimizer=None, **config):
+    from gpunb.runtime.objective import Objective
+    from gpunb.runtime.precision import Precision
+
+    model = _model()
+    optimizer = optimizer or torch.optim.AdamW(model.parameters())
+    return Stepper(model, optimizer, Objective(loss_fn=nn.CrossEntropyLoss()), Precision("32", torch.device("cpu")),
+                   schedule=None, config=TrainConfig(**config))
+
+
+def test_what_keeps_a_step_from_being_one_cuda_graph():
+    from gpunb.runtime import step_graph
+    from gpunb.runtime.schedule import Schedule
+
+    assert step_graph.blocker(_stepper(), world_size=1) is None
+    assert "between processes" in step_graph.blocker(_stepper(), world_size=2)
+    assert "accumulation" in step_graph.blocker(_stepper(grad_accum=2), world_size=1)
+    sgd = torch.optim.SGD(_model().parameters(), lr=0.1)
+    assert "(SGD) has no capturable mode" in step_graph.blocker(_stepper(sgd), world_size=1)
+    stepper = _stepper()
+    stepper.schedule = Schedule(torch.optim.lr_scheduler.OneCycleLR(stepper.optimizer, max_lr=0.1, total_steps=10))
+    assert "momentum" in step_graph.blocker(stepper, world_size=1)
+
+
+def test_step_graph_on_the_cpu_trains_eager_and_says_why():
+    with pytest.warns(RuntimeWarning, match="cannot capture"):
+        result = _fit(_model(), compile="step-graph")
+    assert result.compilation["mode"] is None and "need a CUDA device" in result.compilation["reason"]
+    assert result.steps == 30
+
+
+def test_on_the_cpu_no_step_is_probed_for_the_gpus_busy_time(monkeypatch):
+    _auto_everywhere(monkeypatch)
+    seen = []
+    real = compiling.StepTimings.result
+    monkeypatch.setattr(compiling.StepTimings, "result", lambda self: seen.append(real(self)) or seen[-1])
+    _fit(_model())
+    assert len(seen) == 1 and seen[0][1] is None  # not measured: taken as GPU-bound
+
+
+def test_a_hook_before_the_next_step_runs_once():
+    calls = []
+    stepper = _stepper()
+    stepper.before_step = lambda: calls.append(len(calls))
+    batch = _data(n=8)
+    for _ in range(2):
+        stepper.accumulate(batch, True)
+        stepper.update()
+    assert calls == [0] and stepper.before_step is None
 
 
 # --- what a run reports
@@ -113,7 +176,7 @@ def test_auto_keeps_fsdp_and_short_runs_eager():
 
 
 def test_several_processes_never_get_cuda_graphs():
-    assert decide(0.003, 0.95, 10**6, 1, cuda_graphs=False).mode is True
+    assert decide(0.003, 0.1, 10**6, 1, cuda_graphs=False).mode is True
 
 
 def _auto_everywhere(monkeypatch, decision=None, backend="eager"):
@@ -357,9 +420,11 @@ def test_the_summary_row_says_what_compile_did():
     from gpunb.render import compile_text
 
     info = {"requested": "auto", "mode": "reduce-overhead", "at_step": 13, "compile_s": 11.24, "speedup": 1.934,
-            "eager_step_ms": 3.1, "compiled_step_ms": 1.603, "reason": "launch-bound: the host spent 96% ..."}
+            "eager_step_ms": 3.1, "compiled_step_ms": 1.603, "reason": "launch-bound: the GPU was busy 14% ..."}
     assert compile_text(info) == ("CUDA graphs from step 13: compile 11.2 s, 1.93x faster (3.10 -> 1.60 ms a step); "
-                                  "launch-bound: the host spent 96% ...")
+                                  "launch-bound: the GPU was busy 14% ...")
+    info.update(mode="step-graph", compile_s=0.04, speedup=5.84, compiled_step_ms=0.531)
+    assert compile_text(info).startswith("one CUDA graph a step from step 13: capture 0.0 s, 5.84x faster")
     assert compile_text({"mode": None, "reason": "eager: compile='auto' compiles on CUDA only"}).startswith("eager")
 
 

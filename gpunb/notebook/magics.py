@@ -36,7 +36,7 @@ class GpuMagics(Magics):
               help="go on from the last %%%%gputrain of this model: its optimizer, schedule, step count, history")
     @argument("--compile", nargs="?", const="on",
               help="torch.compile: auto (default: on one GPU, once timing shows it pays), on, off, "
-                   "reduce-overhead (CUDA graphs) or max-autotune")
+                   "reduce-overhead (CUDA graphs), max-autotune or step-graph (the whole step as one CUDA graph)")
     @argument("--checkpointing", action="store_true", help="activation checkpointing (saves memory)")
     @argument("--checkpoint-dir", help="write checkpoints here")
     @argument("--checkpoint-every", type=int, help="optimizer steps between checkpoints (default: each epoch)")

@@ -89,11 +89,13 @@ def _cuda_graphs(result, s, caps) -> Advice | None:
     short = s["tiny_kernel_fraction"] >= 0.5 or s["mean_kernel_us"] < SHORT_KERNEL_US
     if idle < IDLE_HOST_SHARE or not short or s["cuda_graphs"]:
         return None
-    return Advice("launch_bound", "The GPU waits for the host to launch many short kernels: capture the step "
-                  "as a CUDA graph with `--compile reduce-overhead` (`compile=\"reduce-overhead\"`; by hand "
-                  "`torch.compile(model, mode=\"reduce-overhead\")`), which replays all of its kernels with one "
-                  "launch (or do more work per kernel with a larger batch). The default `compile=\"auto\"` "
-                  "does this by itself when the rest of the run pays for the compile.",
+    return Advice("launch_bound", "The GPU waits for the host to launch many short kernels: capture the whole "
+                  "step (forward, backward, optimizer) as one CUDA graph with `--compile step-graph` "
+                  "(`compile=\"step-graph\"`), which replays all of its kernels with one launch; where the step "
+                  "cannot be captured whole (gradient accumulation, fp16's loss scaler, several processes), "
+                  "`--compile reduce-overhead` graphs the model's forward and backward (by hand "
+                  "`torch.compile(model, mode=\"reduce-overhead\")`). Or do more work per kernel with a larger "
+                  "batch. The default `compile=\"auto\"` does this by itself.",
                   f"{s['kernels_per_step']:.0f} kernels per step, median {s['median_kernel_us']:.3g} µs, "
                   f"mean {s['mean_kernel_us']:.3g} µs; the GPU sits idle waiting on the host "
                   f"{100 * idle:.0f}% of the time", idle)

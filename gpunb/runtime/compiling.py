@@ -2,14 +2,17 @@
 
 `compile="auto"` on one CUDA device starts eager. After WARMUP_STEPS steps it times
 TIMED_STEPS steps one by one, each between two syncs (the only syncs it adds, once per
-run): the step's wall time, and the share of it the host spent issuing the work. A step
-whose GPU work ends about when the host finishes issuing it is launch-bound: the GPU
-waits on Python, and a CUDA graph (`torch.compile(mode="reduce-overhead")`) replays the
-whole forward and backward in one launch. Otherwise the default mode fuses elementwise
-ops. The model is compiled when the time the remaining steps would save, at a modest
-assumed speed-up, is well above the compile's expected cost (what the same model cost to
-compile earlier in this process, else an estimate from its size). Then the compiled
-steps are timed the same way; slower than eager, the run goes back to eager.
+run). The last PROBED_STEPS of them are queued behind a short GPU sleep, so that the host
+has issued all of the step before the GPU starts it: the time the GPU then takes is its
+busy time, free of any wait on the host. A step whose GPU is busy for less than half of
+it is launch-bound: the GPU waits on Python. Such a step is captured whole, forward,
+backward and optimizer, as one CUDA graph (step_graph.py: no compile, so it pays at
+once), or where that is not possible the model's forward and backward are
+(`torch.compile(mode="reduce-overhead")`). Otherwise the default mode fuses elementwise
+ops, when the time the remaining steps would save, at a modest assumed speed-up, is well
+above the compile's expected cost (what the same model cost to compile earlier in this
+process, else an estimate from its size). Then the new steps are timed the same way;
+slower than eager, the run goes back to eager.
 
 Whatever the mode, a compiled step that raises (an op Dynamo or Inductor cannot handle,
 a capture that is not possible) is replayed eagerly and the run goes on eager, with a
@@ -39,11 +42,15 @@ from dataclasses import dataclass
 
 import torch
 
+from gpunb.runtime import step_graph
+
 WARMUP_STEPS = 5  # eager steps before timing: allocator growth, cuDNN autotuning, lazy inits
 TIMED_STEPS = 8  # steps timed one by one, eager and then compiled
+PROBED_STEPS = 3  # of the eager ones on CUDA, the last few: timed behind a GPU sleep for the GPU's busy time
 COMPILED_WARMUP = 3  # compiled steps before timing them: the compile, CUDA-graph recording
-LAUNCH_BOUND = 0.8  # host issue time over step time above this: the GPU waits on the host
-ASSUMED_SPEEDUP = {True: 1.3, "reduce-overhead": 1.8}  # what deciding counts on (measured after)
+LAUNCH_BOUND = 0.5  # GPU busy time over step time below this: the GPU waits on the host
+ASSUMED_SPEEDUP = {True: 1.3, "reduce-overhead": 1.8, "step-graph": 2.0}  # what deciding counts on (measured after)
+CAPTURE_STEPS = 3  # a step graph's cost, in eager steps: its warm-up passes and the capture
 PAYBACK_MARGIN = 1.5  # the saving must exceed the expected compile time this many times
 SHORTEST_RUN = WARMUP_STEPS + 2 * TIMED_STEPS + COMPILED_WARMUP + 1  # time, compile, check, then gain
 BACKEND = "inductor"
@@ -58,14 +65,22 @@ class Decision:
     reason: str
 
 
-def decide(step_s: float, host_share: float, remaining_steps: int, expected_compile_s: float,
-           cuda_graphs: bool = True) -> Decision:
-    """Whether to compile, and in which mode, from eager timings and the steps left
-    (`cuda_graphs=False`: the default mode even when launch-bound)."""
-    launch_bound = host_share >= LAUNCH_BOUND
-    mode = "reduce-overhead" if launch_bound and cuda_graphs else True
-    why = (f"launch-bound: the host spent {100 * host_share:.0f}% of each step issuing work"
-           if launch_bound else f"GPU-bound: the host issued each step in {100 * host_share:.0f}% of its time")
+def decide(step_s: float, gpu_share: float | None, remaining_steps: int, expected_compile_s: float,
+           cuda_graphs: bool = True, step_graph: str | None = "") -> Decision:
+    """Whether to compile or capture, and how, from eager timings and the steps left.
+    `gpu_share`: the GPU's busy time over the step time (None: not measured, taken as GPU-bound);
+    `cuda_graphs=False`: the default mode even when launch-bound; `step_graph`: why the whole step
+    cannot be one CUDA graph ("" or None: it can)."""
+    launch_bound = gpu_share is not None and gpu_share < LAUNCH_BOUND
+    why = (f"launch-bound: the GPU was busy {100 * gpu_share:.0f}% of each step, waiting on the host the rest"
+           if launch_bound else "GPU-bound" + (f": the GPU was busy {100 * gpu_share:.0f}% of each step"
+                                               if gpu_share is not None else ""))
+    if launch_bound and cuda_graphs and not step_graph:
+        mode, expected_compile_s = "step-graph", CAPTURE_STEPS * step_s  # no compile: a capture
+    elif launch_bound and cuda_graphs:
+        mode, why = "reduce-overhead", f"{why}; the whole step is not one graph: {step_graph}"
+    else:
+        mode = True
     saving = remaining_steps * step_s * (1 - 1 / ASSUMED_SPEEDUP[mode])
     if saving < PAYBACK_MARGIN * expected_compile_s:
         return Decision(None, f"eager: the remaining {remaining_steps} steps (~{remaining_steps * step_s:.0f} s "
@@ -113,9 +128,14 @@ class Compilation:
         self.info = {"requested": self.requested, "mode": None, "at_step": None, "compile_s": None,
                      "speedup": None, "eager_step_ms": None, "compiled_step_ms": None, "reason": ""}
         run.stepper.on_model_error = self.fall_back
+        run.stepper.on_graph_error = self.graph_failed
         self.timings = self.signature = None
         if self.requested is False:
             self.info["reason"] = "compile=False"
+        elif self.requested == "step-graph" and (why := _step_graph_blocker(run, device, world_size)):
+            self.info["reason"] = f"eager: no CUDA graph of the step ({why})"
+            warnings.warn(f"gpunb: compile='step-graph' cannot capture this run's step, so it trains eager: {why}",
+                          RuntimeWarning, stacklevel=3)
         elif self.requested != "auto":
             self.compile(self.requested, at_step=0, training_only=False)
             self.info["reason"] = f"compile={self.requested!r}"
@@ -140,13 +160,18 @@ class Compilation:
         return info
 
     def compile(self, mode, at_step: int, training_only: bool = True) -> None:
+        """Compile the model in `mode`, or with "step-graph" capture the training step at its next
+        batch (validation stays eager: a graph holds one step's work)."""
         self.counts_before = _torch_counts()
+        self.info.update(mode="default" if mode is True else mode, at_step=at_step)
+        if mode == "step-graph":
+            self.run.stepper.use_step_graph(True)
+            return
         options = {"mode": mode} if isinstance(mode, str) else {}
         compiled = torch.compile(self.eager, backend=BACKEND, **options)
         self.run.stepper.use_model(compiled, cuda_graphs=mode in CUDA_GRAPH_MODES)
         if not training_only:  # validation and callbacks see the compiled module too
             self.run.train_model = self.run.state.model = compiled
-        self.info.update(mode="default" if mode is True else mode, at_step=at_step)
 
     def fall_back(self, error: BaseException) -> bool:
         """A compiled step raised: go on eager (the stepper replays the step). False when the step
@@ -161,7 +186,18 @@ class Compilation:
                       RuntimeWarning, stacklevel=2)
         return True
 
+    def graph_failed(self, why: str) -> None:
+        """The step could not be captured as one CUDA graph, or its replays had to end: eager from
+        then on (the stepper runs the step at hand eagerly)."""
+        self.failed = True
+        self._use_eager()
+        self.info.update(mode=None, reason=f"{self.info['reason']}; no CUDA graph of the step ({why}), "
+                                           "eager from then on")
+        warnings.warn(f"gpunb: the training step could not run as one CUDA graph, so training goes on eager: "
+                      f"{why}", RuntimeWarning, stacklevel=2)
+
     def _use_eager(self, keep_voting: bool = False) -> None:
+        self.run.stepper.use_step_graph(False)
         self.run.stepper.use_model(self.eager, cuda_graphs=False)
         self.run.train_model = self.run.state.model = self.eager
         if not keep_voting:  # the other processes wait for this one's vote
@@ -183,9 +219,11 @@ class Compilation:
                 self._after_eager_timing(state)
             else:
                 self._after_compiled_timing()
+        elif self.timings.probing:
+            self.run.stepper.before_step = self.timings.start_probe
 
     def _after_eager_timing(self, state) -> None:
-        step_s, host_share = self.timings.result()
+        step_s, gpu_share = self.timings.result()
         self.info["eager_step_ms"] = 1000 * step_s
         if state.total_steps is None:
             self._stay_eager("eager: the run's length is unknown (give max_steps, or data with a length)")
@@ -194,8 +232,9 @@ class Compilation:
         self.signature = signature_of(model, self.run.batch_size)
         # a partial last batch is a second shape: a second compile (and CUDA graph)
         expected = expected_compile_s(model, self.signature) * (2 if _partial_last_batch(self.run) else 1)
-        decision = decide(step_s, host_share, state.total_steps - state.step, expected,
-                          cuda_graphs=self.world_size == 1)
+        decision = decide(step_s, gpu_share, state.total_steps - state.step, expected,
+                          cuda_graphs=self.world_size == 1,
+                          step_graph=step_graph.blocker(self.run.stepper, self.world_size))
         if state.profile:  # the processes of a profiled run vote for eager
             decision = Decision(None, "eager: the run was profiled")
         if not self._agreed(decision.mode is not None):
@@ -214,7 +253,8 @@ class Compilation:
         step_s, _ = self.timings.result()
         eager_s = self.info["eager_step_ms"] / 1000
         compile_s = max(0.0, self.timings.first_step_s - eager_s)
-        _measured_compile_s[self.signature] = compile_s
+        if self.info["mode"] != "step-graph":  # a capture is no compile
+            _measured_compile_s[self.signature] = compile_s
         speedup = eager_s / step_s
         self.info.update(compiled_step_ms=1000 * step_s, compile_s=compile_s, speedup=speedup)
         if not self._agreed(speedup >= 1.0):
@@ -226,6 +266,12 @@ class Compilation:
     def _stay_eager(self, reason: str) -> None:
         self.info["reason"] = reason
         self.run.callbacks.remove(self)
+
+
+def _step_graph_blocker(run, device, world_size: int) -> str | None:
+    if device.type != "cuda":
+        return f"CUDA graphs need a CUDA device, and this run is on {device.type}"
+    return step_graph.blocker(run.stepper, world_size)
 
 
 def _gist(error: BaseException) -> str:
@@ -250,15 +296,19 @@ def _partial_last_batch(run) -> bool:
 
 
 class StepTimings:
-    """Times steps one by one after a warm-up: wall time and the host's share issuing it."""
+    """Times steps one by one after a warm-up: their wall time and, on CUDA, the GPU's busy time."""
 
     def __init__(self, device):
         self.device = device
 
     def restart(self, step: int, warmup: int, compiling: bool = False) -> None:
-        """Time again from `step`; `compiling`: the next step compiles, and its time is kept."""
-        self.start, self.warmup, self.samples = step, warmup, []
+        """Time again from `step`; `compiling`: the next step compiles, and its time is kept (and
+        the GPU's busy time is not probed: it is the eager step's that decides)."""
+        self.start, self.warmup, self.samples, self.busy = step, warmup, [], []
         self.first_step_s, self.compiling = None, compiling
+        self.probes = PROBED_STEPS if self.device.type == "cuda" and not compiling and _can_sleep() else 0
+        self.probe = None  # the event after the sleep the step in progress is queued behind
+        self.probing = False  # the next step is to be probed: start_probe at its start
         self.mark = self._synced_now() if compiling else None
 
     def record(self, step: int) -> bool:
@@ -271,22 +321,60 @@ class StepTimings:
         if done == self.warmup:
             self.mark = self._synced_now()
             return False
-        issued = time.perf_counter() - self.mark
-        end = self._synced_now()
-        self.samples.append((issued, end - self.mark))
-        self.mark = end
-        return len(self.samples) >= TIMED_STEPS
+        if self.probe is not None:  # the GPU ran this step from the sleep's end, all of it queued
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            self.busy.append(self.probe.elapsed_time(end) / 1000)
+            self.probe = None
+        else:
+            now = self._synced_now()
+            self.samples.append(now - self.mark)
+            self.mark = now
+        if len(self.samples) + len(self.busy) >= TIMED_STEPS:
+            return True
+        self.probing = len(self.samples) >= TIMED_STEPS - self.probes
+        return False
 
-    def result(self) -> tuple[float, float]:
-        """(median step seconds, median share of it the host spent issuing)."""
-        step_s = statistics.median(total for _, total in self.samples)
-        share = statistics.median(min(1.0, issued / total) if total else 1.0 for issued, total in self.samples)
-        return step_s, share
+    def start_probe(self) -> None:
+        """At a probed step's start (after any sync of the last step's end, such as a log's): the
+        GPU sleeps while the host issues the step."""
+        self.probe = _sleep_then_mark(self.device, 2 * statistics.median(self.samples))
+
+    def result(self) -> tuple[float, float | None]:
+        """(median step seconds, median GPU busy time over it; None where not probed)."""
+        step_s = statistics.median(self.samples)
+        busy = min(1.0, statistics.median(self.busy) / step_s) if self.busy and step_s else None
+        return step_s, busy
 
     def _synced_now(self) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+
+_sleep_cycles_per_s: dict = {}  # device index -> the rate of torch.cuda._sleep, measured once
+
+
+def _can_sleep() -> bool:
+    return hasattr(torch.cuda, "_sleep")  # private, but in every release since 1.x
+
+
+def _sleep_then_mark(device, seconds: float):
+    """Queue a GPU sleep of about `seconds` (at most 0.5 s), then an event: work issued after
+    it waits on the GPU, so its time from the event is the GPU's busy time alone."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sleep_cycles_per_s:
+        cycles, begin, end = 20_000_000, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _sleep_cycles_per_s[index] = cycles / (begin.elapsed_time(end) / 1000)
+    torch.cuda._sleep(int(_sleep_cycles_per_s[index] * min(seconds, 0.5)))
+    mark = torch.cuda.Event(enable_timing=True)
+    mark.record()
+    return mark
 
 
 def _torch_counts() -> tuple[int, int]:

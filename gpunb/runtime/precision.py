@@ -45,10 +45,12 @@ class Precision:
         self._skipped = torch.zeros((), dtype=torch.int64, device=device) if self.scaler else None
         self.step_taken = None  # with a scaler: 0-d device tensor, 1 when the last step was taken
 
-    def autocast(self):
+    def autocast(self, cache: bool = True):
+        """The forward's autocast context; `cache=False` for CUDA-graph capture, which cannot
+        keep autocast's cast copies of the weights between replays."""
         if self.dtype is None:
             return _NO_AUTOCAST
-        return torch.autocast(self.device.type, dtype=self.dtype)
+        return torch.autocast(self.device.type, dtype=self.dtype, cache_enabled=cache)
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()

@@ -18,6 +18,7 @@ import torch
 
 from gpunb.errors import GpunbError
 from gpunb.runtime.inputs import batch_size_of, split_batch
+from gpunb.runtime.step_graph import CaptureError, StepGraph
 
 
 _NO_CONTEXT = contextlib.nullcontext()
@@ -63,6 +64,11 @@ class Stepper:
         self.own_zero_grad = getattr(optimizer.zero_grad, "__func__", None) is not torch.optim.Optimizer.zero_grad
         # error -> True when the step should be replayed with the model it switched to (compiling.py)
         self.on_model_error = None
+        # The whole step as one CUDA graph (step_graph.py): captured at the first step after
+        # use_step_graph(True) once the optimizer has state, then replayed for batches of its shapes.
+        self.capture, self.graph, self.replayed = False, None, False
+        self.on_graph_error = None  # why -> None: the graph is given up (compiling.py), the step runs eagerly
+        self.before_step = None  # called once at the next step's start, then dropped (compiling.py's probe)
 
     def phase(self, name: str):
         """The profiler range of phase `name` while profiling, else a shared no-op context."""
@@ -81,9 +87,19 @@ class Stepper:
                     if p.requires_grad and p.grad is None:
                         p.grad = torch.zeros_like(p)
 
+    def use_step_graph(self, on: bool) -> None:
+        """Run the whole step as one CUDA graph from the next step on (captured then), or no longer."""
+        self.capture, self.graph = on, None
+
     def accumulate(self, batch, last_in_step: bool) -> None:
-        """Forward and backward of one loaded batch (in `splits` pieces)."""
+        """Forward and backward of one loaded batch (in `splits` pieces); with a step graph, the
+        whole step when the batch has the graph's shapes."""
         __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
+        if self.before_step is not None:
+            self.before_step()
+            self.before_step = None
+        if self.capture and self._replay_graph(batch):
+            return
         self.pending.append(batch)
         try:
             self._backward(batch, last_in_step)
@@ -99,6 +115,25 @@ class Stepper:
             self._drop_step()
             self._replay(last_in_step)
 
+    def _replay_graph(self, batch) -> bool:
+        """The step on `batch` by the graph (captured first if need be); False: run it eagerly."""
+        try:
+            if self.graph is None:
+                if not self.optimizer.state:  # capture needs the state an eager step makes
+                    return False
+                self.graph = StepGraph(self, batch)
+            elif changed := self.graph.settings_changed():
+                raise CaptureError(f"the optimizer's {changed!r} changed, and the graph holds the old value")
+            loss = self.graph.replay(batch)
+        except CaptureError as error:
+            self.use_step_graph(False)
+            self.on_graph_error(str(error))
+            return False
+        if loss is None:  # another shape (an epoch's partial last batch)
+            return False
+        self.step_loss, self.replayed = loss, True
+        return True
+
     def _replay(self, last_in_step: bool) -> None:
         """The whole step so far again, in smaller pieces (halved again on each further OOM)."""
         while True:
@@ -113,6 +148,15 @@ class Stepper:
     def update(self) -> torch.Tensor:
         """Clip, step the optimizer, the schedule and the weight average; returns the step's mean
         loss (on device)."""
+        if self.replayed:  # the graph took the optimizer step
+            self.replayed = False
+            self._after_update()
+        else:
+            self._update()
+        loss, self.step_loss = self.step_loss, None
+        return loss
+
+    def _update(self) -> None:
         short = len(self.pending) < self.config.grad_accum  # the epoch ended mid-group
         scale = self.config.grad_accum / len(self.pending) if short else None
         self.pending.clear()  # backward is done: the batches are no longer needed for a replay
@@ -121,8 +165,6 @@ class Stepper:
                 self._step(scale)
         else:
             self._step(scale)
-        loss, self.step_loss = self.step_loss, None
-        return loss
 
     def _step(self, scale: float | None) -> None:
         if scale is not None:
@@ -133,6 +175,9 @@ class Stepper:
             torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad_norm)
         self.precision.step(self.optimizer)
         self.clear_grads()
+        self._after_update()
+
+    def _after_update(self) -> None:
         if self.schedule is not None:
             self.schedule.after_step()
         if self.ema is not None:
