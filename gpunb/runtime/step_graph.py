@@ -110,14 +110,18 @@ class StepGraph:
 
     def _step(self, batch) -> torch.Tensor:
         stepper = self.stepper
-        with stepper.precision.autocast(cache=False):
-            loss = stepper.objective.loss(stepper.model, batch)
-        loss.backward()
+        loss = self._forward_backward(batch)
         if stepper.config.clip_grad_norm:
             params = [p for g in self.groups for p in g["params"]]
             torch.nn.utils.clip_grad_norm_(params, stepper.config.clip_grad_norm)
         stepper.optimizer.step()
         return loss.detach()
+
+    def _forward_backward(self, batch) -> torch.Tensor:
+        with self.stepper.precision.autocast(cache=False):
+            loss = self.stepper.objective.loss(self.stepper.model, batch)
+        loss.backward()
+        return loss
 
     def _warm_up(self, stream) -> None:
         model = self.stepper.model
@@ -126,9 +130,7 @@ class StepGraph:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_PASSES):
-                with self.stepper.precision.autocast(cache=False):
-                    loss = self.stepper.objective.loss(model, batch)
-                loss.backward()
+                self._forward_backward(batch)
                 _drop_grads(self.stepper.optimizer)
             with torch.no_grad():
                 for b, saved in zip(model.buffers(), buffers):
