@@ -67,9 +67,9 @@ def test_a_launch_bound_step_is_captured_whole_as_one_cuda_graph():
 
 def test_a_launch_bound_step_that_cannot_be_one_graph_gets_reduce_overhead_when_it_pays():
     why = "gradient accumulation runs several backward passes a step"
-    decision = decide(step_s=0.003, gpu_share=0.11, remaining_steps=100_000, expected_compile_s=12, step_graph=why)
+    decision = decide(step_s=0.003, gpu_share=0.11, remaining_steps=100_000, expected_compile_s=12, graph_blocker=why)
     assert decision.mode == "reduce-overhead" and why in decision.reason
-    assert decide(0.003, 0.11, 1_000, 12, step_graph=why).mode is None  # 1.3 s to save: not worth 12 s
+    assert decide(0.003, 0.11, 1_000, 12, graph_blocker=why).mode is None  # 1.3 s to save: not worth 12 s
 
 
 def test_a_gpu_bound_step_gets_the_default_mode():
@@ -106,13 +106,15 @@ def test_expected_compile_time_is_an_estimate_then_what_was_measured(monkeypatch
 # needs a GPU: tests/test_cuda_compile.py)
 
 
-def _stepper(optimizer=None, **config):
+def _stepper(optimizer=None, device="cuda", **config):
+    """A Stepper as fit builds one (nothing of it touches the device until a step runs)."""
     from gpunb.runtime.objective import Objective
     from gpunb.runtime.precision import Precision
 
     model = _model()
     optimizer = optimizer or torch.optim.AdamW(model.parameters())
-    return Stepper(model, optimizer, Objective(loss_fn=nn.CrossEntropyLoss()), Precision("32", torch.device("cpu")),
+    device = torch.device(device)
+    return Stepper(model, optimizer, Objective(loss_fn=nn.CrossEntropyLoss()), Precision("32", device),
                    schedule=None, config=TrainConfig(**config))
 
 
@@ -148,7 +150,7 @@ def test_on_the_cpu_no_step_is_probed_for_the_gpus_busy_time(monkeypatch):
 
 def test_a_hook_before_the_next_step_runs_once():
     calls = []
-    stepper = _stepper()
+    stepper = _stepper(device="cpu")
     stepper.before_step = lambda: calls.append(len(calls))
     batch = _data(n=8)
     for _ in range(2):

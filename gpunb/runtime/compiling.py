@@ -66,19 +66,19 @@ class Decision:
 
 
 def decide(step_s: float, gpu_share: float | None, remaining_steps: int, expected_compile_s: float,
-           cuda_graphs: bool = True, step_graph: str | None = "") -> Decision:
+           cuda_graphs: bool = True, graph_blocker: str | None = None) -> Decision:
     """Whether to compile or capture, and how, from eager timings and the steps left.
     `gpu_share`: the GPU's busy time over the step time (None: not measured, taken as GPU-bound);
-    `cuda_graphs=False`: the default mode even when launch-bound; `step_graph`: why the whole step
-    cannot be one CUDA graph ("" or None: it can)."""
+    `cuda_graphs=False`: the default mode even when launch-bound; `graph_blocker`: why the whole step
+    cannot be one CUDA graph (None: it can)."""
     launch_bound = gpu_share is not None and gpu_share < LAUNCH_BOUND
     why = (f"launch-bound: the GPU was busy {100 * gpu_share:.0f}% of each step, waiting on the host the rest"
            if launch_bound else "GPU-bound" + (f": the GPU was busy {100 * gpu_share:.0f}% of each step"
                                                if gpu_share is not None else ""))
-    if launch_bound and cuda_graphs and not step_graph:
+    if launch_bound and cuda_graphs and not graph_blocker:
         mode, expected_compile_s = "step-graph", CAPTURE_STEPS * step_s  # no compile: a capture
     elif launch_bound and cuda_graphs:
-        mode, why = "reduce-overhead", f"{why}; the whole step is not one graph: {step_graph}"
+        mode, why = "reduce-overhead", f"{why}; the whole step is not one graph: {graph_blocker}"
     else:
         mode = True
     saving = remaining_steps * step_s * (1 - 1 / ASSUMED_SPEEDUP[mode])
@@ -132,7 +132,7 @@ class Compilation:
         self.timings = self.signature = None
         if self.requested is False:
             self.info["reason"] = "compile=False"
-        elif self.requested == "step-graph" and (why := _step_graph_blocker(run, device, world_size)):
+        elif self.requested == "step-graph" and (why := step_graph.blocker(run.stepper, world_size)):
             self.info["reason"] = f"eager: no CUDA graph of the step ({why})"
             warnings.warn(f"gpunb: compile='step-graph' cannot capture this run's step, so it trains eager: {why}",
                           RuntimeWarning, stacklevel=3)
@@ -186,9 +186,10 @@ class Compilation:
                       RuntimeWarning, stacklevel=2)
         return True
 
-    def graph_failed(self, why: str) -> None:
+    def graph_failed(self, error: BaseException) -> None:
         """The step could not be captured as one CUDA graph, or its replays had to end: eager from
         then on (the stepper runs the step at hand eagerly)."""
+        why = _gist(error)
         self.failed = True
         self._use_eager()
         self.info.update(mode=None, reason=f"{self.info['reason']}; no CUDA graph of the step ({why}), "
@@ -234,7 +235,7 @@ class Compilation:
         expected = expected_compile_s(model, self.signature) * (2 if _partial_last_batch(self.run) else 1)
         decision = decide(step_s, gpu_share, state.total_steps - state.step, expected,
                           cuda_graphs=self.world_size == 1,
-                          step_graph=step_graph.blocker(self.run.stepper, self.world_size))
+                          graph_blocker=step_graph.blocker(self.run.stepper, self.world_size))
         if state.profile:  # the processes of a profiled run vote for eager
             decision = Decision(None, "eager: the run was profiled")
         if not self._agreed(decision.mode is not None):
@@ -266,12 +267,6 @@ class Compilation:
     def _stay_eager(self, reason: str) -> None:
         self.info["reason"] = reason
         self.run.callbacks.remove(self)
-
-
-def _step_graph_blocker(run, device, world_size: int) -> str | None:
-    if device.type != "cuda":
-        return f"CUDA graphs need a CUDA device, and this run is on {device.type}"
-    return step_graph.blocker(run.stepper, world_size)
 
 
 def _gist(error: BaseException) -> str:

@@ -67,7 +67,7 @@ class Stepper:
         # The whole step as one CUDA graph (step_graph.py): captured at the first step after
         # use_step_graph(True) once the optimizer has state, then replayed for batches of its shapes.
         self.capture, self.graph, self.replayed = False, None, False
-        self.on_graph_error = None  # why -> None: the graph is given up (compiling.py), the step runs eagerly
+        self.on_graph_error = None  # CaptureError -> None: the graph is given up (compiling.py), the step runs eagerly
         self.before_step = None  # called once at the next step's start, then dropped (compiling.py's probe)
 
     def phase(self, name: str):
@@ -122,12 +122,10 @@ class Stepper:
                 if not self.optimizer.state:  # capture needs the state an eager step makes
                     return False
                 self.graph = StepGraph(self, batch)
-            elif changed := self.graph.settings_changed():
-                raise CaptureError(f"the optimizer's {changed!r} changed, and the graph holds the old value")
             loss = self.graph.replay(batch)
         except CaptureError as error:
             self.use_step_graph(False)
-            self.on_graph_error(str(error))
+            self.on_graph_error(error)
             return False
         if loss is None:  # another shape (an epoch's partial last batch)
             return False

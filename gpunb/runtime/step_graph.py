@@ -42,7 +42,9 @@ class CaptureError(RuntimeError):
 
 def blocker(stepper, world_size: int) -> str | None:
     """Why this run's step cannot be one CUDA graph; None when it can be tried."""
-    optimizer = stepper.optimizer
+    optimizer, device = stepper.optimizer, stepper.precision.device
+    if device.type != "cuda":
+        return f"CUDA graphs need a CUDA device, and this run is on {device.type}"
     if world_size > 1:
         return "gradients are all-reduced between processes"
     if stepper.config.grad_accum > 1:
@@ -79,7 +81,7 @@ class StepGraph:
             with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
                 self.loss = self._step(pytree.tree_unflatten(self.inputs, self.spec))
         except Exception as error:
-            raise CaptureError(_gist(error)) from error
+            raise CaptureError(f"{type(error).__name__}: {error}") from error
         finally:
             for group, lr in zip(self.groups, self.lrs):
                 group["lr"] = lr
@@ -87,7 +89,10 @@ class StepGraph:
 
     def replay(self, batch) -> torch.Tensor | None:
         """The step on `batch`; returns its loss (a tensor of its own), or None when `batch` has
-        other shapes than the captured one (the caller runs the step eagerly)."""
+        other shapes than the captured one (the caller runs the step eagerly). Raises CaptureError
+        when an optimizer setting the graph holds has changed."""
+        if changed := self._settings_changed():
+            raise CaptureError(f"the optimizer's {changed!r} changed, and the graph holds the old value")
         leaves, spec = pytree.tree_flatten(batch)
         if spec != self.spec or any(t.shape != s.shape or t.dtype != s.dtype for t, s in zip(leaves, self.inputs)):
             return None
@@ -100,7 +105,7 @@ class StepGraph:
         self.graph.replay()
         return self.loss.clone()
 
-    def settings_changed(self) -> str | None:
+    def _settings_changed(self) -> str | None:
         """The first optimizer setting (other than the learning rate) changed since capture, if any."""
         for group, before in zip(self.groups, self.settings):
             for key, value in _settings(group).items():
@@ -145,8 +150,6 @@ def _settings(group: dict) -> dict:
 def _make_capturable(optimizer) -> None:
     """Step counts on the device, so that the captured update advances them (fused optimizers
     keep them there already)."""
-    if not optimizer.state:
-        raise CaptureError("the optimizer has no state yet (capture follows an eager step)")
     for group in optimizer.param_groups:
         group["capturable"] = True
         for p in group["params"]:
@@ -160,9 +163,4 @@ def _drop_grads(optimizer) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             p.grad = None
-
-
-def _gist(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
 
