@@ -465,6 +465,42 @@ def test_callback_publishes_samples_and_sets_energy(monkeypatch, energy_supporte
     assert fake.inits == 1 and fake.shutdowns == 0  # the process-wide session, shared and kept
 
 
+def test_callback_start_leaves_nvml_to_the_sampler_thread(monkeypatch):
+    # nvmlInit and the device lookup can take a second on some drivers: fit's first step
+    # must not wait for them, so on_fit_start makes no NVML call on the calling thread.
+    fake = _CountingNvml(monkeypatch)
+    callers = []
+    for name in ("nvmlInit", "nvmlDeviceGetCount", "nvmlDeviceGetHandleByUUID", "nvmlDeviceGetHandleByIndex"):
+        monkeypatch.setattr(pynvml, name, _recording_caller(getattr(pynvml, name), callers))
+    state = _state("cuda:0")
+    callback = TelemetryCallback()
+    callback.on_fit_start(state)
+    assert threading.current_thread() not in callers
+    _wait_until(lambda: "gpu" in state.extras)
+    callback.on_fit_end(state)
+    assert callers and threading.current_thread() not in callers
+    assert fake.calls["nvmlInit"] == 1 and state.extras["gpu"]["index"] == 0
+
+
+def test_callback_starts_no_sampler_once_nvml_failed_in_this_process(monkeypatch):
+    def no_driver():
+        raise pynvml.NVMLError_LibraryNotFound()
+
+    monkeypatch.setattr(pynvml, "nvmlInit", no_driver)
+    assert nvml.ensure_nvml() == nvml.NO_DRIVER_REASON
+    callback = TelemetryCallback()
+    callback.on_fit_start(_state("cuda:0"))
+    assert callback.sampler is None
+
+
+def _recording_caller(function, callers: list):
+    def call(*args):
+        callers.append(threading.current_thread())
+        return function(*args)
+
+    return call
+
+
 def test_callback_stops_its_sampler_on_exception(monkeypatch):
     FakeNvml(monkeypatch)
     state = _state("cuda:0")

@@ -30,11 +30,11 @@ class TelemetryCallback:
         if getattr(device, "type", None) != "cuda":
             return
         try:
-            from gpunb.telemetry.nvml import ensure_nvml, nvml_index_for_cuda_device
+            from gpunb.telemetry.nvml import known_failure
             from gpunb.telemetry.sampler import GpuSampler
         except ImportError:  # nvidia-ml-py missing: a run without telemetry
             return
-        if ensure_nvml() is not None:
+        if known_failure() is not None:  # NVML failed earlier in this process: it will again
             return
         cuda_index = self.device_index if self.device_index is not None else _cuda_index(device)
         extras = state.extras
@@ -42,9 +42,10 @@ class TelemetryCallback:
         def publish(sample: dict) -> None:
             extras["gpu"] = sample  # one dict assignment: atomic under the GIL
 
-        # start() returns at once; a sampler that fails later logs why and reports no energy.
-        self.sampler = GpuSampler(nvml_index_for_cuda_device(cuda_index, _cuda_uuid(cuda_index)),
-                                  self.interval, on_sample=publish).start()
+        # start() returns at once: NVML is initialised and the device found on the sampler's
+        # thread, while the first step runs. A sampler that fails logs why and reports no energy.
+        self.sampler = GpuSampler.of_cuda_device(cuda_index, _cuda_uuid(cuda_index), interval=self.interval,
+                                                 on_sample=publish).start()
 
     def on_fit_end(self, state) -> None:
         energy = self._stop_sampler()

@@ -43,6 +43,12 @@ def ensure_nvml() -> str | None:
         return _init_error
 
 
+def known_failure() -> str | None:
+    """Why NVML failed to initialise in this process, when it has been tried and failed; None
+    otherwise (not tried yet, or working). Never initialises it."""
+    return _init_error
+
+
 def _init_failure_reason(error: Exception) -> str:
     if isinstance(error, (pynvml.NVMLError_LibraryNotFound, pynvml.NVMLError_DriverNotLoaded, OSError)):
         return NO_DRIVER_REASON

@@ -1,7 +1,8 @@
 """A background thread that samples one GPU through NVML, and the energy it adds up.
 
-Neither end of a run waits on it: `start()` only starts the thread (the thread takes
-the first sample, the energy baseline), and `stop()` wakes the thread with an Event
+Neither end of a run waits on it: `start()` only starts the thread (the thread initialises
+NVML when the process has not yet, finds the device, and takes the first sample, the energy
+baseline), and `stop()` wakes the thread with an Event
 and reads the energy counter once for the end point. The thread uses the process's
 NVML session (nvml.ensure_nvml, initialised once and kept), so starting and stopping
 costs no nvmlInit/nvmlShutdown. NVML calls go through ctypes and release the GIL; the
@@ -18,7 +19,8 @@ from collections.abc import Callable
 
 import pynvml
 
-from gpunb.telemetry.nvml import ENERGY_READERS, SAMPLE_READERS, device_identity, ensure_nvml, read_fields
+from gpunb.telemetry.nvml import (ENERGY_READERS, SAMPLE_READERS, device_identity, ensure_nvml,
+                                  nvml_index_for_cuda_device, read_fields)
 from gpunb.telemetry.visible import DeviceId, handle_of, label
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,16 @@ class GpuSampler:
         self._ended = False  # after stop()'s end point the thread records nothing more
         self._handle = None  # set by the thread once it has the device; stop() reads energy through it
         self._thread: threading.Thread | None = None
+        self._cuda_device = None  # (CUDA index, UUID): NVML's number for it is found on the thread
+
+    @classmethod
+    def of_cuda_device(cls, cuda_index: int, uuid: str | None = None, **options) -> GpuSampler:
+        """The sampler of CUDA device `cuda_index`. NVML numbers devices its own way
+        (nvml.nvml_index_for_cuda_device); the thread looks the number up after initialising
+        NVML, so that neither lengthens `start()` (nvmlInit alone can take a second)."""
+        sampler = cls(cuda_index, **options)
+        sampler._cuda_device = (cuda_index, uuid)
+        return sampler
 
     def start(self) -> GpuSampler:
         """Start the thread; returns at once (the thread takes the first sample)."""
@@ -136,6 +148,8 @@ class GpuSampler:
             self._fail(reason)
             return
         try:
+            if self._cuda_device is not None:
+                self.index = nvml_index_for_cuda_device(*self._cuda_device)
             handle = handle_of(self.index)
             identity = device_identity(self.index, handle)
             self._handle = handle
