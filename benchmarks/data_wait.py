@@ -17,6 +17,12 @@ time, and the step time (wall time over steps, after a warm-up fit). All eager
 (`compile=False`): the data path is measured, not the compiler. Goal: <= 5% of the wall
 time waiting for data.
 
+Then, for each variant, one more fit under torch.profiler: the GPU's busy time a step (the
+sum of its kernels' and copies' times, over all streams) beside the step time. A step whose
+GPU is busy for a small share of it is host-bound: the data wait is then the host's time
+issuing the batch's gather and transforms, which a side stream cannot hide, and which only
+fewer launches (or none: a CUDA graph) shorten.
+
     python benchmarks/data_wait.py                       # on a CUDA machine
     python benchmarks/data_wait.py --steps 50 --rounds 1  # a quick check
 """
@@ -97,6 +103,18 @@ def images(n, classes, device):
     return x, torch.randint(0, classes, (n,), device=device, generator=g)
 
 
+def gpu_busy_share(run, data, steps, batch, variant) -> tuple[float, float]:
+    """(GPU busy ms a step, step ms) of one fit under torch.profiler: the busy time is the sum
+    of the device's kernel and copy times (overlapping streams would count twice)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _, step_ms = run(data, steps, batch, variant)
+    busy_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return busy_us / 1000 / steps, step_ms
+
+
 def gpunb_fit(data, steps, batch, variant):
     """(data-wait share, step time in ms) of one gpunb fit of `steps` steps."""
     from gpunb import Trainer
@@ -158,6 +176,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     parser.add_argument("--images", type=int, default=20_000)
     parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--profile-steps", type=int, default=30, help="steps of each variant's profiled fit")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/data_wait.py needs a CUDA GPU: none is visible here, nothing measured.")
@@ -182,6 +201,11 @@ def main():
         print(f"{name:<16}{wait:>12}{ms:>10.2f}{ms / ahead_ms:>10.3f}")
     share = statistics.median(s for s, _ in measured["ahead"])
     print(f"goal: data wait <= 5% of wall time: {'met' if share <= 0.05 else 'not met'} ({100 * share:.1f}%)")
+    print(f"under torch.profiler, {args.profile_steps} steps each (its own overhead included):")
+    print(f"{'variant':<16}{'GPU busy ms':>12}{'step ms':>10}{'busy share':>12}")
+    for name, run in VARIANTS.items():
+        busy_ms, step_ms = gpu_busy_share(run, data, args.profile_steps, args.batch, name)
+        print(f"{name:<16}{busy_ms:>12.2f}{step_ms:>10.2f}{100 * busy_ms / step_ms:>11.0f}%")
     return 0
 
 

@@ -63,10 +63,64 @@ def test_normalize_copies_mean_and_std_once_and_not_when_pickled():
     normalize = Normalize([0.5, 0.5, 0.5], [0.25, 0.25, 0.25])
     x = torch.full((2, 3, 4, 4), 1.0)
     assert torch.equal(normalize(x), torch.full((2, 3, 4, 4), 2.0))
-    kept = normalize._on[CPU]
+    kept = normalize._on[CPU, 4]
     normalize(x)
-    assert normalize._on[CPU] is kept and len(normalize._on) == 1
+    assert normalize._on[CPU, 4] is kept and len(normalize._on) == 1
     assert pickle.loads(pickle.dumps(normalize))._on == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float16, torch.float32, torch.float64])
+def test_normalize_gives_float32_x_minus_mean_over_std(dtype):
+    mean, std = [123.675, 116.28, 103.53], [58.395, 57.12, 57.375]
+    x = images(6)[0].to(dtype)
+    expected = (x.double() - torch.tensor(mean, dtype=torch.float64).view(1, 3, 1, 1)) / \
+        torch.tensor(std, dtype=torch.float64).view(1, 3, 1, 1)
+    got = Normalize(mean, std)(x)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_random_crop_takes_one_window_of_the_zero_padded_batch_per_sample():
+    x = torch.arange(1, 1 + 300 * 2 * 5 * 5, dtype=torch.float32).view(300, 2, 5, 5)
+    padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
+    torch.manual_seed(0)
+    got = RandomCrop(2)(x)
+    seen = set()
+    for i in range(len(x)):
+        offsets = [(dy, dx) for dy in range(5) for dx in range(5)
+                   if torch.equal(got[i], padded[i, :, dy:dy + 5, dx:dx + 5])]
+        assert len(offsets) == 1  # one window, of this sample, all its channels alike
+        seen.update(offsets)
+    assert len(seen) == 25  # every offset from (0, 0) to (2p, 2p) drawn
+    crop = RandomCrop(2)
+    crop(x[:8])
+    assert len(pickle.loads(pickle.dumps(crop))._indices) == 0  # its index tensors stay here
+
+
+def test_the_transforms_launch_few_ops_per_batch():
+    # On a host-bound GPU step each op's launch is time the step waits for: RandomCrop makes its
+    # index tensors once per shape, and Normalize is one op.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x = images(16)[0]
+    crop, normalize = RandomCrop(2), Normalize([0.5] * 3, [0.25] * 3)
+    normalize(crop(x))  # the first batch of this shape makes the fixed tensors
+    with Ops() as crop_ops:
+        cropped = crop(x)
+    with Ops() as normalize_ops:
+        normalize(cropped)
+    assert "arange" not in crop_ops.names and crop_ops.names.count("randint") == 1
+    assert len([n for n in crop_ops.names if n not in ("slice", "view")]) == 5  # pad, randint, 2 adds, the gather
+    assert normalize_ops.names == ["addcmul"]
 
 
 class FakeStreams:

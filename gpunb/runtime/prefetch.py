@@ -53,6 +53,6 @@ class CudaPrefetcher:
 def _pinned(batch):
     """Pinned host memory makes the copy truly asynchronous; DataLoader(pin_memory=True) did it already."""
     tensors = batch_tensors(batch)
-    if all(t.is_pinned() or t.device.type != "cpu" for t in tensors):
+    if all(t.device.type != "cpu" or t.is_pinned() for t in tensors):  # is_pinned is an op: host tensors only
         return batch
     return map_tensors(batch, lambda t: t.pin_memory() if t.device.type == "cpu" else t)
