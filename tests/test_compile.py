@@ -329,6 +329,29 @@ def test_the_result_counts_graph_breaks(monkeypatch):
     assert _fit(_model(), compile=True, max_steps=3).compilation["graph_breaks"] == 0
 
 
+def test_the_loss_is_compiled_as_well_and_validation_keeps_the_eager_one(monkeypatch):
+    graphs = []  # the functions each compiled graph calls
+
+    def recording(graph_module, example_inputs):
+        graphs.append({str(node.target) for node in graph_module.graph.nodes if node.op == "call_function"})
+        return graph_module.forward
+
+    monkeypatch.setattr(compiling, "BACKEND", recording)
+    calls = []
+
+    def loss_fn(output, target):
+        calls.append(torch.compiler.is_compiling())
+        return nn.functional.cross_entropy(output, target)
+
+    options = dict(max_steps=3, batch_size=32, log_every=1, track=False)
+    result = Trainer(**options, compile=True).fit(_model(), _data(), _data(64, 1), loss_fn=loss_fn)
+    assert any(any("cross_entropy" in target for target in graph) for graph in graphs)
+    assert True in calls  # traced for the training steps
+    assert calls[-1] is False  # validation, after the last step, called it eagerly
+    eager = Trainer(**options, compile=False).fit(_model(), _data(), _data(64, 1), loss_fn=loss_fn)
+    assert [r["loss"] for r in result.history] == [r["loss"] for r in eager.history]
+
+
 # --- CUDA graphs: outputs live in memory the next replay overwrites
 
 

@@ -170,6 +170,13 @@ class Compilation:
         options = {"mode": mode} if isinstance(mode, str) else {}
         compiled = torch.compile(self.eager, backend=BACKEND, **options)
         self.run.stepper.use_model(compiled, cuda_graphs=mode in CUDA_GRAPH_MODES)
+        objective = self.run.objective
+        if objective.loss_fn is not None:
+            # The loss compiled too, as a graph of its own: a language model's cross-entropy is
+            # then one fused pass over its logits (the cast to fp32, log-softmax and the pick of
+            # each target's log-probability; and back) instead of several, each as large as the
+            # logits. nanoGPT gets the same by computing its loss inside the compiled forward.
+            objective.train_loss_fn = torch.compile(objective.loss_fn, backend=BACKEND, **options)
         if not training_only:  # validation and callbacks see the compiled module too
             self.run.train_model = self.run.state.model = compiled
 
@@ -200,6 +207,7 @@ class Compilation:
     def _use_eager(self, keep_voting: bool = False) -> None:
         self.run.stepper.use_step_graph(False)
         self.run.stepper.use_model(self.eager, cuda_graphs=False)
+        self.run.objective.train_loss_fn = self.run.objective.loss_fn
         self.run.train_model = self.run.state.model = self.eager
         if not keep_voting:  # the other processes wait for this one's vote
             self.run.callbacks.remove(self)

@@ -31,6 +31,7 @@ class Objective:
                 raise GpunbError(f"`{name}` must be callable, got a {type(value).__name__}.",
                                  "pass e.g. `loss_fn=torch.nn.CrossEntropyLoss()`.")
         self.loss_fn, self.step_fn = loss_fn, step
+        self.train_loss_fn = loss_fn  # what training steps apply: its compiled form while compiled (compiling.py)
         self.metrics, stateful = _metric_functions(metrics)
         self.stateful = StatefulMetrics(stateful) if stateful else None  # torchmetrics
         self.val_names = None  # the names evaluate() gave, once it has run (see monitor.py)
@@ -42,7 +43,7 @@ class Objective:
             return _scalar(self.step_fn(model, batch), "step(model, batch)")
         if self.loss_fn is not None:
             output, target = self._forward(model, batch)
-            return _scalar(self._apply_loss(output, target), "loss_fn(output, target)")
+            return _scalar(self._apply_loss(self.train_loss_fn, output, target), "loss_fn(output, target)")
         return _scalar(_call(model, batch), "the model's forward", tuples=True)
 
     def evaluate(self, model, batch, score: bool = True) -> dict[str, torch.Tensor]:
@@ -57,7 +58,7 @@ class Objective:
             output, target = self._forward(model, batch)
             if not score:
                 return {}
-            sums = {"val_loss": _scalar(self._apply_loss(output, target), "loss_fn").float() * n}
+            sums = {"val_loss": _scalar(self._apply_loss(self.loss_fn, output, target), "loss_fn").float() * n}
             sums.update(self._metric_sums(output, target, n))
         if score:
             self.val_names = tuple(sums) + (self.stateful.names() if self.stateful is not None else ())
@@ -87,10 +88,11 @@ class Objective:
         return {f"val_{name}": torch.as_tensor(fn(output, target), device=output.device).float() * n
                 for name, fn in metrics.items()}
 
-    def _apply_loss(self, output, target):
+    @staticmethod
+    def _apply_loss(loss_fn, output, target):
         __tracebackhide__ = True  # noqa: F841
         try:
-            return self.loss_fn(output, target)
+            return loss_fn(output, target)
         except (TypeError, AttributeError) as error:
             if not isinstance(output, (list, tuple)):
                 raise
