@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -273,6 +274,7 @@ def test_snapshot_and_status_list_mig_instances_as_devices_with_their_memory(mon
 def test_the_sampler_reads_a_mig_instance(monkeypatch):
     FakeNvml(monkeypatch, migs={1: [(1, 0)]})
     gpu = GpuSampler((1, 0), interval=0.5).start()
+    _wait_until(lambda: gpu.latest is not None)
     gpu.stop()
     assert gpu.error is None
     sample = gpu.samples()[-1]
@@ -417,9 +419,31 @@ def test_sampler_without_nvml_says_why(monkeypatch, caplog):
 
     monkeypatch.setattr(pynvml, "nvmlInit", no_driver)
     gpu = GpuSampler(0).start()
+    _wait_until(lambda: not gpu.running)
     gpu.stop()
     assert gpu.error == nvml.NO_DRIVER_REASON and gpu.energy_j is None
     assert nvml.NO_DRIVER_REASON in caplog.text
+
+
+def test_stop_does_not_wait_for_a_slow_nvml_start(monkeypatch):
+    # A run shorter than nvmlInit (up to a second on some drivers) ends without waiting for it.
+    fake = _CountingNvml(monkeypatch)
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_init():
+        entered.set()
+        release.wait(10)
+        fake.calls["nvmlInit"] += 1
+
+    monkeypatch.setattr(pynvml, "nvmlInit", slow_init)
+    gpu = GpuSampler.of_cuda_device(0).start()
+    assert entered.wait(10)
+    begin = time.perf_counter()
+    gpu.stop()
+    assert time.perf_counter() - begin < 0.5 and gpu.running  # the thread is still in nvmlInit
+    release.set()
+    _wait_until(lambda: not gpu.running)  # it ends by itself...
+    assert gpu.samples() == [] and gpu.energy_j is None and gpu.error is None  # ...having sampled nothing
 
 
 def test_sampler_never_exceeds_two_hertz(monkeypatch):
@@ -430,6 +454,7 @@ def test_sampler_reports_an_nvml_failure_instead_of_raising(monkeypatch):
     FakeNvml(monkeypatch)
     monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", _not_supported)
     gpu = GpuSampler(7).start()
+    _wait_until(lambda: not gpu.running)
     gpu.stop()
     assert "GPU 7" in gpu.error and gpu.samples() == [] and gpu.energy_j is None
 

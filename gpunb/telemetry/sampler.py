@@ -26,6 +26,7 @@ from gpunb.telemetry.visible import DeviceId, handle_of, label
 log = logging.getLogger(__name__)
 
 MIN_INTERVAL_S = 0.5  # at most 2 Hz: enough for a dashboard, invisible to training (callback.py repeats it)
+STARTING_WAIT_S = 0.02  # what stop() waits for a thread that has not reached the device yet
 
 
 class EnergyMeter:
@@ -116,10 +117,12 @@ class GpuSampler:
 
         The thread is woken from its wait, so the join lasts at most the NVML reads of a
         sample under way; `timeout` bounds it should a read hang (the thread is a daemon).
+        A thread still starting (in nvmlInit, which nothing interrupts) is given STARTING_WAIT_S:
+        a short run's end does not wait for it, and it ends by itself, having sampled nothing.
         """
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(timeout if self._handle is not None else min(timeout, STARTING_WAIT_S))
         with self._lock:
             if self._ended:
                 return
