@@ -20,8 +20,9 @@ warning that says why. A model whose own code fails fails again eagerly, with it
 traceback. `TrainResult.compilation` says what happened: when, in which mode, how long
 the compile took and the measured speed-up.
 
+Where the run has a `loss_fn`, it is compiled too, as a graph of its own beside the model's.
 Only the training step is compiled under "auto" (validation runs eager: a second graph
-for eval mode would cost another compile); a forced compile covers validation too.
+for eval mode would cost another compile); a forced compile covers validation's model too.
 Torch's compile caches (Dynamo's, the FX graph and AOTAutograd caches) are left on, so
 compiling the same model again in the kernel reuses them.
 
