@@ -22,7 +22,8 @@ usual way, by a shuffling DataLoader over a TensorDataset of the same tensors.
 On a GPU it adds GPT-2 124M in nanoGPT's shape (bf16, batch 16 x 1,024), with the MFU of both
 loops (gpunb's FLOP count of a step over the median step time, against the GPU's dense bf16
 peak) beside the MFU gpunb's own result reports, and the digits CNN at batch 64, which is
-launch-bound (kernels of a few µs).
+launch-bound (kernels of a few µs); and a fifth loop, gpunb with compile=False, whose ratio to
+the plain loop is gpunb's own per-step cost apart from what compile="auto" gains.
 """
 
 from __future__ import annotations
@@ -223,6 +224,17 @@ def gpunb_loop(make_model, data, batch_size, loss_fn, precision, device, steps):
     return timer.times
 
 
+def gpunb_eager_loop(make_model, data, batch_size, loss_fn, precision, device, steps):
+    """gpunb with compile=False: on a GPU, where compile="auto" may capture the step as a CUDA graph,
+    this shows gpunb's own per-step cost apart from what the graph saves."""
+    torch.manual_seed(0)
+    timer = StepTimer(device)
+    Trainer(max_steps=steps, epochs=10**6, batch_size=batch_size, precision=precision, log_every=50,
+            track=False, accelerator=device.type, compile=False).fit(make_model(), data, loss_fn=loss_fn,
+                                                                     callbacks=[timer])
+    return timer.times
+
+
 def peak_memory(case, label, device) -> float:
     """Peak bytes of tensor memory while one loop runs 40 steps: the CUDA allocator's peak, or
     on CPU the peak of the allocator's running total from the profiler's memory events."""
@@ -318,9 +330,10 @@ def main():
         if args.cases and case not in args.cases:
             continue
         steps = gpt_steps if "gpt" in case else args.steps
-        medians = {label: [] for label in LOOPS}
+        loops = {**LOOPS, "eager": gpunb_eager_loop} if device.type == "cuda" else LOOPS  # auto is eager on a CPU
+        medians = {label: [] for label in loops}
         for round_ in range(args.rounds):  # interleaved, every other round backwards
-            for label, loop in (list(LOOPS.items()) if round_ % 2 == 0 else reversed(LOOPS.items())):
+            for label, loop in (list(loops.items()) if round_ % 2 == 0 else reversed(loops.items())):
                 times = loop(make_model, data, batch_size, loss_fn, precision, device, steps)
                 medians[label].append(statistics.median(times[args.warmup:]))
         plain, ours, usual, loader = (statistics.median(medians[label])
@@ -336,6 +349,11 @@ def main():
               f"{1000 * usual:>10.3f}{ratio_to['usual']:>10.3f}{1000 * loader:>11.3f}{ratio_to['loader']:>11.3f}")
         if line:
             notes.append(line)
+        if "eager" in medians:
+            eager = [e / p for e, p in zip(medians["eager"], medians["plain"])]
+            low, high = _middle_half(eager)
+            notes.append(f"  {case}: gpunb with compile=False {1000 * statistics.median(medians['eager']):.3f} ms, "
+                         f"time ratio {statistics.median(eager):.3f} ({low:.3f}-{high:.3f})")
     for line in notes:
         print(line)
 
