@@ -145,10 +145,10 @@ def lm_case(device, steps: int) -> None:
                                                            callbacks=[timer])
         return timer.times
 
-    rows_out = {"plain, model compiled": plain(False), "plain, model and loss compiled": plain(True),
-                "gpunb compile=True": gpunb()}
-    base = statistics.median(rows_out["plain, model compiled"][steps // 2:])
-    for label, times in rows_out.items():
+    step_times = {"plain, model compiled": plain(False), "plain, model and loss compiled": plain(True),
+                  "gpunb compile=True": gpunb()}
+    base = statistics.median(step_times["plain, model compiled"][steps // 2:])
+    for label, times in step_times.items():
         step = statistics.median(times[steps // 2:])
         print(f"lm        {label:<32}{1000 * step:9.2f} ms  {step / base:6.3f} of the model-only compile")
 

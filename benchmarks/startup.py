@@ -81,11 +81,11 @@ def _child(kind: str, device_name: str) -> dict:
     times["model + warm-up"] = time.perf_counter() - start
     if kind in ("plain", "same"):
         start = time.perf_counter()
-        gpunbs = kind == "same"  # the work gpunb chose for this device
-        bf16 = gpunbs and device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
-        if gpunbs and device.type == "cuda":
+        as_gpunb = kind == "same"  # the work gpunb chose for this device
+        bf16 = as_gpunb and device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+        if as_gpunb and device.type == "cuda":
             torch.set_float32_matmul_precision("high")
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **({"fused": True} if gpunbs else {}))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **({"fused": True} if as_gpunb else {}))
         xb, yb = x[:128].to(device), y[:128].to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = nn.functional.cross_entropy(model(xb), yb)
