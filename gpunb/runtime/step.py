@@ -167,13 +167,17 @@ class Stepper:
     def _step(self, scale: float | None) -> None:
         if scale is not None:
             self._rescale(scale)
+        self.clip()
+        self.precision.step(self.optimizer)
+        self.clear_grads()
+        self._after_update()
+
+    def clip(self) -> None:
+        """Clip the global gradient norm to `clip_grad_norm`, when set (unscaled first)."""
         if self.config.clip_grad_norm:
             self.precision.unscale(self.optimizer)
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
             torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad_norm)
-        self.precision.step(self.optimizer)
-        self.clear_grads()
-        self._after_update()
 
     def _after_update(self) -> None:
         if self.schedule is not None:

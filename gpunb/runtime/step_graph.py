@@ -85,7 +85,7 @@ class StepGraph:
         finally:
             for group, lr in zip(self.groups, self.lrs):
                 group["lr"] = lr
-            _drop_grads(stepper.optimizer)  # the graph keeps writing them; no eager step may add to them
+            stepper.clear_grads()  # the graph keeps writing them; no eager step may add to them
 
     def replay(self, batch) -> torch.Tensor | None:
         """The step on `batch`; returns its loss (a tensor of its own), or None when `batch` has
@@ -114,12 +114,9 @@ class StepGraph:
         return None
 
     def _step(self, batch) -> torch.Tensor:
-        stepper = self.stepper
         loss = self._forward_backward(batch)
-        if stepper.config.clip_grad_norm:
-            params = [p for g in self.groups for p in g["params"]]
-            torch.nn.utils.clip_grad_norm_(params, stepper.config.clip_grad_norm)
-        stepper.optimizer.step()
+        self.stepper.clip()
+        self.stepper.optimizer.step()  # no loss scaler (see blocker)
         return loss.detach()
 
     def _forward_backward(self, batch) -> torch.Tensor:
@@ -136,7 +133,7 @@ class StepGraph:
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_PASSES):
                 self._forward_backward(batch)
-                _drop_grads(self.stepper.optimizer)
+                self.stepper.clear_grads()
             with torch.no_grad():
                 for b, saved in zip(model.buffers(), buffers):
                     b.copy_(saved)
@@ -157,10 +154,4 @@ def _make_capturable(optimizer) -> None:
             step = state.get("step") if state else None
             if isinstance(step, torch.Tensor) and step.device != p.device:
                 state["step"] = step.to(p.device)
-
-
-def _drop_grads(optimizer) -> None:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            p.grad = None
 
