@@ -130,7 +130,10 @@ def gpunb_fit(data, steps, batch, variant):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     patch = mock.patch.object(loop, "build_feed", inline_feed) if variant != "ahead" else contextlib.nullcontext()
     with patch:
+        # log_every: a metric read (a host sync) every 50 steps, as a run of 5,000 steps has; "auto"
+        # would read every other step of a 200-step fit, and the plain loop reads none
         result = Trainer(max_steps=steps, batch_size=batch, precision="bf16-mixed", compile=False, track=False,
+                         log_every=50,
                          transforms=transforms(copying=variant == "inline-copying")).fit(
             model, data, optimizer=optimizer, loss_fn=nn.CrossEntropyLoss())
     return result.data_wait_s / result.wall_time_s, 1000 * result.wall_time_s / result.steps

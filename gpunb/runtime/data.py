@@ -94,9 +94,11 @@ class TensorFeed:
         index = self.order.indices(epoch).to(self.tensors[0].device)
         positions = range(skip, self.num_batches)
         if self.prefetch:
-            if index.is_cuda:  # the gathers read it on the side stream
+            augment, tensors, size = self.augment, self.tensors, self.batch_size
+            if index.is_cuda:  # resident: gathered and transformed on the side stream, which reads the order
                 index.record_stream(self.prefetch.stream)
-            augment, copy, tensors, size = self.augment, self.prefetch.copy, self.tensors, self.batch_size
+                return self.prefetch(positions, lambda b: augment(_gathered(tensors, index, size, b), epoch, b))
+            copy = self.prefetch.copy  # on the host: gathered there, copied and transformed on the side stream
             return self.prefetch(positions, lambda b: augment(copy(_gathered(tensors, index, size, b)), epoch, b))
         batches = _indexed(self.tensors, index, self.batch_size, skip, self.num_batches)
         if self.tensors[0].device != self.device:

@@ -63,26 +63,26 @@ class RandomCrop:
 
     def __init__(self, padding: int = 4):
         self.padding = padding
-        self._indices = {}  # (shape, device) -> the gather's fixed index tensors, made once
+        self._samples = {}  # (batch size, device) -> arange(N) there, made once
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n, c, h, w = x.shape
         p = self.padding
         padded = F.pad(x, (p, p, p, p))  # (N, C, H+2p, W+2p)
-        batch, channel, rows, cols = self._fixed(x.shape, x.device)
-        offsets = torch.randint(0, 2 * p + 1, (n, 2, 1, 1), device=x.device)  # each sample's (dy, dx)
-        return padded[batch, channel, rows + offsets[:, :1], cols + offsets[:, 1:]]
+        # Every crop of the padded batch, as a view (N, C, 2p+1, 2p+1, H, W); each sample's is
+        # picked by one indexing kernel. Four ops a batch, three of them kernels (pad, randint,
+        # the index); gathering with per-pixel index tensors costs more host time per batch and,
+        # on a CPU, 8x the compute (benchmarks/RESULTS.md).
+        crops = padded.unfold(2, h, 1).unfold(3, w, 1)
+        dy, dx = torch.randint(0, 2 * p + 1, (2, n), device=x.device)  # each sample's offsets
+        return crops[self._sample_numbers(n, x.device), :, dy, dx]
 
-    def _fixed(self, shape, device) -> tuple:
-        """The sample, channel, row and column numbers the gather broadcasts, of shapes (N, 1, 1, 1),
-        (1, C, 1, 1), (1, 1, H, 1) and (1, 1, 1, W): four kernel launches a batch saved. Made
-        on the host and copied (complete when `to` returns, so any stream may read them)."""
-        if (shape, device) not in self._indices:
-            n, c, h, w = shape
-            fixed = (torch.arange(n).view(n, 1, 1, 1), torch.arange(c).view(1, c, 1, 1),
-                     torch.arange(h).view(1, 1, h, 1), torch.arange(w).view(1, 1, 1, w))
-            self._indices[shape, device] = tuple(t.to(device) for t in fixed)
-        return self._indices[shape, device]
+    def _sample_numbers(self, n: int, device: torch.device) -> torch.Tensor:
+        """arange(n) on `device`: made on the host and copied once (complete when `to` returns,
+        so any stream may read it)."""
+        if (n, device) not in self._samples:
+            self._samples[n, device] = torch.arange(n).to(device)
+        return self._samples[n, device]
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_indices": {}}  # device tensors stay in this process
+        return {**self.__dict__, "_samples": {}}  # device tensors stay in this process
