@@ -185,7 +185,22 @@ def test_side_stream_transforms_keep_one_stream_and_free_their_memory_between_ep
         peaks.append(torch.cuda.memory_allocated())
     assert feed.prefetch.stream is stream
     assert peaks[0] == peaks[1] == peaks[2]  # nothing kept alive across epochs (Normalize's mean/std
-    # copies, made in the first epoch, stay)
+    # copies and RandomCrop's sample numbers, made in the first epoch, stay)
+
+
+def test_random_crop_on_the_gpu_takes_one_window_of_the_padded_sample():
+    from gpunb.runtime.transforms import RandomCrop
+
+    x = uint8_images(n=200, size=6)[0].cuda()
+    got = RandomCrop(2)(x).cpu()
+    padded = torch.nn.functional.pad(x.cpu(), (2, 2, 2, 2))
+    seen = set()
+    for i in range(len(x)):
+        windows = [(dy, dx) for dy in range(5) for dx in range(5)
+                   if torch.equal(got[i], padded[i, :, dy:dy + 6, dx:dx + 6])]
+        assert len(windows) == 1
+        seen.update(windows)
+    assert len(seen) == 25
 
 
 def test_resident_data_without_transforms_is_gathered_inline():
