@@ -40,8 +40,8 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from gpunb.distributed import worker
-from gpunb.distributed.loopback import loopback_store
 from gpunb.distributed.context import backend_for, check_config
+from gpunb.distributed.loopback import loopback_store
 from gpunb.distributed.shipping import FitArgs, ship
 from gpunb.errors import GpunbError
 from gpunb.runtime.events import Callbacks, FitState

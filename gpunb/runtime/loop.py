@@ -18,27 +18,27 @@ from gpunb.errors import GpunbError
 from gpunb.runtime import checkpoint as ckpt
 from gpunb.runtime import continuing
 from gpunb.runtime import device as devices
+from gpunb.runtime import validation
 from gpunb.runtime.batch_size import find_batch_size
+from gpunb.runtime.best import BestCheckpoints
+from gpunb.runtime.compiling import Compilation
 from gpunb.runtime.data import build_feed, with_batch_size
 from gpunb.runtime.ema import WeightEma
 from gpunb.runtime.epoch import EpochSteps, Timer
 from gpunb.runtime.events import Callbacks, FitState
 from gpunb.runtime.inputs import batch_size_of
 from gpunb.runtime.interrupt import InterruptFlag
+from gpunb.runtime.monitor import monitor_of, validation_names
 from gpunb.runtime.nan_guard import StepLosses
 from gpunb.runtime.objective import Objective
+from gpunb.runtime.peak_flops import device_peak_tflops
 from gpunb.runtime.precision import Precision
 from gpunb.runtime.preflight import preflight
 from gpunb.runtime.result import TrainResult, epoch_mean_loss, last_epoch_train_loss
 from gpunb.runtime.saving import Checkpointer, resume
 from gpunb.runtime.schedule import build_schedule
 from gpunb.runtime.setup import setup
-from gpunb.runtime import validation
-from gpunb.runtime.best import BestCheckpoints
-from gpunb.runtime.compiling import Compilation
-from gpunb.runtime.monitor import monitor_of, validation_names
 from gpunb.runtime.step import Stepper
-from gpunb.runtime.peak_flops import device_peak_tflops
 from gpunb.runtime.summary import RunSummary, summarize
 from gpunb.runtime.teardown import Teardown
 from gpunb.runtime.wrap import wrap_model
