@@ -70,9 +70,9 @@ class RandomCrop:
         p = self.padding
         padded = F.pad(x, (p, p, p, p))  # (N, C, H+2p, W+2p)
         # Every crop of the padded batch, as a view (N, C, 2p+1, 2p+1, H, W); each sample's is
-        # picked by one indexing kernel. Four ops a batch, three of them kernels (pad, randint,
-        # the index); gathering with per-pixel index tensors costs more host time per batch and,
-        # on a CPU, 8x the compute (benchmarks/RESULTS.md).
+        # picked by one indexing kernel. Three kernels a batch (pad, randint, the index), the
+        # other ops views; indexing the padded batch with four broadcast index tensors cost more
+        # host time a batch and, on a CPU, 8x the compute (benchmarks/RESULTS.md).
         crops = padded.unfold(2, h, 1).unfold(3, w, 1)
         dy, dx = torch.randint(0, 2 * p + 1, (2, n), device=x.device)  # each sample's offsets
         return crops[self._sample_numbers(n, x.device), :, dy, dx]
