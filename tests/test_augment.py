@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from gpunb import TrainConfig
 from gpunb.runtime.augment import Augmenter
 from gpunb.runtime.data import EpochOrder, LoaderFeed, TensorFeed, build_feed
+from gpunb.runtime.prefetch import CudaPrefetcher
 from gpunb.runtime.transforms import Normalize, RandomCrop, RandomFlip
 
 CPU = torch.device("cpu")
@@ -135,6 +136,9 @@ class FakeStreams:
         monkeypatch.setattr(torch.cuda, "stream", self.stream)
         monkeypatch.setattr(torch.Tensor, "record_stream",
                             lambda tensor, stream: self.log.append(("record", id(tensor), stream.name)))
+        # no pinned memory without a GPU: host rows are gathered into pageable memory
+        monkeypatch.setattr(CudaPrefetcher, "gather",
+                            lambda prefetcher, tensors, rows: tuple(t.index_select(0, rows) for t in tensors))
 
     def stream(self, stream):
         streams = self

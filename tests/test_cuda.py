@@ -188,6 +188,23 @@ def test_side_stream_transforms_keep_one_stream_and_free_their_memory_between_ep
     # copies and RandomCrop's sample numbers, made in the first epoch, stay)
 
 
+def test_host_tensors_are_gathered_straight_into_pinned_memory(monkeypatch):
+    from gpunb import TrainConfig
+    from gpunb.runtime.data import build_feed
+
+    x, y = uint8_images()
+    feed = build_feed((x, y), batch_size=64, device=torch.device("cuda"),
+                      config=TrainConfig(gpu_resident=False, shuffle=False))
+    assert feed.tensors[0].device.type == "cpu" and feed.prefetch is not None
+    gathered = []
+    gather = feed.prefetch.gather
+    feed.prefetch.gather = lambda tensors, rows: gathered.append(gather(tensors, rows)) or gathered[-1]
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda *a, **k: pytest.fail("pinned in a second pass"))
+    batches = on_host(feed.epoch(0))
+    assert len(gathered) == 8 and all(t.is_pinned() for batch in gathered for t in batch)
+    assert torch.equal(torch.cat([b[0] for b in batches]), x) and torch.equal(torch.cat([b[1] for b in batches]), y)
+
+
 def test_random_crop_on_the_gpu_takes_one_window_of_the_padded_sample():
     from gpunb.runtime.transforms import RandomCrop
 

