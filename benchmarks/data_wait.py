@@ -4,15 +4,16 @@ ResNet-18 (BasicBlock, torchvision's layout) on 64 px uint8 images held on the G
 (synthetic: 20,000 images, 100 classes), gpunb's RandomCrop / RandomFlip / Normalize,
 bf16, batch 256. Variants, interleaved round by round in one process:
 
-- ahead:          gpunb as it ships: the batch is gathered and transformed one batch
-                  ahead, on the prefetcher's side stream;
-- inline:         the same, with the transforms forced onto the step's stream (the
-                  benchmark removes the feed's prefetcher);
-- inline-copying: inline, with a Normalize that copies its mean/std to the GPU on every
-                  batch (a copy from pageable memory, so a host sync per step);
+- ahead:          gpunb as it ships: the batch is gathered and transformed ahead, on the
+                  prefetcher's side stream, in a thread of its own (the transforms take
+                  their generator);
+- same-thread:    the same, launched from the loop's thread one batch ahead (as gpunb
+                  does for transforms that draw from the global RNG);
+- inline:         the transforms on the step's stream as the loop asks for each batch
+                  (the benchmark removes the feed's prefetcher);
 - host:           as shipped, with the images in host memory (`gpu_resident=False`): each
                   batch's rows gathered straight into pinned memory, then copied and
-                  transformed on the side stream;
+                  transformed on the side stream, in the thread;
 - plain:          a hand-written loop doing the same transforms inline.
 
 For each: gpunb's data wait (TrainResult.data_wait_s) as a share of the loop's wall
@@ -23,8 +24,8 @@ time waiting for data.
 Then, for each variant, one more fit under torch.profiler: the GPU's busy time a step (the
 sum of its kernels' and copies' times, over all streams) beside the step time. A step whose
 GPU is busy for a small share of it is host-bound: the data wait is then the host's time
-issuing the batch's gather and transforms, which a side stream cannot hide, and which only
-fewer launches (or none: a CUDA graph) shorten.
+issuing the batch's gather and transforms, which a side stream alone cannot hide, and a
+thread of its own can. Beside it, the CUDA runtime calls that wait for the device, or may.
 
     python benchmarks/data_wait.py                       # on a CUDA machine
     python benchmarks/data_wait.py --steps 50 --rounds 1  # a quick check
@@ -79,25 +80,10 @@ class ResNet18(nn.Module):
         return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
 
 
-class CopyingNormalize:
-    """Normalize as it was first written: mean and std copied to the device on every call."""
-
-    train_only = False
-
-    def __init__(self, mean, std):
-        self.mean, self.std = torch.as_tensor(mean), torch.as_tensor(std)
-
-    def __call__(self, x):
-        shape = (1, -1) + (1,) * (x.ndim - 2)
-        mean = self.mean.to(x.device, torch.float32).view(shape)
-        std = self.std.to(x.device, torch.float32).view(shape)
-        return (x.float() - mean) / std
-
-
-def transforms(copying=False):
+def transforms():
     from gpunb.runtime.transforms import Normalize, RandomCrop, RandomFlip
 
-    return [RandomCrop(4), RandomFlip(), (CopyingNormalize if copying else Normalize)(MEAN, STD)]
+    return [RandomCrop(4), RandomFlip(), Normalize(MEAN, STD)]
 
 
 def images(n, classes, device):
@@ -106,16 +92,27 @@ def images(n, classes, device):
     return x, torch.randint(0, classes, (n,), device=device, generator=g)
 
 
-def gpu_busy_share(run, data, steps, batch, variant) -> tuple[float, float]:
-    """(GPU busy ms a step, step ms) of one fit under torch.profiler: the busy time is the sum
-    of the device's kernel and copy times (overlapping streams would count twice)."""
+# CUDA runtime calls that wait for the device (or may), counted under the profiler
+WAITING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                 "cudaMalloc", "cudaFree", "cudaHostAlloc", "cudaStreamWaitEvent")
+
+
+def gpu_busy_share(run, data, steps, batch, variant) -> tuple[float, float, str]:
+    """(GPU busy ms a step, step ms, the runtime calls that may wait) of one fit under
+    torch.profiler: the busy time is the sum of the device's kernel and copy times
+    (overlapping streams would count twice)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         _, step_ms = run(data, steps, batch, variant)
     busy_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
-    return busy_us / 1000 / steps, step_ms
+    calls = {}
+    for event in prof.key_averages():
+        if event.key.startswith(WAITING_CALLS):
+            calls[event.key] = (event.count, event.cpu_time_total / 1000)
+    waits = ", ".join(f"{key} {count}x {ms:.1f} ms" for key, (count, ms) in sorted(calls.items()))
+    return busy_us / 1000 / steps, step_ms, waits
 
 
 def gpunb_fit(data, steps, batch, variant):
@@ -123,6 +120,7 @@ def gpunb_fit(data, steps, batch, variant):
     from gpunb import Trainer
     from gpunb.runtime import data as feeds
     from gpunb.runtime import loop
+    from gpunb.runtime.prefetch import CudaPrefetcher
 
     def inline_feed(*args, **kwargs):
         feed = feeds.build_feed(*args, **kwargs)
@@ -131,8 +129,11 @@ def gpunb_fit(data, steps, batch, variant):
 
     model = ResNet18().to(data[0].device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    inline = variant in ("inline", "inline-copying")
-    patch = mock.patch.object(loop, "build_feed", inline_feed) if inline else contextlib.nullcontext()
+    patch = contextlib.nullcontext()
+    if variant == "inline":
+        patch = mock.patch.object(loop, "build_feed", inline_feed)
+    elif variant == "same-thread":
+        patch = mock.patch.object(CudaPrefetcher, "in_thread", CudaPrefetcher.__call__)
     if variant == "host":
         data = _on_host(data)
     with patch:
@@ -140,7 +141,7 @@ def gpunb_fit(data, steps, batch, variant):
         # would read every other step of a 200-step fit, and the plain loop reads none
         result = Trainer(max_steps=steps, batch_size=batch, precision="bf16-mixed", compile=False, track=False,
                          log_every=50, gpu_resident=variant != "host",
-                         transforms=transforms(copying=variant == "inline-copying")).fit(
+                         transforms=transforms()).fit(
             model, data, optimizer=optimizer, loss_fn=nn.CrossEntropyLoss())
     return result.data_wait_s / result.wall_time_s, 1000 * result.wall_time_s / result.steps
 
@@ -185,7 +186,7 @@ def plain_fit(data, steps, batch, _variant):
     return 0.0, 1000 * (time.perf_counter() - start) / steps
 
 
-VARIANTS = {"ahead": gpunb_fit, "inline": gpunb_fit, "inline-copying": gpunb_fit, "host": gpunb_fit,
+VARIANTS = {"ahead": gpunb_fit, "same-thread": gpunb_fit, "inline": gpunb_fit, "host": gpunb_fit,
             "plain": plain_fit}
 
 
@@ -222,10 +223,10 @@ def main():
     share = statistics.median(s for s, _ in measured["ahead"])
     print(f"goal: data wait <= 5% of wall time: {'met' if share <= 0.05 else 'not met'} ({100 * share:.1f}%)")
     print(f"under torch.profiler, {args.profile_steps} steps each (its own overhead included):")
-    print(f"{'variant':<16}{'GPU busy ms':>12}{'step ms':>10}{'busy share':>12}")
+    print(f"{'variant':<16}{'GPU busy ms':>12}{'step ms':>10}{'busy share':>12}  runtime calls that may wait")
     for name, run in VARIANTS.items():
-        busy_ms, step_ms = gpu_busy_share(run, data, args.profile_steps, args.batch, name)
-        print(f"{name:<16}{busy_ms:>12.2f}{step_ms:>10.2f}{100 * busy_ms / step_ms:>11.0f}%")
+        busy_ms, step_ms, waits = gpu_busy_share(run, data, args.profile_steps, args.batch, name)
+        print(f"{name:<16}{busy_ms:>12.2f}{step_ms:>10.2f}{100 * busy_ms / step_ms:>11.0f}%  {waits}")
     return 0
 
 

@@ -5,6 +5,7 @@ work, the stream waits and the record_stream calls can be checked without a GPU.
 """
 
 import pickle
+import threading
 
 import pytest
 import torch
@@ -51,13 +52,55 @@ def test_seeded_transforms_neither_read_nor_move_the_global_rng():
     assert not torch.equal(Augmenter([RandomFlip(), RandomCrop(2)], 6, CPU)((x,), 1, 2)[0], first)
 
 
-def test_without_a_seed_transforms_draw_from_the_global_rng():
+def test_seeded_transforms_draw_what_the_global_rng_seeded_per_batch_would():
+    """gpunb's transforms draw from the generator they are given; seeded per batch, it gives the
+    draws the global RNGs seeded alike gave (and still give callables that take no generator)."""
+    from gpunb.runtime.augment import batch_rng, transform_seed
+
+    x = images()[0][:16].float()
+    with batch_rng(transform_seed(5, 1, 2), CPU):
+        expected = RandomCrop(2)(RandomFlip()(x))
+    assert torch.equal(Augmenter([RandomFlip(), RandomCrop(2)], seed=5, device=CPU)((x,), 1, 2)[0], expected)
+    no_generator = [lambda t: RandomFlip()(t), lambda t: RandomCrop(2)(t)]
+    assert torch.equal(Augmenter(no_generator, seed=5, device=CPU)((x,), 1, 2)[0], expected)
+
+
+def test_without_a_seed_the_generator_is_seeded_once_from_the_global_rng():
+    x = torch.arange(64.0).view(16, 1, 1, 4)
+    torch.manual_seed(3)
     augment = Augmenter([RandomFlip()], seed=None, device=CPU)
+    before = torch.get_rng_state()
+    first, second = augment(x, epoch=0, position=0), augment(x, epoch=0, position=1)
+    assert torch.equal(torch.get_rng_state(), before)  # drawn from the generator, not the global RNG
+    assert not torch.equal(first, second)  # one stream of draws, batch after batch
+    torch.manual_seed(3)
+    assert torch.equal(Augmenter([RandomFlip()], seed=None, device=CPU)(x, epoch=0, position=0), first)
+
+
+def test_without_a_seed_a_callable_without_a_generator_draws_from_the_global_rng():
+    augment = Augmenter([lambda t: RandomFlip()(t)], seed=None, device=CPU)
     x = torch.arange(64.0).view(16, 1, 1, 4)
     torch.manual_seed(3)
     got = augment(x, epoch=0, position=0)
     torch.manual_seed(3)
     assert torch.equal(got, RandomFlip()(x))
+
+
+def test_only_transforms_that_take_a_generator_keep_off_the_global_rng():
+    from gpunb.runtime.augment import takes_generator
+
+    def own(x, generator=None):
+        return x
+
+    def keyword_only(x, *, generator):
+        return x
+
+    assert takes_generator(RandomCrop(2)) and takes_generator(Normalize([0.0], [1.0])) and takes_generator(own)
+    assert takes_generator(keyword_only)
+    assert not takes_generator(lambda x: x) and not takes_generator(lambda x, **kwargs: x)
+    assert not takes_generator(torch.flip)  # no signature to read
+    assert Augmenter([RandomFlip(), own], 0, CPU).own_rng and Augmenter([], 0, CPU).own_rng
+    assert not Augmenter([RandomFlip(), lambda x: x], 0, CPU).own_rng
 
 
 def test_normalize_copies_mean_and_std_once_and_not_when_pickled():
@@ -125,13 +168,15 @@ def test_the_transforms_launch_few_ops_per_batch():
 
 
 class FakeStreams:
-    """torch.cuda's Stream, current_stream, stream() and Tensor.record_stream, logging to `log`."""
+    """torch.cuda's Stream, Event, current_stream, stream() and Tensor.record_stream, logging to
+    `log`; the current stream is per thread, as CUDA's is."""
 
     def __init__(self, monkeypatch):
         self.log = []
         self.consumer = FakeStream("consumer", self.log)
-        self.current = self.consumer
+        self._local = threading.local()
         monkeypatch.setattr(torch.cuda, "Stream", lambda device: FakeStream("side", self.log))
+        monkeypatch.setattr(torch.cuda, "Event", lambda: FakeEvent(self.log))
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
         monkeypatch.setattr(torch.cuda, "stream", self.stream)
         monkeypatch.setattr(torch.Tensor, "record_stream",
@@ -139,6 +184,14 @@ class FakeStreams:
         # no pinned memory without a GPU: host rows are gathered into pageable memory
         monkeypatch.setattr(CudaPrefetcher, "gather",
                             lambda prefetcher, tensors, rows: tuple(t.index_select(0, rows) for t in tensors))
+
+    @property
+    def current(self):
+        return getattr(self._local, "stream", self.consumer)
+
+    @current.setter
+    def current(self, stream):
+        self._local.stream = stream
 
     def stream(self, stream):
         streams = self
@@ -157,6 +210,11 @@ class FakeStreams:
         self.log.append(("transform", self.current.name, int(x.flatten()[0])))
         return x * 10
 
+    def own_rng_transform(self, x, generator=None):
+        """The same, taking a generator (so drawing from no global RNG), and logging its thread."""
+        self.log.append(("thread", threading.current_thread().name, int(x.flatten()[0])))
+        return self.transform(x)
+
 
 class FakeStream:
     def __init__(self, name, log):
@@ -164,6 +222,17 @@ class FakeStream:
 
     def wait_stream(self, other):
         self.log.append(("wait", self.name, other.name))
+
+    def wait_event(self, event):
+        self.log.append(("wait event", self.name, id(event)))
+
+
+class FakeEvent:
+    def __init__(self, log):
+        self.log = log
+
+    def record(self, stream):
+        self.log.append(("event", stream.name, id(self)))
 
 
 def consume(streams, batches):
@@ -205,6 +274,77 @@ def test_host_tensors_are_copied_and_transformed_on_the_side_stream(monkeypatch)
     seen = consume(streams, feed.epoch(0))
     assert copies == ["side"] * 5
     assert_prepared_ahead_on_the_side_stream(streams.log, seen, 0, 5)
+
+
+def test_batches_whose_transforms_take_a_generator_are_prepared_in_a_thread(monkeypatch):
+    """Gathered, copied and transformed in the producer thread on the side stream, handed over
+    in order, each with an event the consumer stream waits on and its tensors recorded there;
+    the thread ends with the epoch."""
+    streams = FakeStreams(monkeypatch)
+    x = torch.arange(6).view(6, 1).repeat(1, 3)  # batch of one: row i is all i
+    feed = TensorFeed((x, torch.arange(6)), 1, EpochOrder(6, False, 0), torch.device("cuda"), False,
+                      Augmenter([streams.own_rng_transform], 0, CPU))
+    feed.prefetch.copy = lambda batch: streams.log.append(("copy", threading.current_thread().name)) or batch
+    seen = consume(streams, feed.epoch(0, skip=1))
+    log = streams.log
+    assert [int(x.flatten()[0]) for x, _ in seen] == [10, 20, 30, 40, 50]
+    assert {e[1] for e in log if e[0] in ("thread", "copy")} == {"gpunb-prefetch"}
+    assert [e for e in log if e[0] == "transform"] == [("transform", "side", i) for i in range(1, 6)]
+    assert log.index(("wait", "side", "consumer")) < log.index(("copy", "gpunb-prefetch"))  # the order is there
+    for i, (x, y) in zip(range(1, 6), seen):
+        done = log.index(("transform", "side", i))
+        event = next(e for e in log[done:] if e[0] == "event")  # the other thread logs in between
+        assert event[1] == "side"  # recorded after the batch's work
+        use = log.index(("use", i))
+        assert log.index(("wait event", "consumer", event[2])) < use
+        for tensor in (x, y):
+            assert log.index(("record", id(tensor), "consumer")) < use
+    assert not [t for t in threading.enumerate() if t.name == "gpunb-prefetch"]
+
+
+def test_a_loop_that_stops_early_stops_the_producer_thread(monkeypatch):
+    from gpunb.runtime.data import closing
+
+    streams = FakeStreams(monkeypatch)
+    feed = TensorFeed((torch.arange(100).view(100, 1), torch.arange(100)), 1, EpochOrder(100, False, 0),
+                      torch.device("cuda"), False, Augmenter([streams.own_rng_transform], 0, CPU))
+    feed.prefetch.copy = lambda batch: batch
+    with closing(feed.epoch(0)) as batches:
+        for position, _ in enumerate(batches):
+            if position == 2:
+                break  # as the loop does at max_steps, or on an interrupt
+    assert not [t for t in threading.enumerate() if t.name == "gpunb-prefetch"]
+    assert len([e for e in streams.log if e[0] == "transform"]) <= 5  # the one in use and two ahead, at most
+
+
+def test_an_error_in_the_producer_thread_is_raised_in_the_loop(monkeypatch):
+    streams = FakeStreams(monkeypatch)
+
+    def failing(x, generator=None):
+        if int(x.flatten()[0]) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (in a transform)")
+        return x
+
+    feed = TensorFeed((torch.arange(5).view(5, 1), torch.arange(5)), 1, EpochOrder(5, False, 0),
+                      torch.device("cuda"), False, Augmenter([failing], 0, CPU))
+    feed.prefetch.copy = lambda batch: batch
+    got = []
+    with pytest.raises(torch.OutOfMemoryError, match="in a transform"):  # the type OOM recovery looks for
+        for x, _ in feed.epoch(0):
+            got.append(int(x))
+    assert got == [0, 1]  # the batches before it arrived
+    assert not [t for t in threading.enumerate() if t.name == "gpunb-prefetch"]
+    assert streams.log
+
+
+def test_transforms_that_draw_from_the_global_rng_stay_in_the_loops_thread(monkeypatch):
+    streams = FakeStreams(monkeypatch)
+    x = torch.arange(4).view(4, 1)
+    feed = TensorFeed((x, torch.arange(4)), 1, EpochOrder(4, False, 0), torch.device("cuda"), False,
+                      Augmenter([lambda t: streams.own_rng_transform(t)], 0, CPU))  # the lambda takes none
+    feed.prefetch.copy = lambda batch: batch
+    assert len(list(feed.epoch(0))) == 4
+    assert {e[1] for e in streams.log if e[0] == "thread"} == {threading.current_thread().name}
 
 
 def test_loader_batches_are_copied_and_transformed_on_the_side_stream(monkeypatch):

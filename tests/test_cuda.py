@@ -244,6 +244,23 @@ def test_training_on_resident_uint8_images_with_transforms_records_its_data_wait
     assert all(row["loss"] == row["loss"] for row in result.history)  # finite, not NaN
 
 
+def test_transforms_are_prepared_in_a_thread_that_ends_with_the_fit():
+    import threading
+
+    class Threads:
+        seen = set()
+
+        def on_step_end(self, state):
+            self.seen.update(t.name for t in threading.enumerate())
+
+    x, y = uint8_images()
+    threads = Threads()
+    Trainer(epochs=2, batch_size=64, transforms=augmentations(), track=False).fit(
+        small_convnet(), (x, y), (x[:128], y[:128]), loss_fn=nn.CrossEntropyLoss(), callbacks=[threads])
+    assert "gpunb-prefetch" in threads.seen
+    assert not [t for t in threading.enumerate() if t.name == "gpunb-prefetch"]  # train's and validation's
+
+
 def test_random_device_transforms_resume_bit_for_bit_on_the_gpu(tmp_path):
     from test_resume_exact import test_random_device_transforms_resume_mid_epoch_bit_for_bit as resume_test
 

@@ -7,13 +7,16 @@
 
 Both draw their order from EpochOrder, so an epoch's order depends only on the seed
 and the epoch number: a resumed run sees exactly the batches it would have seen.
-Device transforms run on each batch on the device (augment.py): on CUDA one batch
-ahead on the prefetcher's side stream, elsewhere inline.
+Device transforms run on each batch on the device (augment.py): on CUDA ahead of the
+step on the prefetcher's side stream, elsewhere inline. On CUDA the preparation runs in
+a thread of its own wherever it draws from no global RNG (the transforms take their
+generator, and a DataLoader's own Python runs in its workers).
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from typing import Iterator
 
 import torch
@@ -95,16 +98,29 @@ class TensorFeed:
         positions = range(skip, self.num_batches)
         if self.prefetch:
             augment, tensors, size = self.augment, self.tensors, self.batch_size
+            ahead = self.prefetch.in_thread if augment.own_rng else self.prefetch
             if index.is_cuda:  # resident: gathered and transformed on the side stream, which reads the order
                 index.record_stream(self.prefetch.stream)
-                return self.prefetch(positions, lambda b: augment(_gathered(tensors, index, size, b), epoch, b))
+                return ahead(positions, lambda b: augment(_gathered(tensors, index, size, b), epoch, b))
             # on the host: gathered into pinned memory there, copied and transformed on the side stream
             gather, copy = self.prefetch.gather, self.prefetch.copy
-            return self.prefetch(positions, lambda b: augment(copy(gather(tensors, _rows(index, size, b))), epoch, b))
+            return ahead(positions, lambda b: augment(copy(gather(tensors, _rows(index, size, b))), epoch, b))
         batches = _indexed(self.tensors, index, self.batch_size, skip, self.num_batches)
         if self.tensors[0].device != self.device:
             batches = (move_batch(b, self.device) for b in batches)
         return _augmented_inline(batches, self.augment, epoch, skip)
+
+
+@contextmanager
+def closing(batches):
+    """An epoch's batches, ended on leaving even when not exhausted: a thread preparing them
+    stops then, not when the iterator is collected (an error's traceback can hold it long)."""
+    try:
+        yield batches
+    finally:
+        close = getattr(batches, "close", None)  # generators have it; a DataLoader's iterator has not
+        if close is not None:
+            close()
 
 
 def _indexed(tensors, index, batch_size, first, end) -> Iterator[tuple]:
@@ -150,7 +166,9 @@ class LoaderFeed:
                 next(batches, None)
         if self.prefetch:  # copied and transformed on the side stream
             augment, copy = self.augment, self.prefetch.copy
-            return self.prefetch(enumerate(batches, start=skip), lambda item: augment(copy(item[1]), epoch, item[0]))
+            # in a thread where the loader's own Python (its Dataset, collate_fn) runs in its workers
+            ahead = self.prefetch.in_thread if self.loader.num_workers and augment.own_rng else self.prefetch
+            return ahead(enumerate(batches, start=skip), lambda item: augment(copy(item[1]), epoch, item[0]))
         if self.device.type != "cpu":
             batches = (move_batch(b, self.device, non_blocking=True) for b in batches)
         return _augmented_inline(batches, self.augment, epoch, skip)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from gpunb.runtime.data import closing
 from gpunb.runtime.inputs import batch_size_of, slice_batch
 
 
@@ -21,7 +22,8 @@ def validation_pass(model, feed, objective, precision, reduce_sums) -> dict:
     `reduce_sums(sums, count)` turns sums into means (across ranks when distributed)."""
     __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
     model.eval()
-    sums, count = validation_sums(model, feed.epoch(0), objective, precision, getattr(feed, "padding", 0))
+    with closing(feed.epoch(0)) as batches:
+        sums, count = validation_sums(model, batches, objective, precision, getattr(feed, "padding", 0))
     model.train()
     metrics = dict(reduce_sums(sums, count))  # one sync
     if objective.stateful is not None:

@@ -22,7 +22,7 @@ from gpunb.runtime import validation
 from gpunb.runtime.batch_size import find_batch_size
 from gpunb.runtime.best import BestCheckpoints
 from gpunb.runtime.compiling import Compilation
-from gpunb.runtime.data import build_feed, with_batch_size
+from gpunb.runtime.data import build_feed, closing, with_batch_size
 from gpunb.runtime.ema import WeightEma
 from gpunb.runtime.epoch import EpochSteps, Timer
 from gpunb.runtime.events import Callbacks, FitState
@@ -203,29 +203,29 @@ def _train(run: _Run) -> TrainResult:
                 while logged_before and state.history[logged_before - 1].get("epoch") == epoch:
                     logged_before -= 1  # a resumed epoch: its rows from before the stop count too
                 run.train_model.train()
-                batches = run.feed.epoch(epoch, skip)
                 remaining = None if run.feed.num_batches is None else run.feed.num_batches - skip
                 # Per step, only host bookkeeping beside what a plain loop does (kept to a few
                 # attribute updates: on sub-millisecond steps each call shows).
-                for batch, last_in_step in EpochSteps(batches, config.grad_accum, timer, state, remaining):
-                    state.batch_in_epoch += 1
-                    state.samples_seen += batch_size_of(batch) * state.world_size
-                    stepper.accumulate(batch, last_in_step)
-                    del batch  # let it go before the optimizer step allocates its temporaries
-                    if not last_in_step:
-                        continue
-                    step_loss = stepper.update()  # stays on the device: no sync here
-                    state.step += 1
-                    run.losses.add(step_loss, state.step)  # a list append: no device op
-                    if val_every_steps and state.step % val_every_steps == 0:
-                        validation.at_step(run, timer)  # before on_step_end: its checkpoints hold the pass
-                    callbacks.call("on_step_end", state)
-                    if state.step % log_every == 0:
-                        _log(run, timer)  # syncs
-                    if interrupt.raised:
-                        state.request_stop("interrupted")
-                    if state.should_stop or _finished(state):
-                        break
+                with closing(run.feed.epoch(epoch, skip)) as batches:
+                    for batch, last_in_step in EpochSteps(batches, config.grad_accum, timer, state, remaining):
+                        state.batch_in_epoch += 1
+                        state.samples_seen += batch_size_of(batch) * state.world_size
+                        stepper.accumulate(batch, last_in_step)
+                        del batch  # let it go before the optimizer step allocates its temporaries
+                        if not last_in_step:
+                            continue
+                        step_loss = stepper.update()  # stays on the device: no sync here
+                        state.step += 1
+                        run.losses.add(step_loss, state.step)  # a list append: no device op
+                        if val_every_steps and state.step % val_every_steps == 0:
+                            validation.at_step(run, timer)  # before on_step_end: its checkpoints hold the pass
+                        callbacks.call("on_step_end", state)
+                        if state.step % log_every == 0:
+                            _log(run, timer)  # syncs
+                        if interrupt.raised:
+                            state.request_stop("interrupted")
+                        if state.should_stop or _finished(state):
+                            break
                 if run.losses:  # the epoch's last, partial interval
                     _log(run, timer)
                 if state.stop_reason == "interrupted":

@@ -21,7 +21,7 @@ from gpunb.config import TrainConfig
 from gpunb.errors import GpunbError
 from gpunb.runtime import device as devices
 from gpunb.runtime.context import LocalContext
-from gpunb.runtime.data import build_feed, rebuilt_loader
+from gpunb.runtime.data import build_feed, closing, rebuilt_loader
 from gpunb.runtime.evaluation import validation_sums
 from gpunb.runtime.inputs import adapt_data, data_length, map_tensors
 from gpunb.runtime.objective import Objective, model_inputs
@@ -44,8 +44,8 @@ def predict(model, data, *, batch_size: int = DEFAULT_BATCH, precision: str = "a
     job = _Job(model, data, _config(batch_size, precision, devices, accelerator, num_workers,
                                     gpu_resident, transforms))
     outputs = []
-    with _eval_mode(model), torch.inference_mode():
-        for batch in job.feed.epoch(0):
+    with _eval_mode(model), torch.inference_mode(), closing(job.feed.epoch(0)) as batches:
+        for batch in batches:
             args, kwargs = model_inputs(batch)
             with job.precision.autocast():
                 output = model(*args, **kwargs)
@@ -70,8 +70,8 @@ def evaluate(model, data, *, metrics=None, loss_fn=None, step=None, batch_size: 
     if objective.stateful is not None:
         objective.stateful.to(job.device)
         objective.stateful.reset()
-    with _eval_mode(model):
-        sums, count = validation_sums(model, job.feed.epoch(0), objective, job.precision)
+    with _eval_mode(model), closing(job.feed.epoch(0)) as batches:
+        sums, count = validation_sums(model, batches, objective, job.precision)
     sums, count = job.gather_sums(sums, count)
     metrics = LocalContext().reduce_sums(sums, count)
     if objective.stateful is not None:

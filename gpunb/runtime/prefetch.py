@@ -12,6 +12,13 @@ The tensor feed also gathers the batch (rows of host tensors straight into pinne
 memory, rows of GPU-resident tensors on the side stream), and the feeds run the device
 transforms there (data.py), so augmentation is off the step's critical path too.
 Temporaries a preparation allocates are freed on the side stream, which alone used them.
+
+`in_thread` does the same preparations in a thread of their own (producer.py), so that
+the host's time launching them overlaps with the step's: the feeds use it wherever the
+preparation draws from no global RNG. Each batch then carries an event recorded on the
+side stream after it, which the consumer stream waits on. The per-batch wait of the
+side stream on the consumer is not needed there: each batch is new memory, and memory
+a step still reads (record_stream) is handed out again only once the step is done.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from gpunb.runtime.inputs import batch_tensors, map_tensors, move_batch
+from gpunb.runtime.producer import Producer
 
 
 class CudaPrefetcher:
@@ -45,6 +53,30 @@ class CudaPrefetcher:
             pending = next_batch
         if pending is not None:
             yield pending
+
+    def in_thread(self, items: Iterable, prepare: Callable | None = None) -> Iterator:
+        """As calling it, with the preparations made in a thread, up to two items ahead."""
+        prepare = prepare or self.copy
+        consumer = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(consumer)  # what the consumer made for the epoch (its order) is there first
+
+        def on_side_stream(item):
+            with torch.no_grad():  # a batch needs no history, and the thread's grad mode is its own
+                batch = prepare(item)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+            return batch, ready
+
+        producer = Producer(items, on_side_stream, within=lambda: torch.cuda.stream(self.stream),
+                            name="gpunb-prefetch")
+        try:
+            for batch, ready in producer:
+                consumer.wait_event(ready)
+                for tensor in batch_tensors(batch):
+                    tensor.record_stream(consumer)
+                yield batch
+        finally:  # the loop stopped or broke off: so does the thread
+            producer.close()
 
     @torch.no_grad()  # out= takes no tensor that requires grad; a batch needs no history
     def gather(self, tensors, rows: torch.Tensor) -> tuple:

@@ -1,7 +1,10 @@
 """Augmentations applied to a whole batch on the device (no per-sample host work).
 
 Each acts on an input batch of shape (N, C, H, W) (flip also on any (N, ..., W)).
-`train_only` ones are skipped for validation data.
+`train_only` ones are skipped for validation data. Each takes a `generator` keyword and
+draws from it alone (from torch's global RNG when it is None): the feeds then prepare
+their batches in a thread of their own (augment.py). A transform of your own can do the
+same by taking `generator` and passing it to every random draw.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ class Normalize:
         self.mean, self.std = torch.as_tensor(mean), torch.as_tensor(std)
         self._on = {}  # (device, ndim) -> (shift, scale) there, shaped for the batch; copied once
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        # `generator` is unused: Normalize draws nothing, and taking it says so to the feed
         shift, scale = self._on_device(x.device, x.ndim)
         if x.is_floating_point() and x.dtype != torch.float32:
             x = x.float()
@@ -51,8 +55,8 @@ class RandomFlip:
     def __init__(self, p: float = 0.5):
         self.p = p
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        flip = torch.rand(x.shape[0], device=x.device) < self.p  # (N,)
+    def __call__(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        flip = torch.rand(x.shape[0], device=x.device, generator=generator) < self.p  # (N,)
         return torch.where(flip.view(-1, *(1,) * (x.ndim - 1)), x.flip(-1), x)
 
 
@@ -65,7 +69,7 @@ class RandomCrop:
         self.padding = padding
         self._samples = {}  # (batch size, device) -> arange(N) there, made once
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         n, c, h, w = x.shape
         p = self.padding
         padded = F.pad(x, (p, p, p, p))  # (N, C, H+2p, W+2p)
@@ -74,7 +78,7 @@ class RandomCrop:
         # other ops views; indexing the padded batch with four broadcast index tensors cost more
         # host time a batch and, on a CPU, 8x the compute (benchmarks/RESULTS.md).
         crops = padded.unfold(2, h, 1).unfold(3, w, 1)
-        dy, dx = torch.randint(0, 2 * p + 1, (2, n), device=x.device)  # each sample's offsets
+        dy, dx = torch.randint(0, 2 * p + 1, (2, n), device=x.device, generator=generator)  # each sample's offsets
         return crops[self._sample_numbers(n, x.device), :, dy, dx]
 
     def _sample_numbers(self, n: int, device: torch.device) -> torch.Tensor:
