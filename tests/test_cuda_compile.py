@@ -120,6 +120,18 @@ def test_a_step_graph_in_bf16_follows_eager():
     _close(graphed, eager, rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.parametrize("mode", ["step-graph", "reduce-overhead"])
+def test_graphs_captured_while_a_thread_prepares_the_batches_follow_eager(mode):
+    # RandomFlip takes its generator: the next batches are gathered and flipped in the feed's
+    # thread on its side stream, while the loop captures the step on its own
+    from gpunb.runtime.transforms import RandomFlip
+
+    eager = _fit(False, steps=30, transforms=[RandomFlip()])
+    graphed = _fit(mode, steps=30, transforms=[RandomFlip()])
+    assert graphed.compilation["mode"] == mode, graphed.compilation["reason"]
+    _close(graphed, eager, rtol=1e-3, atol=1e-4)
+
+
 class ReadsTheDevice(nn.Module):
     """A forward that reads a device value on the host: it cannot be captured."""
 
@@ -145,3 +157,7 @@ def test_a_step_that_cannot_be_captured_goes_on_eager_and_says_why():
     assert result.compilation["mode"] is None and "no CUDA graph of the step" in result.compilation["reason"]
     assert result.steps == 20
     _close(result, eager, rtol=1e-3, atol=1e-4)  # nothing of the failed capture reached the weights
+    # nor the CUDA generator: a failed capture would leave it in capture mode, where every random
+    # op after it raises ("Offset increment outside graph capture")
+    dropped = nn.functional.dropout(torch.ones(1000, device="cuda"), 0.5)
+    assert 0 < int((dropped == 0).sum()) < 1000

@@ -30,10 +30,28 @@ with the graph.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.utils import _pytree as pytree
 
 WARMUP_PASSES = 2
+
+
+def _close_rng_capture(device: torch.device) -> None:
+    """A capture that fails leaves the device's default CUDA generator in capture mode (torch
+    ends that mode only once a capture ends well), and every random op after it, Dropout's or
+    a transform's, raises "Offset increment outside graph capture". A capture of one small
+    kernel ends it, keeping the generator's seed and offset."""
+    try:
+        with torch.cuda.device(device):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # the feed's thread may launch
+                torch.zeros(1, device=device)
+    except Exception as error:  # noqa: BLE001 - the run goes on eagerly either way
+        warnings.warn(f"After the failed capture, CUDA's random number generator could not be taken out of "
+                      f"capture mode ({type(error).__name__}: {error}); random ops on this GPU (Dropout) may "
+                      "fail until the kernel is restarted.", RuntimeWarning, stacklevel=2)
 
 
 class CaptureError(RuntimeError):
@@ -81,6 +99,7 @@ class StepGraph:
             with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
                 self.loss = self._step(pytree.tree_unflatten(self.inputs, self.spec))
         except Exception as error:
+            _close_rng_capture(leaves[0].device)
             raise CaptureError(f"{type(error).__name__}: {error}") from error
         finally:
             for group, lr in zip(self.groups, self.lrs):
