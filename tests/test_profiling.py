@@ -95,6 +95,25 @@ def test_phase_percentages_add_up_to_100(slow_data_profile):
     assert all(p.ms >= 0 for p in phases)
 
 
+@pytest.mark.parametrize("log_every, reads", [("auto", 0), (1, 4)])
+def test_a_profiled_run_reads_its_metrics_as_often_as_the_real_run_would(tmp_path, log_every, reads):
+    """"auto" reads the metrics about a hundred times a run, which for a profile of a few steps
+    would be every step: a host sync per step that the real run has not (and advice to remove
+    it). The profile reads them after its steps; an interval the user chose stays."""
+    import json
+
+    x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))
+    config = TrainConfig(batch_size=8, log_every=log_every)
+    profile(train=dict(model=tiny_model(), train_data=(x, (x[:, 0] > 0).long()), loss_fn=nn.CrossEntropyLoss(),
+                       config=config), steps=3, warmup=1, save=tmp_path)
+    (trace,) = tmp_path.glob("*.json")
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    updates = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"].startswith("Optimizer.step")]
+    # .item() outside the optimizer (whose CPU AdamW reads its step counts): the loop's metric reads
+    items = [e for e in events if e["name"] == "aten::item" and not any(a <= e["ts"] <= b for a, b in updates)]
+    assert updates and len(items) == reads
+
+
 def test_tiny_op_loop_is_launch_bound():
     x = torch.zeros(8)
 

@@ -166,6 +166,10 @@ def test_nvml_samples_count_only_a_full_sample_period_after_recording_began():
     assert capture._mean_utilisation(samples, since=10.0) is None  # a 0.1 s capture: no reading
     samples.append({"time": 11.5, "utilization_gpu": 90.0})
     assert capture._mean_utilisation(samples, since=10.0) == 90.0
+    # taken after the last step, while the trace was written (the GPU idle): not the steps' reading
+    samples.append({"time": 12.5, "utilization_gpu": 0.0})
+    assert capture._mean_utilisation(samples, since=10.0, until=12.0) == 90.0
+    assert capture._mean_utilisation(samples[:2] + samples[3:], since=10.0, until=12.0) is None
 
 
 def test_nvml_reads_n_a_when_sampled_but_too_short_and_nothing_without_nvml():

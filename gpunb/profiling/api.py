@@ -175,6 +175,11 @@ def _profile_training(train, steps, warmup, save, device) -> ProfileResult:
     # epochs=None: as many epochs as the steps need, however small the data set
     overrides = dict(max_steps=callback.total_steps, epochs=None, checkpoint_dir=None, resume=None,
                      track=False, devices=1)
+    if config.log_every == "auto":
+        # "auto" reads the metrics (a host sync) about a hundred times a run: for a session of a
+        # few steps that would be every step, which the real run does not do. Read them once,
+        # after the recorded steps.
+        overrides["log_every"] = callback.total_steps
     if device is not None:
         overrides["accelerator"] = _torch_device(device).type
     config = make_config(config, **overrides)

@@ -11,6 +11,7 @@ The Recorder is driven by whoever knows where steps end: the callable runner cal
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import tempfile
 import time
@@ -39,6 +40,7 @@ class Recorder:
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._sampler = None
         self._recording_since: float | None = None
+        self._recording_until: float | None = None  # the last recorded step's end
         self._sentinel = None
 
     @property
@@ -78,6 +80,8 @@ class Recorder:
         if self.done and self.device.type == "cuda":
             with torch.profiler.record_function(OWN_SYNC):  # marked: not the user's sync
                 torch.cuda.synchronize(self.device)  # the last step's kernels belong in the window
+        if self.done:  # before the trace is written: the GPU idles while it is
+            self._recording_until = time.time()
         # Only the steps that start or end recording print; the others stay cheap.
         starts_or_ends = self.calls == self.warmup or self.done
         with _quiet_native_stderr() if starts_or_ends else contextlib.nullcontext():
@@ -98,7 +102,8 @@ class Recorder:
         if sampler is not None:
             sampler.stop()
             self.nvml_read = True
-            self.nvml_util = _mean_utilisation(sampler.samples(), self._recording_since)
+            until = self._recording_until or time.time()  # a partial window ends now
+            self.nvml_util = _mean_utilisation(sampler.samples(), self._recording_since, until)
         self._sentinel = None
 
     def cleanup(self) -> None:
@@ -173,10 +178,11 @@ def _start_nvml_sampler(device: torch.device):
 NVML_PERIOD_S = 1.0  # NVML averages utilisation over the last 1/6 to 1 s, by product
 
 
-def _mean_utilisation(samples: list[dict], since: float | None) -> float | None:
+def _mean_utilisation(samples: list[dict], since: float | None, until: float = math.inf) -> float | None:
     """Mean of the samples that saw only recorded steps: taken a full NVML period after
-    recording began (an earlier one also averages the idle time before it). None when
-    the capture was too short for any."""
+    recording began (an earlier one also averages the idle time before it), and before it
+    ended (a later one sees the GPU idle while the trace is written: seconds, for a large
+    model). None when the capture was too short for any."""
     values = [s["utilization_gpu"] for s in samples
-              if "utilization_gpu" in s and since is not None and s["time"] >= since + NVML_PERIOD_S]
+              if "utilization_gpu" in s and since is not None and since + NVML_PERIOD_S <= s["time"] <= until]
     return sum(values) / len(values) if values else None
