@@ -109,13 +109,14 @@ def apply_transforms(batch, transforms, generator: torch.Generator | None = None
     """Transforms act on the inputs: a tensor batch, the first element of a tuple batch, or a
     dict batch's "pixel_values" (the Hugging Face name for images). With a `generator`, each
     transform is given it (all of them take one: Augmenter.own_rng)."""
-    if isinstance(batch, dict):
-        _inputs(batch)  # the error when there are no images
-        return {**batch, "pixel_values": apply_transforms(batch["pixel_values"], transforms, generator)}
-    inputs = batch if isinstance(batch, torch.Tensor) else batch[0]
+    inputs = _inputs(batch)
     for transform in transforms:
         inputs = transform(inputs) if generator is None else transform(inputs, generator=generator)
-    return inputs if isinstance(batch, torch.Tensor) else (inputs, *batch[1:])
+    if isinstance(batch, torch.Tensor):
+        return inputs
+    if isinstance(batch, dict):
+        return {**batch, "pixel_values": inputs}
+    return (inputs, *batch[1:])
 
 
 def _inputs(batch) -> torch.Tensor:

@@ -38,22 +38,6 @@ from torch.utils import _pytree as pytree
 WARMUP_PASSES = 2
 
 
-def _close_rng_capture(device: torch.device) -> None:
-    """A capture that fails leaves the device's default CUDA generator in capture mode (torch
-    ends that mode only once a capture ends well), and every random op after it, Dropout's or
-    a transform's, raises "Offset increment outside graph capture". A capture of one small
-    kernel ends it, keeping the generator's seed and offset."""
-    try:
-        with torch.cuda.device(device):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # the feed's thread may launch
-                torch.zeros(1, device=device)
-    except Exception as error:  # noqa: BLE001 - the run goes on eagerly either way
-        warnings.warn(f"After the failed capture, CUDA's random number generator could not be taken out of "
-                      f"capture mode ({type(error).__name__}: {error}); random ops on this GPU (Dropout) may "
-                      "fail until the kernel is restarted.", RuntimeWarning, stacklevel=2)
-
-
 class CaptureError(RuntimeError):
     """The step cannot be captured; the message says why."""
 
@@ -174,3 +158,18 @@ def _make_capturable(optimizer) -> None:
             if isinstance(step, torch.Tensor) and step.device != p.device:
                 state["step"] = step.to(p.device)
 
+
+def _close_rng_capture(device: torch.device) -> None:
+    """A capture that fails leaves the device's default CUDA generator in capture mode (torch
+    ends that mode only once a capture ends well), and every random op after it, Dropout's or
+    a transform's, raises "Offset increment outside graph capture". A capture of one small
+    kernel ends it, keeping the generator's seed and offset."""
+    try:
+        with torch.cuda.device(device):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # the feed's thread may launch
+                torch.zeros(1, device=device)
+    except Exception as error:  # noqa: BLE001 - the run goes on eagerly either way
+        warnings.warn(f"After the failed capture, CUDA's random number generator could not be taken out of "
+                      f"capture mode ({type(error).__name__}: {error}); random ops on this GPU (Dropout) may "
+                      "fail until the kernel is restarted.", RuntimeWarning, stacklevel=2)
