@@ -214,25 +214,21 @@ def loader_loop(make_model, data, batch_size, loss_fn, precision, device, steps)
     return plain_loop(make_model, data, batch_size, loss_fn, precision, device, steps, fused=False, loader=True)
 
 
-def gpunb_loop(make_model, data, batch_size, loss_fn, precision, device, steps):
+def gpunb_loop(make_model, data, batch_size, loss_fn, precision, device, steps, compile="auto"):
     torch.manual_seed(0)
     timer = StepTimer(device)
-    result = Trainer(max_steps=steps, epochs=10**6, batch_size=batch_size, precision=precision, log_every=50,
-                     track=False, accelerator=device.type).fit(make_model(), data, loss_fn=loss_fn,
-                                                               callbacks=[timer])
-    LAST_RESULT["gpunb"] = result  # for the MFU columns
+    trainer = Trainer(max_steps=steps, epochs=10**6, batch_size=batch_size, precision=precision, log_every=50,
+                      track=False, accelerator=device.type, compile=compile)
+    result = trainer.fit(make_model(), data, loss_fn=loss_fn, callbacks=[timer])
+    if compile == "auto":
+        LAST_RESULT["gpunb"] = result  # for the MFU columns
     return timer.times
 
 
 def gpunb_eager_loop(make_model, data, batch_size, loss_fn, precision, device, steps):
     """gpunb with compile=False: on a GPU, where compile="auto" may capture the step as a CUDA graph,
     this shows gpunb's own per-step cost apart from what the graph saves."""
-    torch.manual_seed(0)
-    timer = StepTimer(device)
-    Trainer(max_steps=steps, epochs=10**6, batch_size=batch_size, precision=precision, log_every=50,
-            track=False, accelerator=device.type, compile=False).fit(make_model(), data, loss_fn=loss_fn,
-                                                                     callbacks=[timer])
-    return timer.times
+    return gpunb_loop(make_model, data, batch_size, loss_fn, precision, device, steps, compile=False)
 
 
 def peak_memory(case, label, device) -> float:
@@ -269,7 +265,7 @@ def _sync(device):
 
 
 LOOPS = {"gpunb": gpunb_loop, "plain": plain_loop, "usual": usual_loop, "loader": loader_loop}
-LAST_RESULT: dict = {}  # the TrainResult of the latest gpunb run
+LAST_RESULT: dict = {}  # the TrainResult of the latest gpunb run with compile="auto"
 
 
 def mfu_line(case, device, precision, plain_s, gpunb_s) -> str | None:
