@@ -3,7 +3,7 @@
 A notebook made through the contents API trains gpunb.demo's digits CNN in a kernel of
 the server; headless Chromium (Playwright, the system browser) runs it and watches the
 ipywidgets dashboard advance, then sees it replaced in place by the static summary.
-Writes docs/dashboard-live.png and docs/dashboard-summary.png.
+Screenshots dashboard-live.png and dashboard-summary.png go to docs/ with `--docs-images`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 import time
 
 import pytest
-from browser_support import DOCS, api, chromium_page, jupyter_lab, notebook_json, require_browser
+from browser_support import api, chromium_page, jupyter_lab, notebook_json, require_browser
 
 pytestmark = pytest.mark.browser
 
@@ -35,9 +35,9 @@ def _step(text: str) -> int:
     return int(match.group(1))
 
 
-def test_live_dashboard_then_static_summary(tmp_path):
+def test_live_dashboard_then_static_summary(tmp_path, screenshots):
     require_browser()
-    DOCS.mkdir(exist_ok=True)
+    screenshots.mkdir(parents=True, exist_ok=True)
     # One torch thread: the kernel shares two cores with the server and the browser, and
     # oversubscribed intra-op threads make this CPU run several times slower, not faster.
     with jupyter_lab(tmp_path, env={"OMP_NUM_THREADS": "1"}) as url:
@@ -92,7 +92,7 @@ def test_live_dashboard_then_static_summary(tmp_path):
                 assert cell.locator(".jp-InputPrompt").inner_text().strip() == "[*]:"  # still running
                 # ... and the kernel reads Busy, though the widgets' comms subshell was opened meanwhile.
                 assert page.locator(".jp-StatusBar-Item", has_text="Python 3 (ipykernel) | Busy").count() == 1
-                cell.screenshot(path=DOCS / "dashboard-live.png")
+                cell.screenshot(path=screenshots / "dashboard-live.png")
 
                 # The end: the widget's place now holds the static summary (table and curve).
                 summary = output.locator(".gpunb-result")
@@ -113,7 +113,7 @@ def test_live_dashboard_then_static_summary(tmp_path):
                 assert "val loss" in summary.locator("svg").text_content()  # validation after each epoch
                 cell.locator(".jp-InputPrompt", has_text="[2]:").wait_for()
                 assert "Traceback" not in notebook.inner_text()
-                cell.screenshot(path=DOCS / "dashboard-summary.png")
+                cell.screenshot(path=screenshots / "dashboard-summary.png")
                 print(f"training cell ran for {elapsed:.1f} s in the browser")
             except BaseException:
                 page.screenshot(path=tmp_path / "failure.png")  # what the browser showed, for the report
