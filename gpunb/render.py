@@ -13,7 +13,7 @@ import sys
 import time
 from types import SimpleNamespace
 
-from gpunb.charts import line_chart, loss_chart
+from gpunb.charts import as_image, line_chart, loss_chart
 from gpunb.units import format_duration
 
 
@@ -156,10 +156,10 @@ def progress_text(r) -> str:
 
 def result_html(r) -> str:
     series = r.loss_series()
-    svg = loss_chart(series["train"], series.get("val", []), x_max=r.steps)
+    chart = as_image(loss_chart(series["train"], series.get("val", []), x_max=r.steps), f"loss of {r.run_name}")
     return (f"<div class='gpunb-result'><b>{html.escape(r.run_name)}</b>"
             f"<div style='display:flex;gap:1.5em;flex-wrap:wrap;align-items:flex-start'>"
-            f"{html_table(summary_rows(r), key_column=True)}{svg}</div>{epoch_table_html(r.epochs)}</div>")
+            f"{html_table(summary_rows(r), key_column=True)}{chart}</div>{epoch_table_html(r.epochs)}</div>")
 
 
 def epoch_table_html(epochs: list[dict]) -> str:
@@ -266,10 +266,10 @@ def lr_find_html(r) -> str:
     if r.suggestion:
         names.append("suggested")
         series.append([min(points, key=lambda p: abs(p[0] - math.log10(r.suggestion)))])
-    svg = line_chart("loss (smoothed)", names, series, x_label="log10(learning rate)",
-                     width=420, height=210, legend=110)
+    chart = as_image(line_chart("loss (smoothed)", names, series, x_label="log10(learning rate)",
+                                width=420, height=210, legend=110), "learning-rate range test")
     text = html.escape(lr_find_text(r)).replace("\n", "<br>")
-    return f"<div class='gpunb-lr-find'>{svg}<div>{text}</div></div>"
+    return f"<div class='gpunb-lr-find'>{chart}<div>{text}</div></div>"
 
 
 def plot_lr_find(r, ax=None):

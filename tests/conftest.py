@@ -1,4 +1,6 @@
+import base64
 import os
+import re
 import tempfile
 
 import pytest
@@ -34,6 +36,12 @@ def classification_data(n=256, features=10, classes=3, seed=0):
 def mlp(features=10, classes=3, hidden=32, seed=0):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+
+
+def charts_in(markup: str) -> list[str]:
+    """The SVG of each chart image in `markup`: stored HTML holds charts as <img> of their SVG."""
+    return [base64.b64decode(data).decode()
+            for data in re.findall(r"src='data:image/svg\+xml;base64,([^']+)'", markup)]
 
 
 # Kernels started by the tests and by nbval inherit this: never the user's real registry,

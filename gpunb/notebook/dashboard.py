@@ -15,7 +15,7 @@ import time
 from collections import deque
 from types import SimpleNamespace
 
-from gpunb.charts import loss_chart, sparkline
+from gpunb.charts import as_image, loss_chart, sparkline
 from gpunb.render import epoch_table_html, flops_text, free_memory_text, memory_text, progress_parts
 
 
@@ -129,7 +129,8 @@ class HtmlDashboard(Dashboard):
         total = max(1, state.total_steps or 1)
         line = html.escape(" · ".join(progress_parts(state, with_loss=False)))
         gpu = gpu_sparklines_html(list(self.gpu_samples)) if self.gpu_samples else ""
-        curve = loss_chart(self.train_points, self.val_points, x_max=state.total_steps)
+        # a frame is stored in the notebook (the last one stays if the kernel dies): an image
+        curve = as_image(loss_chart(self.train_points, self.val_points, x_max=state.total_steps), "loss")
         return (f"<div class='gpunb-live'><div>{_header_html(state)}</div>"
                 f"<div style='display:flex;gap:.8em;align-items:center'>"
                 f"<progress max='{total}' value='{min(state.step, total)}' style='flex:1 1 auto;max-width:480px'>"
@@ -183,7 +184,7 @@ class FailedRun:
     def _repr_html_(self) -> str:
         points = [(row["step"], row["loss"]) for row in self.state.history]
         return (f"<div class='gpunb-failed'><b>{html.escape(repr(self))}</b>"
-                f"{loss_chart(points, x_max=self.state.step) if points else ''}</div>")
+                f"{as_image(loss_chart(points, x_max=self.state.step), 'loss') if points else ''}</div>")
 
 
 def _header_html(state) -> str:
