@@ -69,7 +69,7 @@ def result_text(result) -> str:
 
 def best_text(r) -> str:
     """`val_loss=0.1234 at step 40 (restored into the model)`: the best of the kept checkpoints."""
-    restored = "restored into the model" if r.restored_best else "restore_best=True loads it at the end"
+    restored = "restored into the model" if r.restored_best else "on disk; restore_best=True would load it at the end"
     return f"{r.best_monitor}={fmt(r.best_value)} at step {r.best_step} ({restored})"
 
 
@@ -126,8 +126,12 @@ def compile_text(info: dict) -> str:
 
 
 def compute_text(achieved_tflops: float, mfu: float | None, peak_tflops: float | None) -> str:
-    """`312 TFLOPS, MFU 31.5% of 989`: model FLOPs per second and their share of the dense peak."""
-    text = f"{achieved_tflops:.3g} TFLOPS"
+    """`312 TFLOPS, MFU 31.5% of 989`: model FLOPs per second and their share of the dense peak.
+
+    The unit follows the size (a CPU's `808 MFLOPS`, not `0.000808 TFLOPS`); the peak stays in TFLOPS.
+    """
+    number, _, prefix = si(achieved_tflops * 1e12).partition(" ")
+    text = f"{number} {prefix}FLOPS"
     return text if mfu is None else f"{text}, MFU {100 * mfu:.1f}% of {peak_tflops:g}"
 
 
@@ -365,6 +369,8 @@ def progress_parts(state, with_loss: bool) -> list[str]:
     eta = eta_seconds(state)
     if eta is not None:
         parts.append(f"ETA {format_duration(eta)}")
+    elif not latest:  # before the first log: set-up, a compile or the first steps are running
+        parts.append("warming up")
     return parts
 
 

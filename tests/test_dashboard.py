@@ -86,6 +86,15 @@ def test_the_progress_line_says_the_elapsed_time():
     state.__dict__.update(step=5, total_steps=10, progress=0.5, epoch=0, latest={"loss": 0.5},
                           config=type("C", (), {"epochs": 2})(), started_at=0.0)
     assert "elapsed " in progress_line(state) and "loss 0.5" in progress_line(state)
+    assert "warming up" not in progress_line(state)
+
+
+def test_the_first_frame_says_the_run_is_warming_up():
+    # Before the first log the dashboard has no loss, no rate and no ETA: it says why it waits.
+    state = type("State", (), {})()
+    state.__dict__.update(step=0, total_steps=10, progress=0.0, epoch=0, latest={},
+                          config=type("C", (), {"epochs": 2})(), started_at=0.0)
+    assert progress_line(state).endswith("warming up") and "ETA" not in progress_line(state)
 
 
 def test_train_loss_is_the_epoch_mean_everywhere_and_the_last_interval_is_loss(watched):

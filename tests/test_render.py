@@ -95,3 +95,21 @@ def test_stored_charts_are_images_that_untrusted_front_ends_keep():
     assert re.search(r"<img src='data:image/svg\+xml;base64,[^']+' width='510' height='210' alt='loss of run&lt;1&gt;'",
                      markup)
     assert markup == result._repr_html_()  # the same bytes each time: stored outputs compare
+
+
+def test_compute_reads_in_a_unit_of_its_size():
+    from gpunb.render import compute_text
+
+    assert compute_text(40.0, 0.04, 989) == "40 TFLOPS, MFU 4.0% of 989"
+    assert compute_text(0.000808, None, None) == "808 MFLOPS"  # a CPU run: not "0.000808 TFLOPS"
+    assert compute_text(1.43e-05, None, None) == "14.3 MFLOPS"
+    assert compute_text(0.5, None, None) == "500 GFLOPS"
+
+
+def test_the_best_checkpoint_line_says_whether_it_was_loaded():
+    from gpunb.render import best_text
+
+    best = dict(best_monitor="val_loss", best_value=0.25, best_step=40)
+    kept = best_text(TrainResult("r", restored_best=False, **best))
+    assert kept == "val_loss=0.25 at step 40 (on disk; restore_best=True would load it at the end)"
+    assert "restored into the model" in best_text(TrainResult("r", restored_best=True, **best))
