@@ -41,7 +41,7 @@ def mlp(features=10, classes=3, hidden=32, seed=0):
 def charts_in(markup: str) -> list[str]:
     """The SVG of each chart image in `markup`: stored HTML holds charts as <img> of their SVG."""
     return [base64.b64decode(data).decode()
-            for data in re.findall(r"src='data:image/svg\+xml;base64,([^']+)'", markup)]
+            for data in re.findall(r"src=['\"]data:image/svg\+xml;base64,([^'\"]+)", markup)]
 
 
 # Kernels started by the tests and by nbval inherit this: never the user's real registry,

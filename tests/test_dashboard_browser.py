@@ -95,6 +95,23 @@ def test_live_dashboard_then_static_summary(tmp_path, screenshots):
                 assert page.locator(".jp-StatusBar-Item", has_text="Python 3 (ipykernel) | Busy").count() == 1
                 cell.screenshot(path=screenshots / "dashboard-live.png")
 
+                # Narrow windows: 1024 px with the gpunb sidebar open beside the notebook, then
+                # 600 px. The bar keeps a usable width, the status line wraps instead of being cut,
+                # and no line of the dashboard runs out of its box.
+                page.locator(".jp-SideBar.jp-mod-left [data-id='gpunb-sidebar']").click()
+                page.locator("#gpunb-sidebar").wait_for()
+                for width in (1024, 600):
+                    page.set_viewport_size({"width": width, "height": 800})
+                    page.wait_for_timeout(500)  # a redraw or two at the new width
+                    assert progress.bounding_box()["width"] >= 150, (width, progress.bounding_box())
+                    assert "ETA" in status.inner_text()
+                    cut = output.locator(".widget-html-content").evaluate_all(
+                        "els => els.filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.innerText)")
+                    assert not cut, (width, cut)
+                    if width == 1024:
+                        cell.screenshot(path=screenshots / "dashboard-narrow.png")
+                page.set_viewport_size({"width": 1280, "height": 800})
+
                 # The end: the widget's place now holds the static summary (table and curve).
                 summary = output.locator(".gpunb-result")
                 summary.wait_for(timeout=90_000)
