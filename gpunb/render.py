@@ -366,7 +366,7 @@ def progress_parts(state, with_loss: bool) -> list[str]:
     if compute:
         parts.append(compute)
     parts.append(f"elapsed {format_duration(time.time() - state.started_at)}")
-    eta = eta_seconds(state)
+    eta = eta_left(state)
     if eta is not None:
         parts.append(f"ETA {format_duration(eta)}")
     elif not latest:  # before the first log: set-up, a compile or the first steps are running
@@ -379,7 +379,11 @@ def epochs_suffix(state) -> str:
     return f"/{state.config.epochs}" if state.config.epochs else ""
 
 
-def eta_seconds(state) -> float | None:
-    if not state.total_steps or not state.step or "step_time_ms" not in state.latest:
+def eta_left(state, now: float | None = None) -> float | None:
+    """Seconds left: the runtime's newest estimate (runtime/eta.py), counted down since it was
+    made. The dashboard and the run registry (so the sidebar) both read this."""
+    eta = getattr(state, "eta", None)
+    if eta is None or not state.total_steps:
         return None
-    return (state.total_steps - state.step) * state.latest["step_time_ms"] / 1000
+    seconds, made_at = eta
+    return max(0.0, seconds - ((time.time() if now is None else now) - made_at))

@@ -25,6 +25,7 @@ from gpunb.runtime.compiling import Compilation
 from gpunb.runtime.data import build_feed, closing, with_batch_size
 from gpunb.runtime.ema import WeightEma
 from gpunb.runtime.epoch import EpochSteps, Timer
+from gpunb.runtime.eta import EtaClock
 from gpunb.runtime.events import Callbacks, FitState
 from gpunb.runtime.inputs import batch_size_of
 from gpunb.runtime.interrupt import InterruptFlag
@@ -102,6 +103,7 @@ class _Run:
     start_epoch: int = 0
     skip_batches: int = 0
     losses: StepLosses = field(default_factory=StepLosses)  # step losses since the last log
+    eta: EtaClock = field(default_factory=EtaClock)
 
 
 def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, objective, user_callbacks, teardown,
@@ -286,6 +288,7 @@ def _log(run: _Run, timer) -> None:
         row["skipped_steps"] = run.precision.skipped_steps  # one more read, at the same sync point
     state.history.append(row)
     state.latest.update(row)
+    state.eta = run.eta.at_log(state.step, row["elapsed_s"], state.total_steps, seconds / steps)
     run.callbacks.call("on_log", state, row)
 
 
@@ -298,6 +301,7 @@ def _end_epoch(run: _Run, logged: list, timer) -> None:
     metrics = validation.validate(run, timer) if validation.due_at_epoch_end(run) else None
     row.update(validation.epoch_metrics(state))  # this pass, or the epoch's last at a step
     row["elapsed_s"] = timer.elapsed()
+    run.eta.at_epoch_end(row["elapsed_s"])
     state.epochs.append(row)  # before on_validation_end: a best checkpoint then holds the row
     if metrics is not None:
         run.callbacks.call("on_validation_end", state, metrics)
