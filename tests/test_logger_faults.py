@@ -92,6 +92,43 @@ def test_a_full_disk_under_csv_keeps_the_rows_written_and_training_goes_on(tmp_p
     assert not list(folder.glob(".metrics.csv*"))  # no half-written file left
 
 
+def test_a_full_disk_during_an_append_leaves_no_half_row(tmp_path, monkeypatch):
+    import gpunb.loggers.csv_logger as csv_logger
+
+    class HalfWritten:
+        def __init__(self, file):
+            self.file = file
+
+        def write(self, text):
+            self.file.write(text[:len(text) // 2])
+            self.file.flush()
+            raise no_space()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+    appends = []
+
+    def open_on_a_full_disk(path, mode="r", **kwargs):
+        file = open(path, mode, **kwargs)
+        if Path(path).name == "metrics.csv" and "a" in mode:
+            appends.append(path)
+            if len(appends) > 2:
+                return HalfWritten(file)
+        return file
+
+    monkeypatch.setattr(csv_logger, "open", open_on_a_full_disk, raising=False)
+    result, model, before, caught = fit_under_fault(tmp_path, "csv")
+    assert_trained_past_one_warning(result, model, before, caught, "CSVLogger")
+    text = (tmp_path / "logs" / "Sequential-1" / "metrics.csv").read_text()
+    assert text.endswith("\n")
+    rows = read_csv(tmp_path / "logs" / "Sequential-1" / "metrics.csv")
+    assert all(r["lr"] for r in rows if r["loss"]) and len(rows) >= 3  # every row whole
+
+
 def test_a_full_disk_under_tensorboard_keeps_the_events_written_and_training_goes_on(tmp_path, monkeypatch):
     from tensorboard.summary.writer.record_writer import RecordWriter
 
@@ -260,3 +297,19 @@ def test_a_killed_run_keeps_the_wandb_rows_its_service_flushed(tmp_path):
     train_and_kill(tmp_path, "wandb", wait_s=3.0)
     steps = [r.history.step.num for r in wandb_records(tmp_path / "logs", teardown=False) if r.HasField("history")]
     assert steps == [5, 10, 15]
+
+
+def test_wandb_writing_somewhere_else_than_asked_is_said(tmp_path, monkeypatch):
+    """W&B falls back to the temp directory when it judges its `dir` unwritable (os.access: ACLs,
+    root squash); with WANDB_SILENT its own note is hidden, so gpunb names where the run went."""
+    import tempfile
+
+    asked = tmp_path / "logs"
+    (tmp_path / "temp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != asked and real_access(path, mode, **kw))
+    result, _model, _before, caught = fit_under_fault(tmp_path, "wandb")
+    [message] = [str(w.message) for w in caught if "WandbLogger: W&B writes" in str(w.message)]
+    assert str(tmp_path / "temp") in message and f"not in {asked} as asked" in message
+    assert result.steps == 20

@@ -18,7 +18,8 @@ class CSVLogger(Logger):
     Columns are `step`, `epoch` and every metric seen so far; a row leaves the metrics it
     does not have empty. A new metric (val_acc after the first epoch) adds a column: the
     file is rewritten with the wider header, as Lightning's CSVLogger does, into a new file
-    that replaces the old one (a full disk mid-way leaves the old file whole). Each row is
+    that replaces the old one (a full disk mid-way leaves the old file whole, as it leaves
+    no half row after an append). Each row is
     on disk when `write` returns (the file is closed), so a killed process loses none.
     `log_dir`: the directory to write in; None: the fit's run directory (see TrainConfig.log_dir).
     """
@@ -45,8 +46,7 @@ class CSVLogger(Logger):
         if new or not path.exists():  # a wider header: write the whole file again
             _replace_csv(path, self.columns, self.rows)
         else:
-            with open(path, "a", newline="") as f:
-                csv.DictWriter(f, self.columns).writerow(row)
+            _append_csv(path, self.columns, row)
 
     def directory(self, config) -> Path:
         return self.log_dir or log_root(config)
@@ -60,6 +60,16 @@ class CSVLogger(Logger):
             result.update(final_metrics(state))
             result["stop_reason"] = state.result.stop_reason
         _write_json(self.dir / "result.json", result)
+
+
+def _append_csv(path: Path, columns: list, row: dict) -> None:
+    size = path.stat().st_size
+    try:
+        with open(path, "a", newline="") as f:
+            csv.DictWriter(f, columns).writerow(row)
+    except OSError:
+        os.truncate(path, size)  # a full disk: no half row left, the file ends at its last whole row
+        raise
 
 
 def _replace_csv(path: Path, columns: list, rows: list) -> None:
