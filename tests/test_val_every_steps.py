@@ -158,14 +158,16 @@ def test_a_stream_of_unknown_length_is_validated_at_its_end():
     assert [row["step"] for row in result.validations] == [5, 10, 13]
 
 
-def test_epochs_after_the_last_val_every_are_validated_at_the_end():
+def test_epochs_after_the_last_val_every_are_validated_at_the_end(tmp_path):
     x, y = classification_data(n=200)
     result = fit(mlp(), (x, y), epochs=3, val_every=2)
     assert [row["step"] for row in result.validations] == [26, 39]
     assert [row.get("val_loss") is not None for row in result.epochs] == [False, True, True]
     with pytest.warns(UserWarning, match=r"val_every=5 is more than this run's 3 epochs"):
-        longer = fit(mlp(), (x, y), epochs=3, val_every=5)
+        longer = fit(mlp(), (x, y), epochs=3, val_every=5, checkpoint_dir=tmp_path, save_top_k=1,
+                     restore_best=True)
     assert [row["step"] for row in longer.validations] == [39]
+    assert longer.best_step == 39 and longer.restored_best
 
 
 @pytest.mark.parametrize("setting", [dict(val_every_steps=5), dict(val_every=2)])
