@@ -207,6 +207,19 @@ def test_a_full_disk_under_wandb_is_seen_and_the_run_ends(tmp_path, monkeypatch)
     assert exit_record.exit_code == 1
 
 
+def test_a_logger_whose_disk_is_full_at_the_start_is_switched_off_before_the_first_step(tmp_path, monkeypatch):
+    import gpunb.loggers.csv_logger as csv_logger
+
+    def full(path, value):
+        raise no_space(f"No space left on device: '{path}'")
+
+    monkeypatch.setattr(csv_logger, "_write_json", full)
+    result, model, before, caught = fit_under_fault(tmp_path, "csv")
+    message = assert_trained_past_one_warning(result, model, before, caught, "CSVLogger")
+    assert "CSVLogger failed at step 0" in message
+    assert not (tmp_path / "logs" / "Sequential-1" / "metrics.csv").exists()  # off: not a row written
+
+
 def test_a_failed_write_of_any_kind_warns_with_the_logger_and_the_error(tmp_path):
     class Broken(CSVLogger):
         def write(self, step, metrics, state):
