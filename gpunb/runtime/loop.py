@@ -146,6 +146,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
     total_steps = steps_per_epoch * config.epoch_limit if steps_per_epoch is not None else None
     if config.max_steps is not None:
         total_steps = min(total_steps or config.max_steps, config.max_steps)
+    validation.warn_unused(config, val is not None, total_steps, dist.rank)
     schedule = _schedule(scheduler, optimizer, config, total_steps, val_names, carried)
     config = config.replace(log_every=config.resolved_log_every(total_steps, steps_per_epoch))
 
@@ -219,7 +220,7 @@ def _train(run: _Run) -> TrainResult:
                         step_loss = stepper.update()  # stays on the device: no sync here
                         state.step += 1
                         run.losses.add(step_loss, state.step)  # a list append: no device op
-                        if val_every_steps and state.step % val_every_steps == 0:
+                        if val_every_steps and (state.step % val_every_steps == 0 or state.step == state.total_steps):
                             validation.at_step(run, timer)  # before on_step_end: its checkpoints hold the pass
                         callbacks.call("on_step_end", state)
                         if state.step % log_every == 0:
