@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from gpunb.errors import GpunbError
 
-_SUPPORTED = ("a torch Dataset, a DataLoader, a tensor, a tuple of tensors, arrays that "
+_SUPPORTED = ("a torch Dataset, a DataLoader, a tensor, a tuple of tensors, a list of samples "
+              "(`(x, y)` pairs or dicts), arrays that "
               "support DLPack or the NumPy protocol (NumPy, CuPy, JAX), or any object with "
               "`__len__` and `__getitem__` (e.g. a Hugging Face `datasets.Dataset`)")
 
@@ -115,6 +116,11 @@ def adapt_data(data: Any, what: str = "train_data") -> tuple[torch.Tensor, ...] 
         if isinstance(data, TensorDataset):
             return tuple(data.tensors)
         return data
+    if isinstance(data, list) and data and isinstance(data[0], (tuple, dict)):
+        # A list of samples, `[(x, y), ...]` or `[{"x": ..., "y": ...}, ...]`: batched by default
+        # collation, as a plain DataLoader batches it. A tuple stays columns: `(x, y)`.
+        _refuse_python_lists(data, what)
+        return MapDataset(data)
     if isinstance(data, (list, tuple)):
         if not data:
             raise GpunbError(f"{what} is an empty {type(data).__name__}.", f"pass {_SUPPORTED}.")
