@@ -55,7 +55,8 @@ def collect(namespace, args, before, named=frozenset(), required=REQUIRED) -> di
         if found[role] is not None and not callable(found[role]):
             raise UsageError(f"`{getattr(args, role + '_name')}` is a {type(found[role]).__name__}, which is not "
                              f"callable.\nHINT: e.g. `loss_fn = nn.CrossEntropyLoss()`.")
-    drop_mismatched(args, before, found, named)  # an earlier cell's val_data, loss_fn, ... (leftovers.py)
+    # an earlier cell's val_data, loss_fn, ...: used only when they match (leftovers.py)
+    drop_mismatched(args, before, found, named, evaluating="train_data" not in required)
     callbacks = found["callbacks"]
     if callbacks is None:
         callbacks = []

@@ -33,8 +33,9 @@ from gpunb.runtime import matching
 NOTE_END = "bind it in this cell, or name it on the line (`{option} {name}`), to use it."
 
 
-def drop_mismatched(args, before, found, named) -> None:
-    """Sets to None each role in `found` that an earlier cell bound and that does not match."""
+def drop_mismatched(args, before, found, named, evaluating: bool = False) -> None:
+    """Sets to None each role in `found` that an earlier cell bound and that does not match.
+    `evaluating` (`--eval`): the data evaluated is the reference, and nothing is trained."""
     def leftover(role):
         name = getattr(args, f"{role}_name")
         return role not in named and found[role] is not None and before.get(name) == id(found[role])
@@ -47,18 +48,19 @@ def drop_mismatched(args, before, found, named) -> None:
         found[role] = None
 
     model = found["model"]
-    if leftover("optimizer") and not matching.optimizer_fits(found["optimizer"], model):
+    if not evaluating and leftover("optimizer") and not matching.optimizer_fits(found["optimizer"], model):
         drop("optimizer", "updates another model's parameters: training uses the default AdamW")
-    if leftover("scheduler") and not matching.scheduler_fits(found["scheduler"], found["optimizer"]):
+    if not evaluating and leftover("scheduler") and not matching.scheduler_fits(found["scheduler"], found["optimizer"]):
         drop("scheduler", "drives another optimizer than the one trained: training goes without it")
     if not any(leftover(role) for role in ("val_data", "loss_fn", "step", "metrics")):
         return
-    train = peek(found["train_data"])
+    reference = "val_data" if evaluating and found["val_data"] is not None else "train_data"
+    train = peek(found[reference])
     if train is None:
         return  # no batch to compare with: the pre-training check judges the data
-    if leftover("val_data"):
+    if leftover("val_data") and not evaluating:
         val = peek(found["val_data"])
-        exact = all(isinstance(d, tuple) for d in (_adapted(found["train_data"]), _adapted(found["val_data"])))
+        exact = all(isinstance(_adapted(_head(d)), tuple) for d in (found["train_data"], found["val_data"]))
         if val is not None and matching.layout(val, exact) != matching.layout(train, exact):
             drop("val_data", f"its batches ({matching.batch_kind(val)}) are not laid out like train_data's "
                              f"({matching.batch_kind(train)}): training goes without validation")
@@ -70,7 +72,7 @@ def drop_mismatched(args, before, found, named) -> None:
     if leftover("step") and own and fresh_model:
         drop("step", f"the new model computes its own loss (its forward takes `{own}`): training uses that loss")
     if leftover("metrics") and _class_metrics(found["metrics"]) and not _integer(matching.target_of(train)):
-        drop("metrics", "compares class scores with integer labels, and train_data's batches hold no "
+        drop("metrics", f"compares class scores with integer labels, and {reference}'s batches hold no "
                         "integer labels: training goes without them")
 
 
@@ -85,7 +87,7 @@ def peek(data):
 
     from gpunb.runtime.inputs import first_batch
 
-    adapted = _adapted(data)
+    adapted = _adapted(_head(data))
     dataset = adapted.dataset if isinstance(adapted, DataLoader) else adapted
     if adapted is None or isinstance(dataset, IterableDataset):
         return None  # reading a stream would move it on
@@ -98,6 +100,16 @@ def peek(data):
     finally:
         random.setstate(py_state)
         np.random.set_state(np_state)
+
+
+def _head(data):
+    """The first two rows of arrays and tables (`(x, y)`, a DataFrame), so that none is copied whole."""
+    def rows(value):
+        if hasattr(value, "shape") and hasattr(value, "__getitem__") and getattr(value, "ndim", 0) > 0:
+            return getattr(value, "iloc", value)[:2]  # pandas slices rows by position through iloc
+        return value
+
+    return tuple(rows(v) for v in data) if isinstance(data, tuple) else rows(data)
 
 
 def _adapted(data):

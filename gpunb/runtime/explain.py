@@ -36,18 +36,23 @@ class LayerTrace:
         return self
 
     def _pop(self, module) -> None:
-        if self.stack and self.stack[-1][1] is module:
-            self.stack.pop()
+        # Down to the module's own entry: a child whose error the parent caught never popped itself.
+        for i in range(len(self.stack) - 1, -1, -1):
+            if self.stack[i][1] is module:
+                del self.stack[i:]
+                return
 
     def __exit__(self, *exc):
         for handle in self.handles:
             handle.remove()
         return False
 
-    def failed_in_torch_layer(self):
-        """(name, module, args) of the torch layer the failure happened in, or None (the failure
-        is in the user's own forward code, or outside the model)."""
-        if not self.stack:
+    def failed_in_torch_layer(self, error: Exception):
+        """(name, module, args) of the torch layer that refused its input, or None: the failure is
+        in the user's own forward code, outside the model, or not about the input (a device error)."""
+        if not self.stack or not isinstance(error, (RuntimeError, ValueError, IndexError, TypeError)):
+            return None
+        if "CUDA" in str(error) or "device" in str(error):
             return None
         name, module, args = self.stack[-1]
         return (name, module, args) if type(module).__module__.startswith("torch.nn.") else None
@@ -147,12 +152,12 @@ def layer_hint(name: str, layer, args) -> str:
         return (f"`{name}` ({type(layer).__name__}({layer.num_embeddings}, {layer.embedding_dim})) takes integer "
                 f"indices below {layer.num_embeddings}"
                 + (" and, without 2-D input, 1-D offsets starting at 0" if isinstance(layer, torch.nn.EmbeddingBag)
-                   else "") + f"; it got {_describe_args(args)}.")
-    return (f"`{name}` ({type(layer).__name__}) cannot take {_describe_args(args)}: change the data or "
+                   else "") + f"; it got {describe_args(args)}.")
+    return (f"`{name}` ({type(layer).__name__}) cannot take {describe_args(args)}: change the data or "
             "the layer so that they agree.")
 
 
-def _describe_args(args) -> str:
+def describe_args(args) -> str:
     from gpunb.runtime.preflight import describe_batch
 
     return describe_batch(tuple(args)) if len(args) != 1 else describe_batch(args[0])

@@ -140,7 +140,7 @@ def _check_batch(model, objective, precision, data, device, config, what, traini
     except torch.OutOfMemoryError:
         return  # training's own OOM handling (smaller micro-batches) takes it from here
     except Exception as error:
-        _explain_failure(error, batch, model, objective, what, trace.failed_in_torch_layer())
+        _explain_failure(error, batch, model, objective, what, trace.failed_in_torch_layer(error))
 
 
 def _explain_failure(error, batch, model, objective, what, layer) -> None:
@@ -152,7 +152,7 @@ def _explain_failure(error, batch, model, objective, what, layer) -> None:
              f"The batch: {describe_batch(batch)}. The model expects: {describe_model(model)}.")
     if layer is not None:
         name, module, args = layer
-        found = f"It failed in `{name}` ({type(module).__name__}), given {explain._describe_args(args)}.\n{found}"
+        found = f"It failed in `{name}` ({type(module).__name__}), given {explain.describe_args(args)}.\n{found}"
         hint = hint or explain.reorder_hint(batch, objective.loss_fn) or explain.layer_hint(name, module, args)
     else:
         hint = hint or explain.reorder_hint(batch, objective.loss_fn)
