@@ -131,16 +131,21 @@ def _check_batch(model, objective, precision, data, device, config, what, traini
                 if objective.stateful is not None:
                     objective.stateful.reset()  # a check: this batch counts in no validation
     except GpunbError as error:
-        better = explain.missing_labels(error, batch, model, objective, what)
-        hint = explain.own_loss_instead(model, batch, objective.loss_fn)
-        if better is None and hint is not None:
-            better = GpunbError(f"One batch of {what} failed before training: {error.what}", hint)
-        raise better or GpunbError(f"One batch of {what} failed before training: {error.what}",
-                                   error.hint) from error.__cause__
+        raise _name_the_data(error, batch, model, objective, what) from error.__cause__
     except torch.OutOfMemoryError:
         return  # training's own OOM handling (smaller micro-batches) takes it from here
     except Exception as error:
         _explain_failure(error, batch, model, objective, what, trace.failed_in_torch_layer(error))
+
+
+def _name_the_data(error: GpunbError, batch, model, objective, what) -> GpunbError:
+    """gpunb's own refusal of the batch, saying which data it came from (an earlier cell's
+    val_data is otherwise a mystery), with the better fix where one is known."""
+    missing = explain.missing_labels(error, batch, model, objective, what)
+    if missing is not None:
+        return missing
+    hint = explain.own_loss_instead(model, batch, objective.loss_fn) or error.hint
+    return GpunbError(f"One batch of {what} failed before training: {error.what}", hint)
 
 
 def _explain_failure(error, batch, model, objective, what, layer) -> None:
