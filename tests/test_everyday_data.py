@@ -237,3 +237,10 @@ def test_int64_labels_get_no_note():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss()).steps == 2
+
+
+def test_a_torchscript_model_is_checked_without_hooks():
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(784, 10)))  # takes no Python hooks
+    with pytest.raises(Exception, match="mat1 and mat2 shapes cannot be multiplied") as error:
+        fit(scripted, (torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))), loss_fn=nn.CrossEntropyLoss())
+    assert "not supported on ScriptModules" not in str(error.value)

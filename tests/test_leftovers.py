@@ -156,3 +156,11 @@ def test_a_leftover_named_on_the_line_is_used_as_it_is(ip):
     ip.run_cell_magic("gputrain", LINE, BERT_CELL)
     with pytest.raises(Exception, match="val_data"):  # the user chose it: the check reports the mismatch
         ip.run_cell_magic("gputrain", LINE + " --val-data val_data", CNN_CELL)
+
+
+def test_eval_judges_leftovers_against_the_data_it_evaluates(ip):
+    ip.run_cell(CNN_CELL)  # loss_fn, and train_data of images
+    ip.run_cell("model = tiny_bert()\nval_data = text(32, 1)")
+    with pytest.warns(UserWarning, match="`loss_fn` is from an earlier cell and the model computes its own loss"):
+        ip.run_cell_magic("gputrain", "--eval --batch-size 16 --quiet --out scores", "pass")
+    assert set(ip.user_ns["scores"]) >= {"val_loss"}  # BERT's own loss on its val_data, not the images

@@ -65,9 +65,12 @@ def drop_mismatched(args, before, found, named, evaluating: bool = False) -> Non
             drop("val_data", f"its batches ({matching.batch_kind(val)}) are not laid out like train_data's "
                              f"({matching.batch_kind(train)}): training goes without validation")
     own = matching.own_loss_target(model, train)
-    if leftover("loss_fn") and (own or isinstance(train, Mapping)):
-        why = (f"takes `{own}`" if own else "takes the dict") + " from the batch"
-        drop("loss_fn", f"the model computes its own loss (its forward {why}): training uses that loss")
+    if leftover("loss_fn") and own:
+        drop("loss_fn", f"the model computes its own loss (its forward takes `{own}` from the batch): "
+                        "training uses that loss")
+    elif leftover("loss_fn") and isinstance(train, Mapping):
+        drop("loss_fn", f"{reference}'s batches are dicts, which `loss_fn(output, target)` cannot take: "
+                        "training asks the model for its own loss")
     fresh_model = before.get(args.model_name) != id(model)
     if leftover("step") and own and fresh_model:
         drop("step", f"the new model computes its own loss (its forward takes `{own}`): training uses that loss")

@@ -30,9 +30,12 @@ class LayerTrace:
         names = {id(m): name for name, m in self.model.named_modules()}
         for module in self.model.modules():
             name = names.get(id(module)) or type(module).__name__
-            self.handles.append(module.register_forward_pre_hook(
-                lambda m, args, name=name: self.stack.append((name, m, args))))
-            self.handles.append(module.register_forward_hook(lambda m, args, out: self._pop(m)))
+            try:
+                self.handles.append(module.register_forward_pre_hook(
+                    lambda m, args, name=name: self.stack.append((name, m, args))))
+                self.handles.append(module.register_forward_hook(lambda m, args, out: self._pop(m)))
+            except (RuntimeError, AttributeError):  # a TorchScript module takes no Python hooks
+                continue
         return self
 
     def _pop(self, module) -> None:
