@@ -66,6 +66,21 @@ def test_a_ragged_torch_format_dataset_names_the_padding_collator():
     assert isinstance(error.value.__cause__, RuntimeError)
 
 
+def test_ragged_tuples_in_a_dataloader_name_pad_sequence():
+    class Tokens(Dataset):
+        def __len__(self):
+            return 32
+
+        def __getitem__(self, i):
+            return torch.arange(3 + i % 4), i % 2
+
+    with pytest.raises(GpunbError) as error:
+        fit(nn.Linear(4, 2), DataLoader(Tokens(), batch_size=8), loss_fn=nn.CrossEntropyLoss())
+    text = str(error.value)
+    assert "differ in length (ragged)" in text and "batch_size=8, shuffle=True, collate_fn=pad)" in text
+    assert "torch.nn.utils.rnn.pad_sequence" in text
+
+
 # -- (c) Hugging Face labels under another key, or none ---------------------------------------------
 
 def _bert():

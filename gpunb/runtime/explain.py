@@ -67,16 +67,17 @@ def ragged(error: RuntimeError, data, what: str, batch_size) -> GpunbError | Non
         return None
     dataset = getattr(data, "dataset", data)
     first = dataset[0] if hasattr(dataset, "__getitem__") else None
-    size = batch_size if isinstance(batch_size, int) else 32
+    size = getattr(data, "batch_size", None) or (batch_size if isinstance(batch_size, int) else 32)
     name = "ds" if what == "train_data" else "val_ds"
     if isinstance(first, Mapping):
-        fix = (f"pad each batch with a collator and pass a DataLoader: `{what} = DataLoader({name}, "
-               f"batch_size={size}, shuffle=True, collate_fn=transformers.DataCollatorWithPadding(tokenizer))`; "
-               "or pad when tokenizing (`tokenizer(..., padding='max_length', truncation=True)`).")
+        collator = "transformers.DataCollatorWithPadding(tokenizer)"
+        also = " or pad when tokenizing (`tokenizer(..., padding='max_length', truncation=True)`)."
     else:
-        fix = (f"pad each batch in a collate function and pass a DataLoader: `{what} = DataLoader({name}, "
-               f"batch_size={size}, shuffle=True, collate_fn=pad)`, where `pad` uses "
-               "`torch.nn.utils.rnn.pad_sequence(..., batch_first=True)` on the ragged items.")
+        collator = "pad"
+        also = " where `pad` stacks the items with `torch.nn.utils.rnn.pad_sequence(..., batch_first=True)`."
+    shuffle = "" if what == "val_data" else ", shuffle=True"
+    fix = (f"pad each batch with a collator and pass a DataLoader: `{what} = DataLoader({name}, "
+           f"batch_size={size}{shuffle}, collate_fn={collator})`;{also}")
     return GpunbError(f"The samples of {what} differ in length (ragged), so gpunb cannot stack them into "
                       f"one batch: {str(error).strip().splitlines()[0]}.", fix)
 
