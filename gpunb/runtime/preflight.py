@@ -205,7 +205,8 @@ def _shape_hint(model, inputs) -> str | None:
         return None
     x = inputs[0]
     if isinstance(first, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and x.is_floating_point():
-        return f"the model starts with an {type(first).__name__}, which takes integer indices, and the inputs are {_name(x.dtype)}: use `x.long()`."
+        return (f"the model starts with an {type(first).__name__}, which takes integer indices, and the "
+                f"inputs are {_name(x.dtype)}: use `x.long()`.")
     if isinstance(first, torch.nn.Linear):
         per_sample = x[0].numel() if x.ndim > 1 else 1
         if x.ndim and x.shape[-1] != first.in_features and per_sample != first.in_features:
