@@ -46,6 +46,13 @@ def test_a_list_of_dict_samples_trains():
     assert fit(OwnLoss(), samples).steps == 2
 
 
+def test_a_list_of_samples_holding_python_lists_is_refused_with_the_fix():
+    samples = [{"input_ids": [1, 2, 3], "labels": 0}, {"input_ids": [4, 5, 6], "labels": 1}]
+    with pytest.raises(GpunbError, match=r"rows of train_data hold Python lists") as error:
+        fit(nn.Linear(3, 2), samples)
+    assert "make each sample's values tensors (e.g. `torch.tensor(values)`)" in str(error.value)
+
+
 def test_a_tuple_of_python_lists_stays_columns():
     with pytest.raises(GpunbError, match=r"train_data\[0\] holds a list"):
         fit(mlp(), ([[0.0] * 10] * 4, [0, 1, 0, 1]), loss_fn=nn.CrossEntropyLoss())

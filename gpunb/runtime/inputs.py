@@ -59,6 +59,7 @@ def _refuse_python_lists(data, what: str) -> None:
     lists = [v for v in values if isinstance(v, list)]
     if lists:
         fix = ("`{what} = {what}.with_format('torch')`" if hasattr(data, "with_format")
+               else "make each sample's values tensors (e.g. `torch.tensor(values)`)" if isinstance(data, list)
                else "return tensors from `__getitem__` (e.g. `torch.tensor(row)`)").format(what=what)
         raise GpunbError(f"The rows of {what} hold Python lists, which gpunb cannot stack into "
                          "batches of tensors.", f"give it rows of tensors: {fix}.")
