@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from gpunb.errors import GpunbError
 
-_SUPPORTED = ("a torch Dataset, a DataLoader, a tensor, a tuple of tensors, arrays that "
+_SUPPORTED = ("a torch Dataset, a DataLoader, a tensor, a tuple of tensors, a list of samples "
+              "(`(x, y)` pairs or dicts), arrays that "
               "support DLPack or the NumPy protocol (NumPy, CuPy, JAX), or any object with "
               "`__len__` and `__getitem__` (e.g. a Hugging Face `datasets.Dataset`)")
 
@@ -58,6 +59,7 @@ def _refuse_python_lists(data, what: str) -> None:
     lists = [v for v in values if isinstance(v, list)]
     if lists:
         fix = ("`{what} = {what}.with_format('torch')`" if hasattr(data, "with_format")
+               else "make each sample's values tensors (e.g. `torch.tensor(values)`)" if isinstance(data, list)
                else "return tensors from `__getitem__` (e.g. `torch.tensor(row)`)").format(what=what)
         raise GpunbError(f"The rows of {what} hold Python lists, which gpunb cannot stack into "
                          "batches of tensors.", f"give it rows of tensors: {fix}.")
@@ -115,6 +117,11 @@ def adapt_data(data: Any, what: str = "train_data") -> tuple[torch.Tensor, ...] 
         if isinstance(data, TensorDataset):
             return tuple(data.tensors)
         return data
+    if isinstance(data, list) and data and isinstance(data[0], (tuple, dict)):
+        # A list of samples, `[(x, y), ...]` or `[{"x": ..., "y": ...}, ...]`: batched by default
+        # collation, as a plain DataLoader batches it. A tuple stays columns: `(x, y)`.
+        _refuse_python_lists(data, what)
+        return MapDataset(data)
     if isinstance(data, (list, tuple)):
         if not data:
             raise GpunbError(f"{what} is an empty {type(data).__name__}.", f"pass {_SUPPORTED}.")
