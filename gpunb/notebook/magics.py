@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from gpunb.errors import GpunbError
@@ -68,8 +68,8 @@ class GpuMagics(Magics):
     @argument("--step", dest="step_name", default="step")
     @argument("--metrics", dest="metrics_name", default="metrics")
     @argument("--callbacks", dest="callbacks_name", default="callbacks")
-    @cell_magic
-    def gputrain(self, line, cell):
+    @line_cell_magic
+    def gputrain(self, line, cell=None):
         """Train the model a cell defines, under gpunb's managed runtime.
 
         The cell is ordinary PyTorch. It runs first, in the notebook's namespace, and
@@ -81,7 +81,9 @@ class GpuMagics(Magics):
         loss, or `step(model, batch) -> loss`), `metrics` and `callbacks`; `--model net`
         etc. use other names. Afterwards `model` is trained in place and the TrainResult
         is in `gputrain_result` (or `--out`). `--continue` trains the same model on from
-        the last %%gputrain: `--epochs 2` then means two more epochs.
+        the last %%gputrain: `--epochs 2` then means two more epochs. As a line magic
+        (`%gputrain --continue --epochs 2`) it runs no cell and trains what earlier cells
+        defined.
 
         Example::
 
@@ -98,12 +100,14 @@ class GpuMagics(Magics):
             raise UsageError(f"--continue trains on from the last fit, and {other} does not train here.\n"
                              f"HINT: drop `--continue` to {then}.")
         if args.export:
+            if cell is None:
+                raise UsageError("--export writes the cell's code into a script, and a line magic has no cell.\n"
+                                 "HINT: use the cell magic: `%%gputrain --export train.py` on top of the cell.")
             return self._export(args, line, cell, config)
         if not args.quiet and not args.find_lr:
             _dashboard_mode(self.shell)  # a bad GPUNB_DASHBOARD is refused before the cell runs
         before = {name: id(value) for name, value in self.shell.user_ns.items()}
-        outcome = self.shell.run_cell(cell, store_history=False)
-        if not outcome.success:
+        if cell is not None and not self.shell.run_cell(cell, store_history=False).success:
             return None  # the user's own traceback has been shown; nothing to train
         found = collect(self.shell.user_ns, args, before, named_options(line),
                          required=("model",) if args.eval else REQUIRED)
