@@ -1,4 +1,5 @@
-"""GPU-only behaviour: prefetcher streams and memory, GPU-resident data, GradScaler, bf16."""
+"""GPU-only behaviour: prefetcher streams and memory, stream order under forced races, GPU-resident
+data, GradScaler, bf16, and no host sync between logs."""
 
 import pytest
 import torch
