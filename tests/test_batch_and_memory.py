@@ -213,16 +213,17 @@ def test_oom_under_sgd_trains_as_the_smaller_micro_batch_from_the_start(momentum
     assert_same_run(recovered, result, small, reference)
 
 
+@pytest.mark.parametrize("grad_accum", [1, 3])
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
-def test_an_uneven_split_weights_each_piece_by_its_samples(momentum):
-    """7 samples split into 4 + 3: the step's loss and gradient are the mean over the 7 samples,
-    as without the split (an equal weight per piece would give the 3 samples more pull)."""
+def test_an_uneven_split_weights_each_piece_by_its_samples(momentum, grad_accum):
+    """7 samples split into 4 + 3: the loaded batch's loss and gradient are the mean over its 7
+    samples, as without the split (an equal weight per piece would give the 3 samples more pull)."""
     recovered = OOMAbove(limit=4)
-    result = sgd_run(recovered, momentum, n=63, batch_size=7)
+    result = sgd_run(recovered, momentum, n=63, batch_size=7, grad_accum=grad_accum)
     assert result.oom_recoveries == 1 and result.micro_batch_size == 4
     unsplit = OOMAbove(limit=7)
-    reference = sgd_run(unsplit, momentum, n=63, batch_size=7)
-    assert reference.oom_recoveries == 0 and reference.steps == result.steps == 18
+    reference = sgd_run(unsplit, momentum, n=63, batch_size=7, grad_accum=grad_accum)
+    assert reference.oom_recoveries == 0 and reference.steps == result.steps == 18 // grad_accum
     assert_same_run(recovered, result, unsplit, reference)
 
 
