@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import classification_data
+from test_checkpoint import StopAt
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -36,11 +37,12 @@ def mlp(seed):
     return nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3))
 
 
-def fit(model, data, **options):
+def fit(model, data, callbacks=(), **options):
     settings = dict(batch_size=16, log_every=2, track=False, accelerator="cpu")
     settings.update(options)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    return Trainer(**settings).fit(model, data, loss_fn=nn.CrossEntropyLoss(), optimizer=optimizer)
+    return Trainer(**settings).fit(model, data, loss_fn=nn.CrossEntropyLoss(), optimizer=optimizer,
+                                   callbacks=callbacks)
 
 
 def losses(result):
@@ -62,5 +64,25 @@ def test_three_epochs_straight_equal_two_then_resume_and_one(source, num_workers
                          checkpoint_dir=tmp_path, resume="last")
     assert resumed_result.steps == straight_result.steps == 18
     assert losses(resumed_result) == losses(straight_result)  # the resumed rows follow the saved ones
-    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
-        assert torch.equal(a, b), name
+    assert_same_weights(straight, resumed)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("source", ["random", "numpy"])
+def test_a_stop_mid_epoch_then_resume_equals_the_straight_run(source, num_workers, tmp_path):
+    straight = mlp(seed=0)
+    fit(straight, GlobalRngNoise(source), epochs=2, num_workers=num_workers)
+    fit(mlp(seed=0), GlobalRngNoise(source), epochs=2, num_workers=num_workers, checkpoint_dir=tmp_path,
+        callbacks=[StopAt(8)])  # 6 steps an epoch: 2 steps into the second
+    random.seed(123)
+    np.random.seed(123)
+    resumed = mlp(seed=7)
+    result = fit(resumed, GlobalRngNoise(source), epochs=2, num_workers=num_workers, checkpoint_dir=tmp_path,
+                 resume="last")
+    assert result.resumed_from["step"] == 8 and result.steps == 12
+    assert_same_weights(straight, resumed)
+
+
+def assert_same_weights(a, b):
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), name
