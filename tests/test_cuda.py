@@ -455,7 +455,7 @@ class NoSyncBetweenLogs:
 
 
 def fit_without_syncs(model, data, callbacks=(), **options):
-    """One epoch, logged only at its end; returns the result and how many steps ran under the check."""
+    """One epoch under NoSyncBetweenLogs, logged only at its end; every step but the first was checked."""
     check = NoSyncBetweenLogs()
     settings = dict(epochs=1, batch_size=64, log_every=10_000, compile=False)  # tracked: the default
     settings.update(options)
