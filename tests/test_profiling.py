@@ -208,8 +208,8 @@ def test_profiler_callback_with_the_trainer():
 
     callback = ProfilerCallback(steps=2, warmup=1)
     x, y = torch.randn(64, 8), torch.randint(0, 2, (64,))
-    fit = Trainer(batch_size=8, epochs=1, track=False).fit(tiny_model(), (x, y), loss_fn=nn.CrossEntropyLoss(),
-                                                            callbacks=[callback])
+    # tracked, as a user's run is: the run recorder's hooks run beside the profiled steps
+    fit = Trainer(batch_size=8, epochs=1).fit(tiny_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[callback])
     assert fit.steps == 4 and fit.stop_reason == "profiled 2 steps"  # 1 warmup, 1 start-up, 2 profiled
     assert callback.result().steps == 2
     assert callback.result().signals["batch_size"] == 8  # the small-batch advice can name it
