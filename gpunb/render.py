@@ -366,6 +366,10 @@ def progress_parts(state, with_loss: bool) -> list[str]:
     if compute:
         parts.append(compute)
     parts.append(f"elapsed {format_duration(time.time() - state.started_at)}")
+    stopping = getattr(state, "stop_reason", None)
+    if stopping:  # the loop ends after this step; a checkpoint may still be written
+        parts.append(f"stopping after this step ({stopping})")
+        return parts
     eta = eta_left(state)
     if eta is not None:
         parts.append(f"ETA {format_duration(eta)}")

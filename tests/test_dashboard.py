@@ -89,6 +89,26 @@ def test_the_progress_line_says_the_elapsed_time():
     assert "warming up" not in progress_line(state)
 
 
+def test_a_stop_request_shows_at_once():
+    # A stop asked for (the sidebar, early stopping) redraws the dashboard in the same step,
+    # without waiting for the next redraw: the loop ends after it, a checkpoint may follow.
+    from types import SimpleNamespace
+
+    dashboard = Dashboard(min_interval_s=3600)
+    drawn = []
+    dashboard._draw = lambda state, now=None: drawn.append(progress_line(state))
+    state = SimpleNamespace(step=5, total_steps=10, progress=0.5, epoch=0, latest={"loss": 0.5},
+                            config=SimpleNamespace(epochs=2), started_at=0.0, stop_reason=None, eta=None)
+    dashboard._last_draw = __import__("time").monotonic()
+    dashboard.on_step_end(state)
+    assert drawn == []  # throttled
+    state.stop_reason = "stopped from the sidebar"
+    dashboard.on_step_end(state)
+    assert len(drawn) == 1 and drawn[0].endswith("stopping after this step (stopped from the sidebar)")
+    dashboard.on_step_end(state)
+    assert len(drawn) == 1  # once
+
+
 def test_the_first_frame_says_the_run_is_warming_up():
     # Before the first log the dashboard has no loss, no rate and no ETA: it says why it waits.
     state = type("State", (), {})()

@@ -36,6 +36,7 @@ class Dashboard:
         self.epoch_rows: list = []
         self.gpu_samples: deque = deque(maxlen=120)
         self.draws = 0
+        self._stop_drawn = False
 
     # --- events -------------------------------------------------------------
     def on_fit_start(self, state) -> None:
@@ -69,7 +70,9 @@ class Dashboard:
 
     def on_step_end(self, state) -> None:
         now = time.monotonic()
-        if now - self._last_draw >= self.min_interval_s:
+        stopping = state.stop_reason is not None and not self._stop_drawn
+        if stopping or now - self._last_draw >= self.min_interval_s:
+            self._stop_drawn = state.stop_reason is not None  # a stop shows at once, not at the next redraw
             self._draw(state, now)
 
     def on_log(self, state, row) -> None:
