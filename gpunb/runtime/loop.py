@@ -26,7 +26,6 @@ from gpunb.runtime.data import build_feed, closing, with_batch_size
 from gpunb.runtime.ema import WeightEma
 from gpunb.runtime.epoch import EpochSteps, Timer
 from gpunb.runtime.events import Callbacks, FitState
-from gpunb.runtime.inputs import batch_size_of
 from gpunb.runtime.interrupt import InterruptFlag
 from gpunb.runtime.monitor import monitor_of, validation_names
 from gpunb.runtime.nan_guard import StepLosses
@@ -63,7 +62,8 @@ def run(config: TrainConfig, context, model, train_data, val_data=None, *, optim
         with InterruptFlag() as setting_up:  # a Ctrl-C in set-up: stop before the first step
             teardown.saved_globals = devices.seed_everything(config.seed, config.deterministic)
             prepared = _prepare(config, context, model, train_data, val_data, optimizer, scheduler,
-                                Objective(loss_fn, step, metrics), callbacks, teardown, continue_from)
+                                Objective(loss_fn, step, metrics, config.batch_size_fn), callbacks, teardown,
+                                continue_from)
         if setting_up.raised:
             prepared.state.request_stop("interrupted")
         result = _train(prepared)
@@ -190,6 +190,7 @@ def _train(run: _Run) -> TrainResult:
     interrupt = InterruptFlag()
     val_every_steps = validation.every_steps(run)  # None: no pass within epochs (the common case)
     log_every = config.log_every
+    samples_in = run.objective.samples  # batch_size_fn, or the target's first dimension
     try:
         with interrupt:
             callbacks.call("on_fit_start", state)
@@ -209,7 +210,7 @@ def _train(run: _Run) -> TrainResult:
                 with closing(run.feed.epoch(epoch, skip)) as batches:
                     for batch, last_in_step in EpochSteps(batches, config.grad_accum, timer, state, remaining):
                         state.batch_in_epoch += 1
-                        state.samples_seen += batch_size_of(batch) * state.world_size
+                        state.samples_seen += samples_in(batch) * state.world_size
                         stepper.accumulate(batch, last_in_step)
                         del batch  # let it go before the optimizer step allocates its temporaries
                         if not last_in_step:
