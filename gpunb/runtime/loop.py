@@ -102,6 +102,7 @@ class _Run:
     start_epoch: int = 0
     skip_batches: int = 0
     losses: StepLosses = field(default_factory=StepLosses)  # step losses since the last log
+    samples_at_log: int = 0  # state.samples_seen at the last log: the interval's samples/s counts from it
 
 
 def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, objective, user_callbacks, teardown,
@@ -163,6 +164,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
     ema = _weight_ema(model, config, carried)
     stepper = Stepper(train_model, optimizer, objective, precision, schedule, config, state, no_sync, ema=ema)
     callbacks = Callbacks(list(user_callbacks))
+    batch_size = feed.batch_size or batch_size  # a user's DataLoader batches by its own size
     run = _Run(config, dist, state, callbacks, model, train_model, objective, precision,
                ready.precision_reason, feed, val_feed, stepper, batch_size,
                best=BestCheckpoints(monitor, config.save_top_k) if monitor is not None else None)
@@ -191,6 +193,7 @@ def _train(run: _Run) -> TrainResult:
     val_every_steps = validation.every_steps(run)  # None: no pass within epochs (the common case)
     log_every = config.log_every
     samples_in = run.objective.samples  # batch_size_fn, or the target's first dimension
+    run.samples_at_log = state.samples_seen  # a resumed run counts on from its checkpoint's
     try:
         with interrupt:
             callbacks.call("on_fit_start", state)
@@ -276,7 +279,7 @@ def _log(run: _Run, timer) -> None:
     loss = run.dist.reduce_loss(run.losses.mean(), state)  # the interval's one sync (ranks: + stop vote)
     run.losses.end_interval(run, loss)  # detect_nan: raises on NaN, with the last good weights back
     seconds = timer.lap()
-    samples = steps * run.batch_size * run.config.grad_accum * state.world_size
+    samples, run.samples_at_log = state.samples_seen - run.samples_at_log, state.samples_seen
     row = {"step": state.step, "epoch": state.epoch, "loss": loss, "steps": steps,
            "lr": run.stepper.optimizer.param_groups[0]["lr"],
            "samples_per_s": samples / seconds if seconds else 0.0,
