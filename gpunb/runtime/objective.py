@@ -142,15 +142,16 @@ def model_inputs(batch) -> tuple[tuple, dict]:
 def _checked_count(batch_size_fn: Callable) -> Callable:
     """The user's `batch_size_fn`, its answer checked to be a count of samples."""
     def samples(batch) -> int:
-        n = batch_size_fn(batch)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            try:
-                n = operator.index(n)  # a NumPy integer, a 0-d integer tensor on the host
-            except TypeError:
-                n = None
-            if n is None or n < 0:
-                raise GpunbError(f"batch_size_fn(batch) returned {n!r}, not a count of samples.",
-                                 "return an int, e.g. `batch_size_fn=lambda batch: len(batch[-1])`.")
+        answer = batch_size_fn(batch)
+        if type(answer) is int and answer >= 0:  # the common answer, checked in one step
+            return answer
+        try:
+            n = operator.index(answer)  # a NumPy integer, a 0-d integer tensor on the host
+        except TypeError:
+            n = -1
+        if isinstance(answer, bool) or n < 0:
+            raise GpunbError(f"batch_size_fn(batch) returned {answer!r}, not a count of samples.",
+                             "return an int, e.g. `batch_size_fn=lambda batch: len(batch[-1])`.")
         return n
     return samples
 
