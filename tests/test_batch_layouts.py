@@ -2,9 +2,13 @@
 
 - The PyTorch tutorial's EmbeddingBag text classifier: `(flat_tokens, offsets, labels)`, whose
   first tensor holds one row per token, not per sample. Samples are counted from the target.
+- A batch that is a Mapping but not a dict, as the `BatchEncoding` of Hugging Face collators
+  (test_hf_collators.py has the real ones): on the GPU, moved and graphed as it is.
 - nanoGPT fed `(tokens[:, :-1], tokens[:, 1:])`: slices of one tensor, not contiguous, and a
   forward that calls `targets.view(-1)`. The check before training sees the batches training sees.
 """
+
+from collections import UserDict
 
 import pytest
 import torch
@@ -60,7 +64,7 @@ def per_sample(model, rows):
 def test_an_embedding_bag_classifier_counts_samples_not_tokens():
     train, val = text_rows(200, seed=0), text_rows(100, seed=1)  # val: 6 batches of 16 and one of 4
     model = TextClassificationModel()
-    result = Trainer(epochs=2, lr=1e-2, track=False).fit(
+    result = Trainer(epochs=2, lr=1e-2, accelerator="cpu", track=False).fit(
         model, DataLoader(train, batch_size=16, shuffle=True, collate_fn=collate_batch),
         DataLoader(val, batch_size=16, collate_fn=collate_batch), loss_fn=nn.CrossEntropyLoss())
     assert result.samples == 2 * 200 and result.steps == 2 * 13
@@ -80,7 +84,7 @@ def test_batch_size_fn_counts_the_samples_of_a_layout_nothing_else_tells():
 
     train, val = text_rows(64, seed=0), text_rows(100, seed=1)
     model = TextClassificationModel()
-    result = Trainer(epochs=1, batch_size_fn=lambda batch: len(batch[1]), track=False).fit(
+    result = Trainer(epochs=1, batch_size_fn=lambda batch: len(batch[1]), accelerator="cpu", track=False).fit(
         model, DataLoader(train, batch_size=16, collate_fn=offsets_first),
         DataLoader(val, batch_size=16, collate_fn=offsets_first), step=step)
     assert result.samples == 64
@@ -127,7 +131,7 @@ def test_nanogpt_on_shifted_slices_of_one_tensor_trains_like_a_plain_loop():
     x, y = tokens[:, :-1], tokens[:, 1:]
     assert not y.is_contiguous()  # y.view(-1) of a slice of it raises
     ours = NanoGPT()
-    result = Trainer(epochs=2, batch_size=16, shuffle=False, track=False).fit(
+    result = Trainer(epochs=2, batch_size=16, shuffle=False, accelerator="cpu", track=False).fit(
         ours, (x, y), optimizer=torch.optim.AdamW(ours.parameters(), lr=1e-3))
     assert result.steps == 12
     theirs = NanoGPT()
@@ -161,3 +165,62 @@ def test_the_check_before_training_gathers_its_batch_as_training_does():
             return [tokens[i] for i in indices]
 
     assert torch.equal(first_batch(Rows(), 3, torch.device("cpu")), tokens[:3]) and calls == [[0, 1, 2]]
+
+
+class Encoding(UserDict):
+    """A Mapping that is not a dict, read by attribute too: the shape of a collator's `BatchEncoding`."""
+
+    def __getattr__(self, name):
+        try:
+            return self.data[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class MeanTokens(nn.Module):
+    """Keyword inputs as a Hugging Face model takes them, no host sync in forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Embedding(VOCAB, 32), nn.Linear(32, CLASSES)
+        self.seen = set()
+
+    def forward(self, input_ids, attention_mask, labels):
+        self.seen.add(input_ids.device.type)
+        mask = attention_mask.unsqueeze(-1).float()
+        pooled = (self.embed(input_ids) * mask).sum(1) / mask.sum(1)  # the mean over the real tokens
+        return nn.functional.cross_entropy(self.head(pooled), labels)
+
+
+def pad_to_16(rows):
+    """A padding collator that returns an Encoding, as DataCollatorWithPadding returns a BatchEncoding."""
+    ids = torch.zeros(len(rows), 16, dtype=torch.long)
+    mask = torch.zeros(len(rows), 16, dtype=torch.long)
+    for i, (_, tokens) in enumerate(rows):
+        ids[i, :len(tokens[:16])], mask[i, :len(tokens[:16])] = tokens[:16], 1
+    return Encoding(input_ids=ids, attention_mask=mask, labels=torch.tensor([label for label, _ in rows]))
+
+
+def test_a_mapping_batch_is_counted_cut_and_moved_keeping_its_type():
+    from gpunb.runtime.inputs import batch_size_of, move_batch, split_batch
+
+    batch = pad_to_16(text_rows(6, seed=0))
+    assert batch_size_of(batch) == 6
+    first, second = split_batch(move_batch(batch, torch.device("cpu")), 2)
+    assert type(first) is Encoding and torch.equal(second.labels, batch["labels"][3:])
+
+
+@pytest.mark.cuda
+def test_a_mapping_batch_reaches_the_gpu_eagerly_and_in_a_step_graph():
+    for compile in (False, "step-graph"):
+        model = MeanTokens()
+        loader = DataLoader(text_rows(512, seed=0), batch_size=32, shuffle=True, drop_last=True, collate_fn=pad_to_16)
+        result = Trainer(max_steps=20, precision="32", compile=compile, log_every=1, track=False).fit(model, loader)
+        assert model.seen == {"cuda"} and result.samples == 20 * 32
+        if compile:
+            assert result.compilation["mode"] == "step-graph", result.compilation["reason"]
+            graphed = [row["loss"] for row in result.history]
+        else:
+            eager = [row["loss"] for row in result.history]
+    torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=1e-3, atol=1e-4)
