@@ -109,6 +109,19 @@ def test_an_oom_does_not_cut_a_batch_whose_tensors_are_not_one_row_per_sample():
     assert "`grad_accum`" in str(error.value)
 
 
+def test_samples_are_counted_from_the_target_of_each_layout():
+    from gpunb.runtime.inputs import batch_size_of
+
+    text, offsets, labels = collate_batch(text_rows(5, seed=0))
+    assert len(text) > 5
+    assert batch_size_of((text, offsets, labels)) == 5  # the tutorial's layout with loss_fn
+    assert batch_size_of([labels, text, offsets]) == 5  # its own order: the offsets, one per sample
+    images, boxes = torch.zeros(2, 3, 8, 8), [{"boxes": torch.zeros(7, 4)}, {"boxes": torch.zeros(1, 4)}]
+    assert batch_size_of((images, boxes)) == 2  # a detection model's targets: one dict per image
+    assert batch_size_of((torch.zeros(4, 3), torch.tensor(1.0))) == 4  # a 0-d part says nothing
+    assert batch_size_of({"input_ids": torch.zeros(3, 9), "labels": torch.zeros(3)}) == 3
+
+
 class NanoGPT(nn.Module):
     """nanoGPT's forward in miniature: `(logits, loss)`, the targets flattened with `.view(-1)`."""
 
