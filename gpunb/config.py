@@ -151,7 +151,8 @@ class TrainConfig:
         if self.lr is not None and not self.lr > 0:
             raise GpunbError(f"lr must be positive, got {self.lr!r}.", "pass e.g. `lr=3e-4`.")
         if self.batch_size_fn is not None and not callable(self.batch_size_fn):
-            raise GpunbError(f"batch_size_fn must be a function of a batch, got a {type(self.batch_size_fn).__name__}.",
+            kind = type(self.batch_size_fn).__name__
+            raise GpunbError(f"batch_size_fn must be a function of a batch, got a {kind}.",
                              "pass e.g. `batch_size_fn=lambda batch: len(batch[-1])` (the labels' count).")
         if self.gpu_resident not in ("auto", True, False):
             raise GpunbError(f"gpu_resident must be 'auto', True or False, got {self.gpu_resident!r}.")

@@ -126,8 +126,8 @@ def _inputs(batch) -> torch.Tensor:
         return batch
     if is_mapping(batch):
         if "pixel_values" not in batch:
-            raise GpunbError(f"GPU transforms act on images, and this {type(batch).__name__} batch has no 'pixel_values' "
-                             f"(its keys: {', '.join(map(repr, batch))}).",
+            raise GpunbError(f"GPU transforms act on images, and this {type(batch).__name__} batch has no "
+                             f"'pixel_values' (its keys: {', '.join(map(repr, batch))}).",
                              "name the images 'pixel_values' in the dataset's rows, or drop `transforms=` "
                              "and transform inside the Dataset.")
         return batch["pixel_values"]
