@@ -76,6 +76,7 @@ class TrainConfig:
     num_workers: Union[int, str] = "auto"  # DataLoader workers, or "auto"
     gpu_resident: Union[bool, str] = "auto"  # keep tensor data on the GPU: "auto", True or False
     transforms: Sequence[Callable[[Any], Any]] = ()  # applied to each batch on the device
+    batch_size_fn: Callable[[Any], int] | None = None  # samples in a batch; None: the target's first dimension
     # --- logging and safety
     log_every: Union[int, str] = "auto"  # steps between metric reads (the only host syncs); "auto": ~100 a run, >= 1 an epoch
     val_every: int = 1  # epochs between validation passes
@@ -149,6 +150,10 @@ class TrainConfig:
                              "pass `ema=0.999` too, or drop `ema_apply`.")
         if self.lr is not None and not self.lr > 0:
             raise GpunbError(f"lr must be positive, got {self.lr!r}.", "pass e.g. `lr=3e-4`.")
+        if self.batch_size_fn is not None and not callable(self.batch_size_fn):
+            kind = type(self.batch_size_fn).__name__
+            raise GpunbError(f"batch_size_fn must be a function of a batch, got a {kind}.",
+                             "pass e.g. `batch_size_fn=lambda batch: len(batch[-1])` (the labels' count).")
         if self.gpu_resident not in ("auto", True, False):
             raise GpunbError(f"gpu_resident must be 'auto', True or False, got {self.gpu_resident!r}.")
         if self.resume and not self.checkpoint_dir and self.resume in (True, "last", "best"):
@@ -202,6 +207,8 @@ class TrainConfig:
             value = getattr(self, f.name)
             if f.name == "transforms":
                 value = [getattr(t, "__name__", type(t).__name__) for t in value]
+            elif f.name == "batch_size_fn" and value is not None:
+                value = getattr(value, "__name__", type(value).__name__)
             elif f.name == "loggers":
                 value = [v if isinstance(v, str) else type(v).__name__ for v in value]
             out[f.name] = value

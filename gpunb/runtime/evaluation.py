@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from gpunb.runtime.data import closing
-from gpunb.runtime.inputs import batch_size_of, slice_batch
+from gpunb.runtime.inputs import check_sliceable, slice_batch
 
 
 def validation_pass(model, feed, objective, precision, reduce_sums) -> dict:
@@ -38,9 +38,10 @@ def validation_sums(model, batches, objective, precision, padding: int = 0) -> t
     __tracebackhide__ = True  # noqa: F841
     sums, count = {}, 0
     for batch, last in _with_last(batches):
-        n = batch_size_of(batch)
+        n = objective.samples(batch)
         keep = n - padding if last else n
         if 0 < keep < n:
+            check_sliceable(batch, n)
             batch = slice_batch(batch, 0, keep)
         with precision.autocast():  # keep 0, only a repeated sample: the forward pass (collectives), not scored
             batch_sums = objective.evaluate(model, batch, score=keep > 0)

@@ -27,7 +27,6 @@ from gpunb.runtime.ema import WeightEma
 from gpunb.runtime.epoch import EpochSteps, Timer
 from gpunb.runtime.eta import EtaClock
 from gpunb.runtime.events import Callbacks, FitState
-from gpunb.runtime.inputs import batch_size_of
 from gpunb.runtime.interrupt import InterruptFlag
 from gpunb.runtime.monitor import monitor_of, validation_names
 from gpunb.runtime.nan_guard import StepLosses
@@ -64,7 +63,8 @@ def run(config: TrainConfig, context, model, train_data, val_data=None, *, optim
         with InterruptFlag() as setting_up:  # a Ctrl-C in set-up: stop before the first step
             teardown.saved_globals = devices.seed_everything(config.seed, config.deterministic)
             prepared = _prepare(config, context, model, train_data, val_data, optimizer, scheduler,
-                                Objective(loss_fn, step, metrics), callbacks, teardown, continue_from)
+                                Objective(loss_fn, step, metrics, config.batch_size_fn), callbacks, teardown,
+                                continue_from)
         if setting_up.raised:
             prepared.state.request_stop("interrupted")
         result = _train(prepared)
@@ -104,6 +104,7 @@ class _Run:
     skip_batches: int = 0
     losses: StepLosses = field(default_factory=StepLosses)  # step losses since the last log
     eta: EtaClock = field(default_factory=EtaClock)
+    samples_at_log: int = 0  # state.samples_seen at the last log: the interval's samples/s counts from it
 
 
 def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, objective, user_callbacks, teardown,
@@ -166,6 +167,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
     ema = _weight_ema(model, config, carried)
     stepper = Stepper(train_model, optimizer, objective, precision, schedule, config, state, no_sync, ema=ema)
     callbacks = Callbacks(list(user_callbacks))
+    batch_size = feed.batch_size or batch_size  # a user's DataLoader batches by its own size
     run = _Run(config, dist, state, callbacks, model, train_model, objective, precision,
                ready.precision_reason, feed, val_feed, stepper, batch_size,
                best=BestCheckpoints(monitor, config.save_top_k) if monitor is not None else None)
@@ -193,6 +195,8 @@ def _train(run: _Run) -> TrainResult:
     interrupt = InterruptFlag()
     val_every_steps = validation.every_steps(run)  # None: no pass within epochs (the common case)
     log_every = config.log_every
+    samples_in = run.objective.samples  # batch_size_fn, or the target's first dimension
+    run.samples_at_log = state.samples_seen  # a resumed run counts on from its checkpoint's
     try:
         with interrupt:
             callbacks.call("on_fit_start", state)
@@ -212,7 +216,7 @@ def _train(run: _Run) -> TrainResult:
                 with closing(run.feed.epoch(epoch, skip)) as batches:
                     for batch, last_in_step in EpochSteps(batches, config.grad_accum, timer, state, remaining):
                         state.batch_in_epoch += 1
-                        state.samples_seen += batch_size_of(batch) * state.world_size
+                        state.samples_seen += samples_in(batch) * state.world_size
                         stepper.accumulate(batch, last_in_step)
                         del batch  # let it go before the optimizer step allocates its temporaries
                         if not last_in_step:
@@ -278,7 +282,7 @@ def _log(run: _Run, timer) -> None:
     loss = run.dist.reduce_loss(run.losses.mean(), state)  # the interval's one sync (ranks: + stop vote)
     run.losses.end_interval(run, loss)  # detect_nan: raises on NaN, with the last good weights back
     seconds = timer.lap()
-    samples = steps * run.batch_size * run.config.grad_accum * state.world_size
+    samples, run.samples_at_log = state.samples_seen - run.samples_at_log, state.samples_seen
     row = {"step": state.step, "epoch": state.epoch, "loss": loss, "steps": steps,
            "lr": run.stepper.optimizer.param_groups[0]["lr"],
            "samples_per_s": samples / seconds if seconds else 0.0,

@@ -12,17 +12,19 @@ Three ways, checked in this order:
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable
 
 import torch
 
 from gpunb.errors import GpunbError
-from gpunb.runtime.inputs import batch_size_of
+from gpunb.runtime.inputs import batch_size_of, is_mapping
 from gpunb.runtime.metrics import StatefulMetrics, is_stateful, stateful_name
 
 
 class Objective:
-    def __init__(self, loss_fn: Callable | None = None, step: Callable | None = None, metrics=None):
+    def __init__(self, loss_fn: Callable | None = None, step: Callable | None = None, metrics=None,
+                 batch_size_fn: Callable | None = None):
         if loss_fn is not None and step is not None:
             raise GpunbError("Both `loss_fn` and `step` were given; gpunb uses one of them.",
                              "compute the loss inside `step(model, batch)`, or drop `step`.")
@@ -35,6 +37,8 @@ class Objective:
         self.metrics, stateful = _metric_functions(metrics)
         self.stateful = StatefulMetrics(stateful) if stateful else None  # torchmetrics
         self.val_names = None  # the names evaluate() gave, once it has run (see monitor.py)
+        # Samples in a batch: what the run counts, validation weights by, and an OOM split cuts.
+        self.samples = _checked_count(batch_size_fn) if batch_size_fn is not None else batch_size_of
 
     def loss(self, model, batch) -> torch.Tensor:
         """The scalar training loss of `batch`."""
@@ -51,7 +55,7 @@ class Objective:
         torchmetrics are updated with the batch (computed once the pass is over).
         `score=False`: the forward pass alone, nothing counted (see validation.py)."""
         __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
-        n = batch_size_of(batch)
+        n = self.samples(batch)
         if self.loss_fn is None:
             sums = self._own_loss_sums(model, batch, n, score)
         else:
@@ -75,7 +79,7 @@ class Objective:
             return {}
         sums = {"val_loss": _scalar(output, "the model's forward", tuples=True).float() * n}
         logits = getattr(output, "logits", None)
-        labels = batch.get("labels") if isinstance(batch, dict) else None
+        labels = batch.get("labels") if is_mapping(batch) else None
         if isinstance(logits, torch.Tensor) and isinstance(labels, torch.Tensor):
             sums.update(self._metric_sums(logits, labels, n))
         return sums
@@ -125,13 +129,31 @@ def model_inputs(batch) -> tuple[tuple, dict]:
 
     As training with `loss_fn` reads a batch: a tensor is the input; in a tuple or list of
     two or more the last item is the target; a one-item tuple holds the input alone; a dict
-    goes in as keywords (`model(**batch)`), as for a model that computes its own loss.
+    goes in as keywords (`model(**batch)`), as for a model that computes its own loss; so does
+    any other Mapping (a Hugging Face `BatchEncoding`).
     """
-    if isinstance(batch, dict):
+    if is_mapping(batch):
         return (), batch
     if isinstance(batch, (list, tuple)):
         return tuple(batch[:-1] if len(batch) >= 2 else batch), {}
     return (batch,), {}
+
+
+def _checked_count(batch_size_fn: Callable) -> Callable:
+    """The user's `batch_size_fn`, its answer checked to be a count of samples."""
+    def samples(batch) -> int:
+        answer = batch_size_fn(batch)
+        if type(answer) is int and answer >= 0:  # the common answer, checked in one step
+            return answer
+        try:
+            n = operator.index(answer)  # a NumPy integer, a 0-d integer tensor on the host
+        except TypeError:
+            n = -1
+        if isinstance(answer, bool) or n < 0:
+            raise GpunbError(f"batch_size_fn(batch) returned {answer!r}, not a count of samples.",
+                             "return an int, e.g. `batch_size_fn=lambda batch: len(batch[-1])`.")
+        return n
+    return samples
 
 
 def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -194,7 +216,7 @@ _THREE_WAYS = ("pass `loss_fn=` (e.g. `torch.nn.CrossEntropyLoss()`: gpunb then 
 def _call(model, batch):
     __tracebackhide__ = True  # noqa: F841
     args, kwargs = (batch,), {}
-    if isinstance(batch, dict):
+    if is_mapping(batch):  # a dict, or a collator's BatchEncoding (a UserDict)
         args, kwargs = (), batch
     elif isinstance(batch, (list, tuple)):
         args = tuple(batch)
@@ -227,7 +249,7 @@ def _scalar(loss: Any, source: str, tuples: bool = False) -> torch.Tensor:
         pass
     elif hasattr(loss, "loss"):
         loss = loss.loss
-    elif isinstance(loss, dict) and "loss" in loss:
+    elif is_mapping(loss) and "loss" in loss:
         loss = loss["loss"]
     elif tuples and isinstance(loss, (list, tuple)):
         loss = _loss_in_tuple(loss, source)

@@ -23,7 +23,7 @@ from gpunb.errors import GpunbError
 from gpunb.runtime import device as devices
 from gpunb.runtime import explain
 from gpunb.runtime.augment import apply_transforms
-from gpunb.runtime.inputs import data_length, first_batch
+from gpunb.runtime.inputs import data_length, first_batch, is_mapping
 
 AUTO_PROBE = 8  # samples in the checked batch under batch_size="auto" (the probe's first size)
 
@@ -237,7 +237,7 @@ def _is_class_loss(loss_fn) -> bool:
 def _inputs_and_target(batch, loss_fn):
     if isinstance(batch, torch.Tensor):
         return [batch], None
-    if isinstance(batch, dict):
+    if is_mapping(batch):
         return [v for v in batch.values() if isinstance(v, torch.Tensor)], None
     tensors = [t for t in batch if isinstance(t, torch.Tensor)] if isinstance(batch, (list, tuple)) else []
     if loss_fn is not None and len(tensors) >= 2:
@@ -249,7 +249,7 @@ def describe_batch(batch) -> str:
     """`x float32 (8, 5), y int64 (8,)`-style: what each tensor of the batch is."""
     if isinstance(batch, torch.Tensor):
         return f"{_name(batch.dtype)} {tuple(batch.shape)}"
-    if isinstance(batch, dict):
+    if is_mapping(batch):
         return "{" + ", ".join(f"{k!r}: {describe_batch(v)}" for k, v in batch.items()) + "}"
     if isinstance(batch, (list, tuple)):
         return "(" + ", ".join(describe_batch(v) for v in batch) + ")"

@@ -18,7 +18,7 @@ import torch
 
 from gpunb.runtime.augment import apply_transforms
 from gpunb.runtime.batch_size import count_flops
-from gpunb.runtime.inputs import batch_size_of, first_batch, map_tensors
+from gpunb.runtime.inputs import batch_size_of, first_batch, is_mapping, map_tensors
 from gpunb.runtime.preflight import Untouched
 
 # Tensors of a parameter's size each optimizer keeps per parameter (None: it depends).
@@ -217,7 +217,7 @@ def _measure(summary, model, objective, precision, data, device, batch_size, con
 def tokens_per_sample(batch) -> int | None:
     """T when the model's input is integer token ids of shape (B, T): a tensor, the first part of a
     tuple, or a dict's `input_ids`; None otherwise (class labels of shape (B,) are not tokens)."""
-    if isinstance(batch, dict):
+    if is_mapping(batch):
         inputs = batch.get("input_ids")
     elif isinstance(batch, (list, tuple)) and batch:
         inputs = batch[0]
