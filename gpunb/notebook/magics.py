@@ -79,7 +79,8 @@ class GpuMagics(Magics):
         a tensor, a tuple of tensors, or NumPy/DLPack arrays). It may define `val_data`,
         `optimizer` (default AdamW), `scheduler` (a torch LR scheduler on `optimizer`, or
         `f(optimizer, total_steps) -> scheduler`), `loss_fn` (or a model that returns its
-        loss, or `step(model, batch) -> loss`), `metrics` and `callbacks`; `--model net`
+        loss, or `step(model, batch)` returning the loss, or `(loss, output)` for `metrics`),
+        `metrics` and `callbacks`; `--model net`
         etc. use other names. Afterwards `model` is trained in place and the TrainResult
         is in `gputrain_result` (or `--out`). `--continue` trains the same model on from
         the last %%gputrain: `--epochs 2` then means two more epochs.

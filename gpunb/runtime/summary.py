@@ -7,7 +7,8 @@ One forward + backward of one micro-batch, at the batch size training will use, 
 Weights and gradients are counted from the parameters; the optimizer's state from its
 tensors when it has some (a run that continues), else from its type (AdamW keeps two
 tensors the size of each parameter). Nothing is stepped: gradients, buffers, each
-module's mode and the RNGs are put back as they were (preflight's Untouched).
+module's mode and the RNGs (drawing the batch included) are put back as they were
+(preflight's Untouched).
 """
 
 from __future__ import annotations
