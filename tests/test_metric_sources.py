@@ -141,7 +141,8 @@ def hand_accuracy(model, x, y):
     lambda model, batch: dict(zip(("loss", "output"), classify(model, batch))),
     lambda model, batch: {"loss": classify(model, batch)[0], "output": classify(model, batch)[1],
                           "target": batch[1]},
-], ids=["(loss, output)", "dict without target", "dict with target"])
+    lambda model, batch: classify(model, batch)[::-1],
+], ids=["(loss, output)", "dict without target", "dict with target", "(output, loss)"])
 def test_a_step_that_returns_its_output_is_scored(step):
     x, y = classification_data(n=96)
     model = mlp()

@@ -274,14 +274,20 @@ def _forward_never_ran(error: TypeError) -> bool:
 def _step_loss(returned) -> torch.Tensor:
     """The loss in what `step(model, batch)` returned: the loss, `(loss, output)` or a dict with "loss"."""
     if isinstance(returned, (list, tuple)) and len(returned) == 2:
-        returned = returned[0]
+        returned = returned[_loss_position(returned)]
     return _scalar(returned, "step(model, batch)")
+
+
+def _loss_position(pair) -> int:
+    """0 for `(loss, output)`; 1 for `(output, loss)` (a nanoGPT model's own return, passed on)."""
+    first, second = (isinstance(v, torch.Tensor) and v.ndim == 0 for v in pair)
+    return 1 if second and not first else 0
 
 
 def _step_output(returned) -> tuple[Any, Any]:
     """(output, target) from what `step` returned; None for what it left out."""
     if isinstance(returned, (list, tuple)) and len(returned) == 2:
-        return returned[1], None
+        return returned[1 - _loss_position(returned)], None
     if isinstance(returned, Mapping):  # a dict, or a Hugging Face ModelOutput (.loss, .logits)
         output = returned.get("output", returned.get("logits"))
         return output, returned.get("target")
