@@ -207,3 +207,19 @@ def test_accuracy_leaves_out_labels_of_minus_100():
     assert divide_counted({"val_loss": 1.5, "val_acc": 0.25, "val_acc#counted": 0.5}) == {
         "val_loss": 1.5, "val_acc": 0.5}
     assert torch.isnan(accuracy(scores, torch.full_like(labels, -100)))  # nothing to count: not a number
+
+
+def test_causal_lms_are_told_from_other_hugging_face_heads_through_wrappers_and_subclasses():
+    from gpunb.runtime.metrics import shifts_labels
+
+    class MyLM(transformers.GPT2LMHeadModel):
+        pass
+
+    gpt2 = tiny_gpt2()
+    bert = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                   intermediate_size=16)
+    assert shifts_labels(gpt2) and shifts_labels(MyLM(gpt2.config)) and shifts_labels(torch.compile(gpt2))
+    assert shifts_labels(transformers.BertLMHeadModel(bert.__class__(**{**bert.to_dict(), "is_decoder": True})))
+    assert not shifts_labels(transformers.BertForMaskedLM(bert))
+    assert not shifts_labels(transformers.BertForTokenClassification(bert))
+    assert not shifts_labels(TinyGPT())  # a model of one's own: its targets as given

@@ -53,19 +53,23 @@ def shifts_labels(model) -> bool:
     """Whether the model's own loss scores logits[:, t] against labels[:, t + 1]: a Hugging Face
     causal LM (`*ForCausalLM`, `GPT2LMHeadModel`, ...), which is given its inputs as labels and
     shifts them inside. Its metrics must then compare the same pairs."""
-    model = getattr(model, "_orig_mod", model)  # torch.compile
-    model = getattr(model, "module", model)  # DDP
-    name = type(model).__name__
-    if not hasattr(getattr(model, "config", None), "model_type") or name in _UNSHIFTED_LM_HEADS:
+    for attribute in ("_orig_mod", "module", "_orig_mod"):  # torch.compile, DDP, in either order
+        model = getattr(model, attribute, model)
+    if not hasattr(getattr(model, "config", None), "model_type"):
         return False
-    if name.endswith("ForCausalLM"):
+    names = {cls.__name__ for cls in type(model).__mro__}  # FSDP and user subclasses keep the class as a base
+    if names & set(_UNSHIFTED_LM_HEADS):
+        return False
+    if any(name.endswith("ForCausalLM") for name in names):
         return True
     if "transformers" not in sys.modules:  # a model of one's own with a Hugging Face-like config
         return False
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    heads = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-    return any(name == head or (isinstance(head, tuple) and name in head) for head in heads)
+    for heads in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        if names & ({heads} if isinstance(heads, str) else set(heads)):
+            return True
+    return False
 
 
 def is_stateful(value) -> bool:
