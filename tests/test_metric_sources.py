@@ -19,6 +19,11 @@ transformers.logging.set_verbosity_error()
 VOCAB, LENGTH = 60, 12
 
 
+def trainer(**options):
+    """On the CPU wherever the tests run: the values are compared with float32 ones computed here."""
+    return Trainer(accelerator="cpu", track=False, **options)
+
+
 class Rows(Dataset):
     """Dict samples, as a tokenizer and a padding collator leave them."""
 
@@ -60,7 +65,7 @@ def tiny_gpt2():
 def test_a_causal_lms_accuracy_is_next_token_accuracy_over_real_tokens():
     train, val = padded_counting_text(96, seed=0), padded_counting_text(40, seed=1)
     model = tiny_gpt2()
-    result = Trainer(epochs=3, batch_size=16, lr=3e-3, track=False).fit(model, train, val, metrics=["accuracy"])
+    result = trainer(epochs=3, batch_size=16, lr=3e-3).fit(model, train, val, metrics=["accuracy"])
     batch = stacked(val)
     model.eval()
     with torch.no_grad():
@@ -72,8 +77,8 @@ def test_a_causal_lms_accuracy_is_next_token_accuracy_over_real_tokens():
     assert result.final_metrics["val_acc"] == pytest.approx(expected, abs=1e-6)
     unshifted = (logits.argmax(-1) == batch["labels"]).float().mean().item()
     assert abs(expected - unshifted) > 0.05  # the number a comparison without the shift gives
-    assert gpunb.evaluate(model, val, metrics=["accuracy"], batch_size=16)["val_acc"] == pytest.approx(
-        expected, abs=1e-6)
+    assert gpunb.evaluate(model, val, metrics=["accuracy"], batch_size=16,
+                          accelerator="cpu")["val_acc"] == pytest.approx(expected, abs=1e-6)
 
 
 def test_a_masked_lm_is_scored_where_labelled_without_a_shift():
@@ -85,7 +90,7 @@ def test_a_masked_lm_is_scored_where_labelled_without_a_shift():
     ids = torch.randint(5, VOCAB, (40, LENGTH), generator=g)
     masked = torch.rand(ids.shape, generator=g) < 0.25
     rows = Rows([{"input_ids": i.masked_fill(m, 4), "labels": i.where(m, -100)} for i, m in zip(ids, masked)])
-    result = Trainer(max_steps=4, batch_size=16, track=False).fit(model, rows, rows, metrics=["accuracy"])
+    result = trainer(max_steps=4, batch_size=16).fit(model, rows, rows, metrics=["accuracy"])
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=stacked(rows)["input_ids"]).logits
@@ -117,7 +122,7 @@ def test_a_model_returning_logits_and_loss_is_scored_on_its_logits():
         seen.append((tuple(output.shape), tuple(target.shape)))
         return output.new_zeros(())
 
-    result = Trainer(max_steps=20, batch_size=16, lr=1e-2, track=False).fit(
+    result = trainer(max_steps=20, batch_size=16, lr=1e-2).fit(
         model, (x, y), (x, y), metrics={"acc": "accuracy", "shapes": shapes})
     with torch.no_grad():
         expected = (model(x, y)[0].argmax(-1) == y).float().mean().item()
@@ -146,8 +151,7 @@ def hand_accuracy(model, x, y):
 def test_a_step_that_returns_its_output_is_scored(step):
     x, y = classification_data(n=96)
     model = mlp()
-    result = Trainer(epochs=2, batch_size=32, track=False).fit(model, (x, y), (x, y), step=step,
-                                                               metrics=["accuracy"])
+    result = trainer(epochs=2, batch_size=32).fit(model, (x, y), (x, y), step=step, metrics=["accuracy"])
     assert result.final_metrics["val_acc"] == pytest.approx(hand_accuracy(model, x, y), abs=1e-6)
     with torch.no_grad():
         loss = nn.functional.cross_entropy(model(x), y).item()
@@ -163,8 +167,7 @@ def test_a_steps_own_target_is_scored_as_given():
                 "target": torch.zeros_like(batch[1])}  # scored against class 0, not the batch's labels
 
     model = mlp()
-    result = Trainer(max_steps=2, batch_size=32, track=False).fit(model, (x, y), (x, y), step=step,
-                                                                  metrics=["accuracy"])
+    result = trainer(max_steps=2, batch_size=32).fit(model, (x, y), (x, y), step=step, metrics=["accuracy"])
     assert result.final_metrics["val_acc"] == pytest.approx(hand_accuracy(model, x, torch.zeros_like(y)), abs=1e-6)
 
 
@@ -185,8 +188,7 @@ class OwnLoss(nn.Module):
 def test_metrics_that_cannot_be_computed_are_named_once(step, model, missing):
     x, y = classification_data(n=64)
     with pytest.warns(UserWarning) as caught:
-        result = Trainer(epochs=3, batch_size=32, track=False).fit(model(), (x, y), (x, y), step=step,
-                                                                   metrics=["accuracy"])
+        result = trainer(epochs=3, batch_size=32).fit(model(), (x, y), (x, y), step=step, metrics=["accuracy"])
     said = [str(w.message) for w in caught if "metrics=" in str(w.message)]
     assert len(said) == 1 and said[0].startswith("metrics= (acc) cannot be computed") and missing in said[0]
     assert [name for name in result.final_metrics if name.startswith("val_")] == ["val_loss"]
@@ -197,7 +199,7 @@ def test_without_metrics_nothing_is_said():
     x, y = classification_data(n=64)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        Trainer(max_steps=2, batch_size=32, track=False).fit(OwnLoss(), (x, y), (x, y))
+        trainer(max_steps=2, batch_size=32).fit(OwnLoss(), (x, y), (x, y))
 
 
 def test_accuracy_leaves_out_labels_of_minus_100():

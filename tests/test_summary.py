@@ -279,7 +279,8 @@ def _plain_loop(model, loader, steps, call):
 
 def _gpunb(model, loader, steps):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    Trainer(max_steps=steps, seed=0, track=False, log_every=1).fit(model, loader, optimizer=optimizer)
+    Trainer(max_steps=steps, seed=0, track=False, log_every=1, accelerator="cpu").fit(
+        model, loader, optimizer=optimizer)
 
 
 def test_a_collate_that_draws_random_numbers_trains_as_the_plain_loop_bit_for_bit():
