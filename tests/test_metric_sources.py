@@ -225,3 +225,13 @@ def test_causal_lms_are_told_from_other_hugging_face_heads_through_wrappers_and_
     assert not shifts_labels(transformers.BertForMaskedLM(bert))
     assert not shifts_labels(transformers.BertForTokenClassification(bert))
     assert not shifts_labels(TinyGPT())  # a model of one's own: its targets as given
+
+
+def test_accuracy_leaves_out_the_label_the_loss_ignores():
+    x, y = classification_data(n=96)
+    model = mlp()
+    result = trainer(max_steps=3, batch_size=32).fit(model, (x, y), (x, y), metrics=["accuracy"],
+                                                     loss_fn=nn.CrossEntropyLoss(ignore_index=2))
+    kept = y != 2
+    assert 0 < kept.sum() < len(y)
+    assert result.final_metrics["val_acc"] == pytest.approx(hand_accuracy(model, x[kept], y[kept]), abs=1e-6)

@@ -32,9 +32,10 @@ def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return correct / counted
 
 
-def accuracy_counts(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(correct predictions, positions counted), on the device: labels of -100 are not counted."""
-    counted = target != IGNORE_INDEX
+def accuracy_counts(output: torch.Tensor, target: torch.Tensor,
+                    ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+    """(correct predictions, positions counted), on the device: labels of `ignore_index` are not counted."""
+    counted = target != ignore_index
     correct = (output.argmax(dim=-1) == target) & counted
     return correct.sum().float(), counted.sum().float()
 

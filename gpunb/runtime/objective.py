@@ -27,8 +27,8 @@ import torch
 
 from gpunb.errors import GpunbError
 from gpunb.runtime.inputs import batch_size_of
-from gpunb.runtime.metrics import (COUNTED, StatefulMetrics, accuracy, accuracy_counts, is_stateful,
-                                   shifts_labels, stateful_name)
+from gpunb.runtime.metrics import (COUNTED, IGNORE_INDEX, StatefulMetrics, accuracy, accuracy_counts,
+                                   is_stateful, shifts_labels, stateful_name)
 
 
 class Objective:
@@ -46,6 +46,8 @@ class Objective:
         self.stateful = StatefulMetrics(stateful) if stateful else None  # torchmetrics
         self.val_names = None  # the names evaluate() gave, once it has run (see monitor.py)
         self.unscored_warned = False  # metrics= could not be computed, and a warning said why
+        # the label accuracy leaves out: the loss's own (CrossEntropyLoss(ignore_index=...)), else -100
+        self.ignore_index = getattr(loss_fn, "ignore_index", IGNORE_INDEX)
 
     def loss(self, model, batch) -> torch.Tensor:
         """The scalar training loss of `batch`."""
@@ -136,8 +138,8 @@ class Objective:
         metrics = self.metrics if self.metrics or self.stateful else _default_metrics(output, target)
         sums, device = {}, output.device if isinstance(output, torch.Tensor) else target.device
         for name, fn in metrics.items():
-            if fn is accuracy:  # correct / counted over the pass: labels of -100 left out
-                sums[f"val_{name}"], sums[f"val_{name}{COUNTED}"] = accuracy_counts(output, target)
+            if fn is accuracy:  # correct / counted over the pass: ignored labels left out
+                sums[f"val_{name}"], sums[f"val_{name}{COUNTED}"] = accuracy_counts(output, target, self.ignore_index)
             else:
                 sums[f"val_{name}"] = torch.as_tensor(fn(output, target), device=device).float() * n
         return sums
