@@ -67,6 +67,7 @@ class TrainConfig:
     clip_grad_norm: float | None = None  # clip the global gradient norm to this value
     lr_schedule: str = "none"  # "none", "one-cycle" or "cosine" (with warmup)
     warmup_steps: int = 0  # linear warmup steps for the cosine schedule
+    min_lr_ratio: float = 0.0  # the cosine schedule decays to lr * min_lr_ratio (e.g. 0.1), not below
     ema: float | None = None  # decay of an average of the weights (e.g. 0.999), used for validation; None: off
     ema_warmup: bool = True  # the average's decay grows as min(ema, (1 + n) / (10 + n)) over updates n
     # at the end, load the averaged weights into the model (else: result.ema_state_dict); restore_best
@@ -131,6 +132,7 @@ class TrainConfig:
         self.loggers = _loggers(self.loggers)
         self.keep_last = _positive_int("keep_last", self.keep_last)
         self.warmup_steps = _count("warmup_steps", self.warmup_steps)
+        self._check_min_lr_ratio()
         if self.max_steps is not None:
             self.max_steps = _positive_int("max_steps", self.max_steps)
         if self.val_every_steps is not None:
@@ -160,6 +162,16 @@ class TrainConfig:
             which = "best" if self.resume == "best" else "last"
             raise GpunbError(f"resume='{which}' needs a checkpoint_dir to look in.",
                              "pass `checkpoint_dir=...` too, or `resume=<path to a checkpoint>`.")
+
+    def _check_min_lr_ratio(self) -> None:
+        ratio = self.min_lr_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+            raise GpunbError(f"min_lr_ratio must be a fraction of the learning rate between 0 and 1, got {ratio!r}.",
+                             "pass e.g. `min_lr_ratio=0.1`: the cosine schedule then ends at a tenth of `lr`.")
+        if ratio and self.lr_schedule != "cosine":
+            raise GpunbError(f"min_lr_ratio={ratio} sets where the cosine schedule ends, and "
+                             f"lr_schedule is {self.lr_schedule!r}.",
+                             "pass `lr_schedule='cosine'` too (`--lr-schedule cosine`), or drop `min_lr_ratio`.")
 
     def _check_best(self) -> None:
         """save_top_k / monitor / mode / restore_best: what they need, before any work."""

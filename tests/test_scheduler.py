@@ -154,3 +154,61 @@ def test_ranks_build_a_factorys_scheduler_on_their_own_optimizer():
         scheduler=lambda opt, n: torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.0, total_iters=n))
     assert result.world_size == 2 and result.total_steps == 6
     assert [row["lr"] for row in result.history] == pytest.approx([1e-3 * (1 - s / 6) for s in range(1, 7)])
+
+
+# -- the cosine shorthand: warm-up, then decay to a floor ------------------------------------------
+
+def cosine_lrs(total, warmup, **ratio):
+    """The rate each optimizer step uses under lr_schedule='cosine', and the rate after the last."""
+    from gpunb.config import TrainConfig
+    from gpunb.runtime.schedule import build_schedule
+
+    optimizer = torch.optim.SGD(mlp().parameters(), lr=0.1)
+    config = TrainConfig(lr_schedule="cosine", warmup_steps=warmup, **ratio)
+    schedule = build_schedule(None, optimizer, config, total, None)
+    used = []
+    for _ in range(total):
+        used.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.after_step()
+    return used, optimizer.param_groups[0]["lr"]
+
+
+def test_cosine_warms_up_then_decays_to_min_lr_ratio_of_the_rate():
+    used, after = cosine_lrs(total=11, warmup=3, min_lr_ratio=0.1)
+    assert used[:3] == pytest.approx([0.1 / 3, 0.2 / 3, 0.1])  # linear warm-up; its last step at the full rate
+    assert used[3] == pytest.approx(0.1)  # the decay starts from the full rate
+    assert used[7] == pytest.approx(0.055)  # halfway through the decay: halfway between rate and floor
+    assert all(a > b for a, b in zip(used[3:], used[4:]))  # decreasing all the way
+    assert used[-1] > 0.01 and after == pytest.approx(0.01)  # the floor is reached, never passed
+    _, to_zero = cosine_lrs(total=11, warmup=3)
+    assert to_zero == pytest.approx(0.0, abs=1e-12)  # default: torch's CosineAnnealingLR, HF's "cosine"
+
+
+def test_a_fit_with_min_lr_ratio_ends_at_the_floor():
+    model = mlp()
+    result = fit(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), lr_schedule="cosine",
+                 warmup_steps=2, min_lr_ratio=0.2)
+    assert lrs(result)[1] == pytest.approx(0.1) and lrs(result)[-1] == pytest.approx(0.02)
+    assert min(lrs(result)) == pytest.approx(0.02)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(min_lr_ratio=1.5), "min_lr_ratio must be a fraction of the learning rate between 0 and 1, got 1.5"),
+    (dict(min_lr_ratio=0.1), "min_lr_ratio=0.1 sets where the cosine schedule ends, and lr_schedule is 'none'"),
+    (dict(min_lr_ratio=0.1, lr_schedule="one-cycle"), "lr_schedule is 'one-cycle'"),
+])
+def test_min_lr_ratio_without_the_cosine_schedule_or_out_of_range_is_refused(options, message):
+    from gpunb.config import TrainConfig
+
+    with pytest.raises(GpunbError, match=message):
+        TrainConfig(**options)
+
+
+def test_gputrain_takes_min_lr_ratio(ip):
+    cell = "model = mlp()\ntrain_data = (x, y)\nloss_fn = nn.CrossEntropyLoss()"
+    ip.run_cell_magic("gputrain", "--max-steps 6 --lr-schedule cosine --min-lr-ratio 0.1 --lr 0.1 "
+                      "--log-every 1 --no-track --quiet --out res", cell)
+    result = ip.user_ns["res"]
+    assert result.config["min_lr_ratio"] == 0.1
+    assert result.history[-1]["lr"] == pytest.approx(0.01)

@@ -30,6 +30,7 @@ class GpuMagics(Magics):
     @argument("--lr", type=float, help="learning rate of the default AdamW (or of your optimizer)")
     @argument("--lr-schedule", help="none (default), one-cycle or cosine")
     @argument("--warmup-steps", type=int, help="linear warmup steps for the cosine schedule")
+    @argument("--min-lr-ratio", type=float, help="the cosine schedule ends at lr times this (e.g. 0.1; default 0)")
     @argument("--ema", type=float, help="average the weights with this decay (e.g. 0.999); validation uses the average")
     @argument("--ema-apply", action="store_true", help="load the averaged weights into the model at the end")
     @argument("--continue", dest="continue_fit", action="store_true",
@@ -78,7 +79,8 @@ class GpuMagics(Magics):
         a tensor, a tuple of tensors, or NumPy/DLPack arrays). It may define `val_data`,
         `optimizer` (default AdamW), `scheduler` (a torch LR scheduler on `optimizer`, or
         `f(optimizer, total_steps) -> scheduler`), `loss_fn` (or a model that returns its
-        loss, or `step(model, batch) -> loss`), `metrics` and `callbacks`; `--model net`
+        loss, or `step(model, batch)` returning the loss, or `(loss, output)` for `metrics`),
+        `metrics` and `callbacks`; `--model net`
         etc. use other names. Afterwards `model` is trained in place and the TrainResult
         is in `gputrain_result` (or `--out`). `--continue` trains the same model on from
         the last %%gputrain: `--epochs 2` then means two more epochs. As a line magic
@@ -185,6 +187,7 @@ def _config(args):
         "accelerator": args.accelerator, "strategy": args.strategy, "backend": args.backend,
         "grad_accum": args.grad_accum, "clip_grad_norm": args.clip, "lr": args.lr, "lr_schedule": args.lr_schedule,
         "warmup_steps": args.warmup_steps, "ema": args.ema, "checkpoint_dir": args.checkpoint_dir,
+        "min_lr_ratio": args.min_lr_ratio,
         "checkpoint_every": args.checkpoint_every, "resume": args.resume, "seed": args.seed,
         "log_every": _int_or(args.log_every, "log_every"), "num_workers": _int_or(args.num_workers, "num_workers"),
         "name": args.name, "save_top_k": args.save_top_k, "monitor": args.monitor, "mode": args.mode,

@@ -15,6 +15,7 @@ import torch
 
 from gpunb.runtime.data import closing
 from gpunb.runtime.inputs import check_sliceable, slice_batch
+from gpunb.runtime.metrics import divide_counted
 
 
 def validation_pass(model, feed, objective, precision, reduce_sums) -> dict:
@@ -25,7 +26,7 @@ def validation_pass(model, feed, objective, precision, reduce_sums) -> dict:
     with closing(feed.epoch(0)) as batches:
         sums, count = validation_sums(model, batches, objective, precision, getattr(feed, "padding", 0))
     model.train()
-    metrics = dict(reduce_sums(sums, count))  # one sync
+    metrics = divide_counted(reduce_sums(sums, count))  # one sync
     if objective.stateful is not None:
         metrics.update(objective.stateful.compute())  # torchmetrics gather every rank's state here
     return metrics

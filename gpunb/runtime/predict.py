@@ -24,6 +24,7 @@ from gpunb.runtime.context import LocalContext
 from gpunb.runtime.data import build_feed, closing, rebuilt_loader
 from gpunb.runtime.evaluation import validation_sums
 from gpunb.runtime.inputs import adapt_data, data_length, is_mapping, map_tensors
+from gpunb.runtime.metrics import divide_counted
 from gpunb.runtime.objective import Objective, model_inputs
 from gpunb.runtime.precision import Precision, resolve_precision
 from gpunb.runtime.preflight import cast_floats, model_dtype
@@ -73,7 +74,7 @@ def evaluate(model, data, *, metrics=None, loss_fn=None, step=None, batch_size: 
     with _eval_mode(model), closing(job.feed.epoch(0)) as batches:
         sums, count = validation_sums(model, batches, objective, job.precision)
     sums, count = job.gather_sums(sums, count)
-    metrics = LocalContext().reduce_sums(sums, count)
+    metrics = divide_counted(LocalContext().reduce_sums(sums, count))
     if objective.stateful is not None:
         metrics.update(objective.stateful.compute())  # over every rank's share under a process group
     return metrics
