@@ -101,6 +101,7 @@ class _Run:
     compilation: Compilation | None = None  # which module the step calls: eager or compiled
     start_epoch: int = 0
     skip_batches: int = 0
+    continued: object = None  # the ContinueState this fit goes on from (continue_from)
     losses: StepLosses = field(default_factory=StepLosses)  # step losses since the last log
 
 
@@ -112,6 +113,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
     if continue_from is not None:
         carried = continuing.continue_state_of(continue_from, model, config, dist.world_size)
         optimizer = continuing.same_optimizer(carried, optimizer)
+        teardown.rollback = continuing.Rollback(carried, model)  # before anything moves
         config = continuing.extended(config, carried)
     ready = setup(config, dist, model, train_data, val_data, optimizer)
     device, precision, optimizer = ready.device, ready.precision, ready.optimizer
@@ -175,6 +177,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
         callbacks.run_first(schedule)
     run.compilation = Compilation(run, device, dist.world_size)  # now, or under "auto" once timing says it pays
     if carried is not None:
+        run.continued = carried
         continuing.restore(run, carried)
     if config.resume:
         resume(run, ckpt.find_checkpoint(config.resume, config.checkpoint_dir))
@@ -332,5 +335,5 @@ def _result(run: _Run, timer) -> TrainResult:
         summary=RunSummary.from_plain(state.extras["summary"]),
         compilation=run.compilation.report(),
         ema_state_dict=run.stepper.ema.state_dict(to_cpu=True) if run.stepper.ema is not None else None,
-        continue_state=continuing.capture(run))
+        continue_state=continuing.capture(run, run.continued))
 
