@@ -154,3 +154,33 @@ def test_ranks_build_a_factorys_scheduler_on_their_own_optimizer():
         scheduler=lambda opt, n: torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.0, total_iters=n))
     assert result.world_size == 2 and result.total_steps == 6
     assert [row["lr"] for row in result.history] == pytest.approx([1e-3 * (1 - s / 6) for s in range(1, 7)])
+
+
+class SidebarStopAt:
+    """Asks the run registry to stop this run at a step, as the sidebar's stop button does."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, state):
+        if state.step == self.step:
+            from gpunb.runs.registry import Registry
+
+            assert Registry().request_stop(state.extras["run_id"])
+
+
+@pytest.mark.parametrize("stopper", [SidebarStopAt, StopAt])
+def test_a_stop_mid_epoch_neither_steps_an_epoch_scheduler_nor_validates_the_partial_epoch(tmp_path, stopper):
+    spec = {"scheduler": lambda opt, n: StepLR(opt, step_size=1, gamma=0.5), "interval": "epoch"}
+    straight_model = mlp()
+    straight = fit(straight_model, spec, val=DATA, epochs=3)
+    stopped = fit(mlp(), spec, val=DATA, epochs=3, checkpoint_dir=tmp_path, track=True, callbacks=[stopper(4)])
+    assert stopped.steps == 4 and stopped.stop_reason in ("stopped from the sidebar", "test stop")
+    assert stopped.validations == [] and stopped.epochs == []  # epoch 0 did not end
+    assert lrs(stopped) == lrs(straight)[:4]
+    resumed_model = mlp(seed=7)
+    resumed = fit(resumed_model, spec, val=DATA, epochs=3, checkpoint_dir=tmp_path, resume="last")
+    assert lrs(resumed) == lrs(straight)
+    assert [row["val_loss"] for row in resumed.validations] == [row["val_loss"] for row in straight.validations]
+    for a, b in zip(straight_model.state_dict().values(), resumed_model.state_dict().values()):
+        assert torch.equal(a, b)

@@ -210,7 +210,8 @@ def _train(run: _Run) -> TrainResult:
                 # Per step, only host bookkeeping beside what a plain loop does (kept to a few
                 # attribute updates: on sub-millisecond steps each call shows).
                 with closing(run.feed.epoch(epoch, skip)) as batches:
-                    for batch, last_in_step in EpochSteps(batches, config.grad_accum, timer, state, remaining):
+                    steps = EpochSteps(batches, config.grad_accum, timer, state, remaining)
+                    for batch, last_in_step in steps:
                         state.batch_in_epoch += 1
                         state.samples_seen += batch_size_of(batch) * state.world_size
                         stepper.accumulate(batch, last_in_step)
@@ -231,8 +232,8 @@ def _train(run: _Run) -> TrainResult:
                             break
                 if run.losses:  # the epoch's last, partial interval
                     _log(run, timer)
-                if state.stop_reason == "interrupted":
-                    break
+                if state.should_stop and not steps.exhausted:
+                    break  # any stop mid-epoch (Ctrl-C, the sidebar, a callback): the epoch's end comes on resume
                 _end_epoch(run, state.history[logged_before:], timer)
                 if state.should_stop or _finished(state):
                     break
