@@ -184,3 +184,23 @@ def test_a_stop_mid_epoch_neither_steps_an_epoch_scheduler_nor_validates_the_par
     assert [row["val_loss"] for row in resumed.validations] == [row["val_loss"] for row in straight.validations]
     for a, b in zip(straight_model.state_dict().values(), resumed_model.state_dict().values()):
         assert torch.equal(a, b)
+
+
+class InterruptAt(StopAt):
+    def on_step_end(self, state):
+        if state.step == self.step:
+            state.request_stop("interrupted")  # what the loop does after a Ctrl-C
+
+
+def test_a_ctrl_c_on_an_epochs_last_step_still_ends_that_epoch_so_the_resume_is_exact(tmp_path):
+    spec = {"scheduler": lambda opt, n: StepLR(opt, step_size=1, gamma=0.5), "interval": "epoch"}
+    straight_model = mlp()
+    straight = fit(straight_model, spec, val=DATA, epochs=3)
+    stopped = fit(mlp(), spec, val=DATA, epochs=3, checkpoint_dir=tmp_path, callbacks=[InterruptAt(6)])
+    assert stopped.interrupted and [row["epoch"] for row in stopped.epochs] == [0]
+    resumed_model = mlp(seed=7)
+    resumed = fit(resumed_model, spec, val=DATA, epochs=3, checkpoint_dir=tmp_path, resume="last")
+    assert lrs(resumed) == lrs(straight)
+    assert [row["val_loss"] for row in resumed.validations] == [row["val_loss"] for row in straight.validations]
+    for a, b in zip(straight_model.state_dict().values(), resumed_model.state_dict().values()):
+        assert torch.equal(a, b)
