@@ -256,3 +256,15 @@ def test_gputrain_continue_after_a_failed_continue_goes_on_from_where_both_start
     more = ip.user_ns["gputrain_result"]
     optimizer = more.continue_state.optimizer
     assert more.steps == 12 and all(float(state["step"]) == 12 for state in optimizer.state.values())
+
+
+def test_a_users_one_cycle_continued_past_its_end_is_refused_before_training():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = fit(model, optimizer=optimizer,
+                scheduler=lambda opt, n: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=n))
+    before = weights(model)
+    with pytest.raises(GpunbError, match="OneCycleLR built for 6 steps") as error:
+        fit(model, continue_from=first, optimizer=optimizer)
+    assert "schedule of its own" in error.value.hint
+    assert all(torch.equal(value, model.state_dict()[name]) for name, value in before.items())

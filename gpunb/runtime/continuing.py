@@ -89,6 +89,7 @@ def kept_schedule(state: ContinueState, total_steps: int | None):
     """The previous schedule, going on; a built-in one is fitted to the longer run."""
     schedule = state.schedule
     if schedule is None or schedule.builtin is None:
+        _check_room(schedule, total_steps)
         return schedule
     planned = planned_steps(schedule)
     if total_steps is None or planned == total_steps:
@@ -103,6 +104,19 @@ def kept_schedule(state: ContinueState, total_steps: int | None):
                   f"{total_steps}: it now decays to zero at step {total_steps} (learning rate "
                   f"{before:.3g} -> {after:.3g} at step {state.step}).", RuntimeWarning, stacklevel=2)
     return schedule
+
+
+def _check_room(schedule, total_steps: int | None) -> None:
+    """A user's OneCycleLR (its `total_steps` fixed when built) must not be stepped past its end."""
+    length = getattr(getattr(schedule, "scheduler", None), "total_steps", None)
+    if length is None or schedule.interval != "step" or total_steps is None or total_steps <= length:
+        return
+    raise GpunbError(f"The fit to continue follows a {type(schedule.scheduler).__name__} built for {length} steps "
+                     f"(its `total_steps`, fixed when it is built); going on to step {total_steps} would step "
+                     "it past its end, and torch would raise there.",
+                     "give this fit a schedule of its own (`scheduler=lambda opt, steps: ...`, built on the "
+                     "continued optimizer, or `lr_schedule='cosine'`), or continue for at most "
+                     f"{length} steps in all.")
 
 
 def planned_steps(schedule) -> int | None:
