@@ -101,13 +101,10 @@ def optimizer_problems(optimizer: torch.optim.Optimizer, payload: dict) -> list[
     return problems[:_LISTED]
 
 
-_POSITION = ("epoch", "batch_in_epoch", "step", "samples_seen", "history", "epochs", "precision", "rng")
-
-
 def state_problems(run, payload: dict) -> list[str]:
-    """What would fail to load after the weights: the position, the RNG states, the average."""
-    problems = [f"no {key!r} entry" for key in _POSITION if key not in payload]
-    problems += rng_problems(payload.get("rng"), run.state.device)
+    """What would fail to load after the weights: the RNG states, the weight average (the entries
+    themselves are there: checkpoint.load_checkpoint checks)."""
+    problems = rng_problems(payload["rng"], run.state.device)
     ema = payload.get("ema")
     if run.stepper.ema is not None and ema is not None:
         weights = ema.get("weights") if isinstance(ema, dict) else None
@@ -147,10 +144,12 @@ def data_layout_note(run, payload: dict, path) -> str | None:
     where = (f"epoch {payload['epoch']} goes on after batch {position} of {now}" if position < now else
              f"the saved position (batch {position}) is past the end of the new epoch {payload['epoch']}, "
              "which therefore ends at once")
+    total = run.state.total_steps
+    end = f" and this run ends at step {total}" if total is not None else ""
     return (f"The checkpoint {Path(path).name} was saved with {saved} batches an epoch and the data now gives "
-            f"{now}: {where}, so epochs no longer line up with the saved run's (the step count and the "
-            "schedule go on from the checkpoint). Resume with the data it was saved with for an exact "
-            "continuation, or start a fresh run without `resume`.")
+            f"{now}: {where}, so epochs no longer line up with the saved run's (the step count goes on from "
+            f"{payload['step']}{end}). Resume with the data it was saved with for an exact continuation, or "
+            "start a fresh run without `resume`.")
 
 
 def config_problems(config, saved: dict, payload: dict, world_size: int) -> list[str]:
