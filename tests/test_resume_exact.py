@@ -173,3 +173,18 @@ def test_a_damaged_weight_average_is_refused_before_the_weights_are_touched(tmp_
     with pytest.raises(GpunbError, match="weight average: missing from the checkpoint: 0.weight"):
         fit(model, (x, y), epochs=2, ema=0.9, checkpoint_dir=tmp_path, resume="last")
     assert all(torch.equal(value, model.state_dict()[name]) for name, value in before.items())
+
+
+@pytest.mark.cuda
+def test_a_cuda_rng_state_is_checked_in_a_scratch_generator():
+    from gpunb.runtime import device as devices
+    from gpunb.runtime.resume_check import rng_problems
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    state = devices.rng_state(device)
+    assert rng_problems(state, device) == []
+    before = torch.cuda.get_rng_state(device)
+    state["cuda"] = state["cuda"][:3]
+    problems = rng_problems(state, device)
+    assert len(problems) == 1 and "the cuda RNG state cannot be set" in problems[0], problems
+    assert torch.equal(torch.cuda.get_rng_state(device), before)  # the device's own generator is untouched

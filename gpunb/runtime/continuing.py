@@ -198,6 +198,7 @@ class Rollback:
     def __call__(self, announce: bool = True) -> None:
         """Put everything back; `announce`: say so (not when set-up refused the fit before it trained)."""
         state = self.state
+        state.continued_by = None  # also when the failure came after the fit's result was made
         snapshot.restore(self.saved, self.model, state.optimizer)
         if self.schedule is not None:
             state.schedule.load_state_dict(self.schedule)
@@ -205,6 +206,7 @@ class Rollback:
             weights, state.ema.updates, state.ema.decay, state.ema.warmup = self.ema
             state.ema.load_state_dict(weights)
         if announce:
-            warnings.warn(f"The continued fit failed; the model, its optimizer, schedule and weight average "
-                          f"are back as they were at step {state.step}, where it started, so continuing the same "
-                          "result again goes on from there.", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"The continued fit failed. So that the result it went on from can be continued "
+                          f"again, the model's weights, its optimizer, schedule and weight average are back as "
+                          f"they were at step {state.step}, where this fit started (its own checkpoints keep "
+                          "what it trained after that).", RuntimeWarning, stacklevel=2)

@@ -106,7 +106,7 @@ def state_problems(run, payload: dict) -> list[str]:
     themselves are there: checkpoint.load_checkpoint checks)."""
     problems = rng_problems(payload["rng"], run.state.device)
     ema = payload.get("ema")
-    if run.stepper.ema is not None and ema is not None:
+    if run.stepper.ema is not None and ema is not None and getattr(run.dist, "strategy", None) != "fsdp":
         weights = ema.get("weights") if isinstance(ema, dict) else None
         if not isinstance(weights, dict) or not isinstance(ema.get("updates"), int):
             problems.append("the weight average ('ema') lacks its weights or update count")
@@ -237,6 +237,7 @@ def stretch_schedule(run, payload: dict) -> str | None:
 
 
 
+_PLAIN = (int, float, str, bool, list, tuple, type(None))  # settings compared; tensors and objects are not
 _PROGRESS = {"last_epoch", "base_lrs", "lr_lambdas", "best", "num_bad_epochs", "cooldown_counter", "verbose"}
 
 
@@ -263,7 +264,8 @@ def load_schedule(run, payload: dict, path) -> str | None:
     if schedule.builtin is not None:
         return stretch_schedule(run, payload)
     changed = [f"{key}={saved[key]!r} (this run built {built[key]!r})" for key in sorted(saved)
-               if key in built and key not in _PROGRESS and not key.startswith("_") and saved[key] != built[key]]
+               if key in built and key not in _PROGRESS and not key.startswith("_")
+               and isinstance(saved[key], _PLAIN) and saved[key] != built[key]]
     if not changed:
         return None
     return (f"The checkpoint's {type(schedule.scheduler).__name__} was saved with " + ", ".join(changed) +
