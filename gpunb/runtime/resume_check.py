@@ -236,7 +236,6 @@ def stretch_schedule(run, payload: dict) -> str | None:
             f"at step {payload['step']}).")
 
 
-
 _PLAIN = (int, float, str, bool, list, tuple, type(None))  # settings compared; tensors and objects are not
 _PROGRESS = {"last_epoch", "base_lrs", "lr_lambdas", "best", "num_bad_epochs", "cooldown_counter", "verbose"}
 
