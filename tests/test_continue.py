@@ -234,7 +234,8 @@ def test_a_failed_continuation_puts_everything_back_so_the_next_one_is_exact():
     model = dropout_mlp()
     first = fit(model, lr_schedule="cosine", ema=0.9)
     # two epochs stretch the kept cosine schedule; the failure comes 3 steps in
-    with pytest.warns(RuntimeWarning, match="back as they were at step 6"), pytest.raises(ValueError, match="failed at step 9"):
+    with (pytest.warns(RuntimeWarning, match="back as they were at step 6"),
+          pytest.raises(ValueError, match="failed at step 9")):
         fit(model, continue_from=first, ema=0.9, epochs=2, callbacks=[FailAt(9)])
     more = fit(model, continue_from=first, ema=0.9)
     assert [row["lr"] for row in more.history] == [row["lr"] for row in reference.history]
@@ -250,7 +251,8 @@ def test_a_failed_continuation_puts_everything_back_so_the_next_one_is_exact():
 def test_gputrain_continue_after_a_failed_continue_goes_on_from_where_both_started(ip):
     ip.run_cell_magic("gputrain", f"--epochs 1 {OPTIONS}", CELL)
     ip.user_ns["FailAt"] = FailAt
-    with pytest.warns(RuntimeWarning, match="back as they were at step 6"), pytest.raises(ValueError, match="failed at step 8"):
+    with (pytest.warns(RuntimeWarning, match="back as they were at step 6"),
+          pytest.raises(ValueError, match="failed at step 8")):
         ip.run_cell_magic("gputrain", f"--continue {OPTIONS}", "callbacks = [FailAt(8)]")
     ip.run_cell_magic("gputrain", f"--continue {OPTIONS}", "callbacks = []")
     more = ip.user_ns["gputrain_result"]
