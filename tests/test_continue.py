@@ -270,3 +270,20 @@ def test_a_users_one_cycle_continued_past_its_end_is_refused_before_training():
         fit(model, continue_from=first, optimizer=optimizer)
     assert "schedule of its own" in error.value.hint
     assert all(torch.equal(value, model.state_dict()[name]) for name, value in before.items())
+
+
+def test_a_fit_stopped_mid_epoch_continues_by_ending_that_epoch_exactly():
+    from test_checkpoint import StopAt
+
+    spec = {"scheduler": lambda opt, n: StepLR(opt, step_size=1, gamma=0.5), "interval": "epoch"}
+    straight_model = dropout_mlp()
+    straight = fit(straight_model, scheduler=spec, epochs=3, log_every=1)
+    model = dropout_mlp()
+    stopped = fit(model, scheduler=spec, epochs=3, log_every=1, callbacks=[StopAt(4)])
+    assert stopped.steps == 4 and stopped.epochs == []
+    more = fit(model, continue_from=stopped, epochs=2, log_every=1)  # the rest of epoch 0, then 2 more
+    assert [row["epoch"] for row in more.epochs] == [0, 1, 2] and more.steps == 18
+    assert [row["lr"] for row in more.history] == [row["lr"] for row in straight.history]
+    assert [row["val_loss"] for row in more.validations] == [row["val_loss"] for row in straight.validations]
+    for name, value in straight_model.state_dict().items():
+        assert torch.equal(value, model.state_dict()[name]), name

@@ -3,8 +3,10 @@
 `Trainer.fit(model, data, continue_from=previous_result)` keeps the previous fit's
 optimizer (the default AdamW too, with its moments), its schedule, its weight average,
 the loss scaler, the random number generators, the step count and the history: steps
-and epochs are numbered on, and `epochs` / `max_steps` count what this fit adds. It needs no checkpoint: the objects
-stay in memory, in `result.continue_state` (set it to None to free the optimizer state).
+and epochs are numbered on, and `epochs` / `max_steps` count what this fit adds (after a
+stop mid-epoch, the rest of that epoch comes first, with its validation and epoch-end
+schedule step). It needs no checkpoint: the objects stay in memory, in
+`result.continue_state` (set it to None to free the optimizer state).
 One process only; across processes, resume from a checkpoint instead.
 
 A result is continued once: the continuation moves its objects on, so the result it went
@@ -37,6 +39,7 @@ class ContinueState:
     step: int
     next_epoch: int  # the epoch after the last one trained (a partial one counts)
     samples_seen: int
+    unfinished: int = 0  # a stop mid-epoch: batches of epoch next_epoch - 1 used; the next fit ends that epoch
     history: list = field(default_factory=list)
     epochs: list = field(default_factory=list)
     validations: list = field(default_factory=list)
@@ -153,11 +156,12 @@ def extended(config, state: ContinueState):
 def restore(run, state: ContinueState) -> None:
     """Put the run's counters and history where the previous fit left them."""
     fit = run.state
-    fit.step, fit.samples_seen, fit.epoch = state.step, state.samples_seen, state.next_epoch
+    run.start_epoch = state.next_epoch - 1 if state.unfinished else state.next_epoch
+    run.skip_batches = state.unfinished  # the stopped epoch's batches already used
+    fit.step, fit.samples_seen, fit.epoch = state.step, state.samples_seen, run.start_epoch
     fit.history[:] = state.history
     fit.epochs[:] = state.epochs
     fit.validations[:] = state.validations
-    run.start_epoch = state.next_epoch
     run.precision.load_state_dict(state.precision)
     if state.rng is not None:
         devices.set_rng_state(state.rng, fit.device)
@@ -173,8 +177,10 @@ def capture(run, carried: ContinueState | None = None) -> ContinueState | None:
         carried.continued_by = (f"the fit of {fit.run_name!r} that went on from step {carried.step} "
                                 f"to step {fit.step}")
     next_epoch = fit.epoch + 1 if fit.step > 0 else fit.epoch  # a partly trained epoch is not repeated
+    ended = bool(fit.epochs) and fit.epochs[-1]["epoch"] == fit.epoch
+    unfinished = fit.batch_in_epoch if fit.step > 0 and not ended else 0  # stopped mid-epoch: ended on continue
     return ContinueState(weakref.ref(run.model), run.stepper.optimizer, run.stepper.schedule, run.stepper.ema,
-                         run.precision.state_dict(), fit.step, next_epoch, fit.samples_seen,
+                         run.precision.state_dict(), fit.step, next_epoch, fit.samples_seen, unfinished,
                          list(fit.history), list(fit.epochs), list(fit.validations),
                          devices.rng_state(fit.device))
 
