@@ -212,3 +212,112 @@ def test_gputrain_takes_min_lr_ratio(ip):
     result = ip.user_ns["res"]
     assert result.config["min_lr_ratio"] == 0.1
     assert result.history[-1]["lr"] == pytest.approx(0.01)
+
+
+class SidebarStopAt:
+    """Asks the run registry to stop this run at a step, as the sidebar's stop button does."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, state):
+        if state.step == self.step:
+            from gpunb.runs.registry import Registry
+
+            assert Registry().request_stop(state.extras["run_id"])
+
+
+@pytest.mark.parametrize("stopper", [SidebarStopAt, StopAt])
+def test_a_stop_mid_epoch_neither_steps_an_epoch_scheduler_nor_validates_the_partial_epoch(tmp_path, stopper):
+    spec = {"scheduler": lambda opt, n: StepLR(opt, step_size=1, gamma=0.5), "interval": "epoch"}
+    straight_model = mlp()
+    straight = fit(straight_model, spec, val=DATA, epochs=3)
+    stopped = fit(mlp(), spec, val=DATA, epochs=3, checkpoint_dir=tmp_path, track=True, callbacks=[stopper(4)])
+    assert stopped.steps == 4 and stopped.stop_reason in ("stopped from the sidebar", "test stop")
+    assert stopped.validations == [] and stopped.epochs == []  # epoch 0 did not end
+    assert lrs(stopped) == lrs(straight)[:4]
+    resumed_model = mlp(seed=7)
+    resumed = fit(resumed_model, spec, val=DATA, epochs=3, checkpoint_dir=tmp_path, resume="last")
+    assert lrs(resumed) == lrs(straight)
+    assert [row["val_loss"] for row in resumed.validations] == [row["val_loss"] for row in straight.validations]
+    for a, b in zip(straight_model.state_dict().values(), resumed_model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+class InterruptAt(StopAt):
+    def on_step_end(self, state):
+        if state.step == self.step:
+            state.request_stop("interrupted")  # what the loop does after a Ctrl-C
+
+
+def test_a_ctrl_c_on_an_epochs_last_step_still_ends_that_epoch_so_the_resume_is_exact(tmp_path):
+    spec = {"scheduler": lambda opt, n: StepLR(opt, step_size=1, gamma=0.5), "interval": "epoch"}
+    straight_model = mlp()
+    straight = fit(straight_model, spec, val=DATA, epochs=3)
+    stopped = fit(mlp(), spec, val=DATA, epochs=3, checkpoint_dir=tmp_path, callbacks=[InterruptAt(6)])
+    assert stopped.interrupted and [row["epoch"] for row in stopped.epochs] == [0]
+    resumed_model = mlp(seed=7)
+    resumed = fit(resumed_model, spec, val=DATA, epochs=3, checkpoint_dir=tmp_path, resume="last")
+    assert lrs(resumed) == lrs(straight)
+    assert [row["val_loss"] for row in resumed.validations] == [row["val_loss"] for row in straight.validations]
+    for a, b in zip(straight_model.state_dict().values(), resumed_model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def one_cycle(optimizer, total_steps):
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total_steps)
+
+
+def test_a_one_cycle_factory_resumed_for_more_epochs_is_refused_before_anything_loads(tmp_path):
+    fit(mlp(), one_cycle, epochs=2, checkpoint_dir=tmp_path)
+    model = mlp(seed=7)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(GpunbError, match="OneCycleLR built for 12 steps .* this run has 24") as error:
+        fit(model, one_cycle, epochs=4, checkpoint_dir=tmp_path, resume="last")
+    assert "with the `epochs`/`max_steps` it was saved with" in error.value.hint
+    assert all(torch.equal(value, model.state_dict()[name]) for name, value in before.items())
+
+
+@pytest.mark.parametrize("old_file", [False, True])
+def test_a_scheduler_state_of_another_class_is_refused(tmp_path, old_file):
+    fit(mlp(), lambda opt, n: StepLR(opt, step_size=3), checkpoint_dir=tmp_path)
+    if old_file:  # written before checkpoints named the scheduler's class
+        from gpunb.runtime.checkpoint import find_checkpoint
+
+        path = find_checkpoint("last", tmp_path)
+        payload = torch.load(path, weights_only=True)
+        del payload["scheduler_type"]
+        torch.save(payload, path)
+    exponential = lambda opt, n: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)  # noqa: E731
+    with pytest.raises(GpunbError, match="holds the state of (StepLR|another scheduler class), and this run's "
+                                         "scheduler is ExponentialLR"):
+        fit(mlp(), exponential, epochs=3, checkpoint_dir=tmp_path, resume="last")
+
+
+def linear_decay(optimizer, total_steps):
+    return torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.01, total_iters=total_steps)
+
+
+def test_a_schedule_the_checkpoint_lacks_is_moved_on_to_the_saved_step(tmp_path):
+    straight_model = mlp()
+    straight = fit(straight_model, linear_decay, torch.optim.SGD(straight_model.parameters(), lr=0.1), epochs=4)
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    fit(model, None, optimizer, epochs=4, checkpoint_dir=tmp_path, callbacks=[StopAt(5)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning, match="saved without a learning-rate schedule.*moved on to step 5"):
+        resumed = fit(model, linear_decay, optimizer, epochs=4, checkpoint_dir=tmp_path, resume="last")
+    assert lrs(resumed)[:5] == [0.1] * 5  # trained at a constant rate
+    assert lrs(resumed)[5:] == pytest.approx(lrs(straight)[5:])  # then the schedule, ending where planned
+
+
+def test_a_saved_schedule_this_run_lacks_is_named(tmp_path):
+    fit(mlp(), lambda opt, n: StepLR(opt, step_size=4, gamma=0.5), checkpoint_dir=tmp_path)
+    with pytest.warns(RuntimeWarning, match=r"holds a learning-rate schedule \(StepLR\) and this run has none"):
+        fit(mlp(), None, epochs=3, checkpoint_dir=tmp_path, resume="last")
+
+
+def test_a_factory_that_builds_other_settings_is_told_the_saved_ones_go_on(tmp_path):
+    fit(mlp(), factory, epochs=2, checkpoint_dir=tmp_path)
+    with pytest.warns(RuntimeWarning, match=r"CosineAnnealingLR was saved with T_max=12 \(this run built 24\)"):
+        fit(mlp(), factory, epochs=4, checkpoint_dir=tmp_path, resume="last")

@@ -102,6 +102,7 @@ class _Run:
     compilation: Compilation | None = None  # which module the step calls: eager or compiled
     start_epoch: int = 0
     skip_batches: int = 0
+    continued: object = None  # the ContinueState this fit goes on from (continue_from)
     losses: StepLosses = field(default_factory=StepLosses)  # step losses since the last log
     eta: EtaClock = field(default_factory=EtaClock)
     samples_at_log: int = 0  # state.samples_seen at the last log: the interval's samples/s counts from it
@@ -115,6 +116,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
     if continue_from is not None:
         carried = continuing.continue_state_of(continue_from, model, config, dist.world_size)
         optimizer = continuing.same_optimizer(carried, optimizer)
+        teardown.rollback = continuing.Rollback(carried, model)  # before anything moves
         config = continuing.extended(config, carried)
     ready = setup(config, dist, model, train_data, val_data, optimizer)
     device, precision, optimizer = ready.device, ready.precision, ready.optimizer
@@ -180,6 +182,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
         callbacks.run_first(schedule)
     run.compilation = Compilation(run, device, dist.world_size)  # now, or under "auto" once timing says it pays
     if carried is not None:
+        run.continued = carried
         continuing.restore(run, carried)
     if config.resume:
         resume(run, ckpt.find_checkpoint(config.resume, config.checkpoint_dir))
@@ -214,7 +217,8 @@ def _train(run: _Run) -> TrainResult:
                 # Per step, only host bookkeeping beside what a plain loop does (kept to a few
                 # attribute updates: on sub-millisecond steps each call shows).
                 with closing(run.feed.epoch(epoch, skip)) as batches:
-                    for batch, last_in_step in EpochSteps(batches, config.grad_accum, timer, state, remaining):
+                    steps = EpochSteps(batches, config.grad_accum, timer, state, remaining)
+                    for batch, last_in_step in steps:
                         state.batch_in_epoch += 1
                         state.samples_seen += samples_in(batch) * state.world_size
                         stepper.accumulate(batch, last_in_step)
@@ -235,8 +239,8 @@ def _train(run: _Run) -> TrainResult:
                             break
                 if run.losses:  # the epoch's last, partial interval
                     _log(run, timer)
-                if state.stop_reason == "interrupted":
-                    break
+                if state.should_stop and not steps.exhausted:
+                    break  # any stop mid-epoch (Ctrl-C, the sidebar, a callback): the epoch's end comes on resume
                 _end_epoch(run, state.history[logged_before:], timer)
                 if state.should_stop or _finished(state):
                     break
@@ -341,5 +345,5 @@ def _result(run: _Run, timer) -> TrainResult:
         summary=RunSummary.from_plain(state.extras["summary"]),
         compilation=run.compilation.report(),
         ema_state_dict=run.stepper.ema.state_dict(to_cpu=True) if run.stepper.ema is not None else None,
-        continue_state=continuing.capture(run))
+        continue_state=continuing.capture(run, run.continued))
 

@@ -118,6 +118,7 @@ class Checkpointer:
             "optimizer": optimizer_state,
             "optimizer_type": type(stepper.optimizer).__name__,
             "scheduler": stepper.schedule.state_dict() if stepper.schedule else None,
+            "scheduler_type": type(stepper.schedule.scheduler).__name__ if stepper.schedule else None,
             "ema": ({"weights": stepper.ema.state_dict(), "updates": stepper.ema.updates}
                     if stepper.ema is not None else None),
             "total_steps": state.total_steps,
@@ -126,6 +127,7 @@ class Checkpointer:
             # Where to continue: the next epoch, or this one after the batches already used.
             "epoch": state.epoch + 1 if epoch_complete else state.epoch,
             "batch_in_epoch": 0 if epoch_complete else state.batch_in_epoch,
+            "batches_per_epoch": self.batches_per_epoch,  # a resume with other data is told its epochs differ
             "step": state.step, "samples_seen": state.samples_seen, "splits": stepper.splits,
             "history": state.history, "epochs": state.epochs, "validations": state.validations,
             "best": best,
@@ -198,11 +200,9 @@ def resume(run, path) -> None:
     except (ValueError, KeyError) as error:
         raise GpunbError(f"The optimizer state in {path!s} does not fit this optimizer: {error}",
                          "resume with the same optimizer type and parameter groups.") from error
-    if stepper.schedule is not None and payload["scheduler"] is not None:
-        stepper.schedule.load_state_dict(payload["scheduler"])
-        stretched = resume_check.stretch_schedule(run, payload)
-        if stretched and state.rank == 0:
-            warnings.warn(stretched, RuntimeWarning, stacklevel=2)
+    for note in (resume_check.load_schedule(run, payload, path), resume_check.data_layout_note(run, payload, path)):
+        if note and state.rank == 0:
+            warnings.warn(note, RuntimeWarning, stacklevel=2)
     _load_ema(stepper.ema, payload.get("ema"))
     run.precision.load_state_dict(payload["precision"])
     devices.set_rng_state(payload["rng"], state.device)
