@@ -252,3 +252,27 @@ def test_sigkill_during_best_checkpoint_writes_leaves_an_index_that_finds_the_tr
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a kill between a file and its index: rebuilt, with a warning
             assert find_checkpoint("best", run.parent) == newest, (attempt, newest.name, listed)
+
+
+@pytest.mark.parametrize("elsewhere", [False, True])  # the old run under the same checkpoint_dir, or another
+def test_a_run_resumed_into_a_new_directory_ranks_the_old_runs_best_files_without_removing_them(tmp_path,
+                                                                                                 elsewhere):
+    old = tmp_path / ("other" if elsewhere else "checkpoints") / "run-old"
+    new = tmp_path / "checkpoints" / "run-new"
+    first = BestCheckpoints(Monitor("val_loss"), 2)
+    for step, value in [(1, 0.5), (2, 0.4)]:
+        kept = first.with_entry(step, value)
+        first.write(old, kept, step, {"best": {**first.state_dict(), "kept": kept}, "step": step})
+
+    resumed = BestCheckpoints(Monitor("val_loss"), 2)
+    resumed.load_state_dict(first.state_dict())
+    resumed.kept_in(old, new.parent)
+    kept = resumed.with_entry(3, 0.45)  # pushes the old step 1 out of the list
+    resumed.write(new, kept, 3, {"best": {**resumed.state_dict(), "kept": kept}, "step": 3})
+
+    assert sorted(p.name for p in old.iterdir() if p.suffix == ".pt") == ["best-step-000000001.pt",
+                                                                          "best-step-000000002.pt"]
+    assert find_checkpoint("best", new.parent) == old / "best-step-000000002.pt"
+    (old / "best-step-000000002.pt").unlink()
+    with pytest.warns(RuntimeWarning, match="no longer on disk"):
+        assert find_checkpoint("best", new.parent) == new / "best-step-000000003.pt"

@@ -230,3 +230,28 @@ def test_resume_last_refuses_a_live_runs_directory_and_adopts_it_once_that_run_i
                   callbacks=[StopAfter(3)])
     assert Path(resumed.checkpoint_path).parent == live_dir
     assert "note" not in resumed.resumed_from
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_does_not_keep_a_released_run_directory_locked(tmp_path):
+    from gpunb.runtime.run_lock import RunLock
+
+    lock = RunLock.acquire(tmp_path, {"run_name": "mine"})
+    assert RunLock.acquire(tmp_path, {}) is None  # held (even against this process)
+    started, running = os.pipe()
+    child = os.fork()  # as a DataLoader worker is forked while the run trains
+    if child == 0:
+        import time
+
+        os.write(running, b"x")  # (the fork hooks have run by now)
+        time.sleep(30)
+        os._exit(0)
+    os.read(started, 1)
+    try:
+        lock.release()
+        again = RunLock.acquire(tmp_path, {})
+        assert again is not None  # free although the child (with the inherited file) still lives
+        again.release()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)

@@ -4,8 +4,8 @@ They sit beside the last-N ones in the run's directory, as `best-step-<step>.pt`
 same exact-resume format. Pruning the best ones only ever removes `best-*` files, and
 pruning the last-N ones only `step-*` files, so neither deletes a file the other keeps.
 `best.json` in the directory lists the kept ones, best first, for `resume="best"`; a run
-resumed into a new directory lists the best ones of the run it came from with that run's
-id (`run`), and never removes them. Each best file holds its own value, so an index that
+resumed into a new directory lists the best ones of the run it came from with the
+directory that holds them (`dir`, relative to checkpoint_dir), and never removes them. Each best file holds its own value, so an index that
 disagrees with the files (a kill between two writes, a file deleted by hand, a truncated
 index) is rebuilt from them, with a warning.
 """
@@ -13,6 +13,7 @@ index) is rebuilt from them, with a warning.
 from __future__ import annotations
 
 import json
+import os
 import re
 import warnings
 from pathlib import Path
@@ -36,7 +37,7 @@ class BestCheckpoints:
 
     def __init__(self, monitor: Monitor, k: int):
         self.monitor, self.k = monitor, k
-        self.kept: list[dict] = []  # {"step", "value", "file"[, "run": in another run's directory]}, best first
+        self.kept: list[dict] = []  # {"step", "value", "file"[, "dir": another run's directory]}, best first
 
     def wants(self, value) -> bool:
         """Whether a checkpoint with this value enters the top k (ties keep the older one)."""
@@ -47,13 +48,13 @@ class BestCheckpoints:
     def with_entry(self, step: int, value: float) -> list[dict]:
         """The list as it is once a checkpoint at `step` with `value` is kept."""
         entry = {"step": step, "value": float(value), "file": best_name(step)}
-        ranked = [e for e in self.kept if e["step"] != step or e.get("run")] + [entry]
+        ranked = [e for e in self.kept if e["step"] != step or e.get("dir")] + [entry]
         ranked.sort(key=lambda e: e["value"], reverse=self.monitor.mode == "max")  # stable: older first
         return ranked[:self.k]
 
     def write(self, directory: Path, kept: list[dict], step: int, payload: dict) -> Path:
         """Rank 0: write the checkpoint of `step` (one of `kept`), then the index, then drop the rest."""
-        name = next(e["file"] for e in kept if e["step"] == step and not e.get("run"))
+        name = next(e["file"] for e in kept if e["step"] == step and not e.get("dir"))
         path = ckpt.write_atomic(directory, name, {"format": ckpt.FORMAT, "version": ckpt.VERSION, **payload})
         self.commit(kept, directory)
         return path
@@ -66,14 +67,19 @@ class BestCheckpoints:
             return
         index = {"monitor": self.monitor.name, "mode": self.monitor.mode, "k": self.k, "kept": kept}
         ckpt.write_atomic(directory, INDEX, json.dumps(index, indent=1).encode())
-        names = {e["file"] for e in kept if not e.get("run")}
+        names = {e["file"] for e in kept if not e.get("dir")}
         for path in directory.iterdir():
             if _NAME.match(path.name) and path.name not in names:
                 path.unlink(missing_ok=True)
 
-    def kept_in(self, run_id: str | None) -> None:
-        """After a resume into a new directory: the kept files stay in run `run_id`'s directory."""
-        self.kept = [e if e.get("run") else {**e, "run": run_id} for e in self.kept]
+    def kept_in(self, source: Path, checkpoint_dir) -> None:
+        """After a resume from `source` into a new directory of `checkpoint_dir`: the kept files
+        stay where they are."""
+        try:
+            where = os.path.relpath(source, checkpoint_dir)
+        except ValueError:  # another drive (Windows)
+            where = str(Path(source).resolve())
+        self.kept = [e if e.get("dir") else {**e, "dir": where} for e in self.kept]
 
     @property
     def best(self) -> dict | None:
@@ -90,8 +96,8 @@ class BestCheckpoints:
 
 def entry_path(directory: Path, entry: dict) -> Path:
     """Where a kept best checkpoint of the run in `directory` lies."""
-    if entry.get("run"):
-        return ckpt.run_directory(directory.parent, entry["run"]) / entry["file"]
+    if entry.get("dir"):
+        return Path(os.path.normpath(directory.parent / entry["dir"] / entry["file"]))
     return directory / entry["file"]
 
 
@@ -128,7 +134,7 @@ def _disagreement(run: Path, listed: list[dict], rebuilt: list[dict]) -> str:
     missing = [e["file"] for e in listed if not entry_path(run, e).is_file()]
     if missing:
         return f"names {', '.join(missing)}, no longer on disk"
-    left_out = [e["file"] for e in rebuilt if (e.get("run"), e["step"]) not in _ids(listed)]
+    left_out = [e["file"] for e in rebuilt if (e.get("dir"), e["step"]) not in _ids(listed)]
     if left_out:
         return f"leaves out {', '.join(left_out)}"
     return "ranks the files in another order than their values"
@@ -161,12 +167,12 @@ def _rank_files(run: Path, index: dict | None) -> tuple[list[dict], str | None]:
         if (saved["monitor"], saved["mode"]) != (ranking["monitor"], ranking["mode"]):
             continue  # ranked by another metric
         for entry in saved["kept"]:
-            own = not entry.get("run") and entry["file"] == path.name
-            if own or entry.get("run"):
-                found.setdefault((entry.get("run"), entry["step"]), entry)
+            own = not entry.get("dir") and entry["file"] == path.name
+            if own or entry.get("dir"):
+                found.setdefault((entry.get("dir"), entry["step"]), entry)
     for entry in (index or {}).get("kept", []):
-        if entry.get("run"):
-            found.setdefault((entry["run"], entry["step"]), entry)
+        if entry.get("dir"):
+            found.setdefault((entry["dir"], entry["step"]), entry)
     if ranking is None:
         return [], None
     entries = [e for e in found.values() if entry_path(run, e).is_file()]
@@ -196,4 +202,4 @@ def _last_change(run: Path) -> int:
 
 
 def _ids(entries: list[dict]) -> list:
-    return [(e.get("run"), e["step"]) for e in entries]
+    return [(e.get("dir"), e["step"]) for e in entries]

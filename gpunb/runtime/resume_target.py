@@ -72,8 +72,8 @@ def _why_new(source: Path, directory: Path, step: int, later: list[Path], live: 
         who = describe(live)
         return f"{who[0].upper()}{who[1:]}, still trains in {source.name}: {new}."
     if later:
-        return (f"{source.name} holds {len(later)} checkpoint(s) saved after step {step} (up to {later[-1].name}); they "
-                f"are kept, and {new}, which records where it came from.")
+        return (f"{source.name} holds {len(later)} checkpoint(s) saved after step {step} (up to "
+                f"{later[-1].name}); they are kept, and {new}, which records where it came from.")
     return f"The checkpoint is not in a run directory of `checkpoint_dir`: {new}."
 
 

@@ -5,7 +5,8 @@ file for as long as it trains; the operating system drops the lock when the proc
 ends, however it ends (a SIGKILL or a dead kernel included), so a held lock always
 means a live writer. The file also says who holds it, so a refusal can name the run.
 POSIX systems use flock (which Linux maps to fcntl locks on NFS); Windows locks the
-file's first byte.
+file's first byte. A forked child (a DataLoader worker) closes its copy of the file at once,
+so that the lock goes when the run releases it, not when the last worker exits.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import socket
 import time
+import weakref
 from pathlib import Path
 
 try:
@@ -23,6 +25,8 @@ except ImportError:  # Windows
     import msvcrt
 
 LOCK_FILE = ".lock"
+_HELD: weakref.WeakSet = weakref.WeakSet()  # this process's locks, closed in forked children
+_FORK_HOOK = False  # registered at the first lock, not at import
 
 
 class RunLock:
@@ -46,16 +50,18 @@ class RunLock:
         handle.write(json.dumps({**owner, "pid": os.getpid(), "host": socket.gethostname(),
                                  "locked_at": time.strftime("%Y-%m-%d %H:%M:%S")}))
         handle.flush()
-        return cls(directory, handle)
+        lock = cls(directory, handle)
+        _close_in_forked_children(lock)
+        return lock
 
     def release(self) -> None:
-        if self._handle is not None and not self._handle.closed:
-            self._handle.close()  # closing the file drops the lock
+        if self._handle is None:
+            return
+        if fcntl is None:  # Windows asks for the region to be unlocked before the file closes
+            self._handle.seek(0)
+            msvcrt.locking(self._handle.fileno(), msvcrt.LK_UNLCK, 1)
+        self._handle.close()  # closing the file drops a flock
         self._handle = None
-
-    @property
-    def held(self) -> bool:
-        return self._handle is not None and not self._handle.closed
 
 
 def owner_of(directory: str | os.PathLike) -> dict:
@@ -74,6 +80,23 @@ def describe(owner: dict) -> str:
     if owner.get("locked_at"):
         parts.append(f"writing there since {owner['locked_at']}")
     return ", ".join(parts)
+
+
+def _close_in_forked_children(lock: RunLock) -> None:
+    global _FORK_HOOK
+    if not _FORK_HOOK and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_drop_inherited)
+        _FORK_HOOK = True
+    _HELD.add(lock)
+
+
+def _drop_inherited() -> None:
+    """In a forked child: close the inherited files without unlocking (the parent still holds them)."""
+    for lock in list(_HELD):
+        if lock._handle is not None:
+            lock._handle.close()
+            lock._handle = None
+    _HELD.clear()
 
 
 def _try_lock(handle) -> bool:

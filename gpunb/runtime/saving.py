@@ -259,7 +259,7 @@ def _adopt_run(run, payload: dict, path: Path) -> None:
         if run.checkpointer.lock is not None:
             ckpt.remove_leftovers(path.parent)  # a killed save's temp files, now that the directory is ours
         elif run.best is not None:
-            run.best.kept_in(run_id)  # the best checkpoints so far stay where they are
+            run.best.kept_in(path.parent, run.config.checkpoint_dir)  # the best ones so far stay there
     # Deterministic text (tutorials show it): the time and run id are in result.resumed_from.
     print(f"Resuming run {payload.get('run_name')!r} at step {payload['step']} (epoch {payload['epoch']}) "
           f"from {path.name} (result.resumed_from says which run and when it was saved).", flush=True)
