@@ -5,9 +5,10 @@ same exact-resume format. Pruning the best ones only ever removes `best-*` files
 pruning the last-N ones only `step-*` files, so neither deletes a file the other keeps.
 `best.json` in the directory lists the kept ones, best first, for `resume="best"`; a run
 resumed into a new directory lists the best ones of the run it came from with the
-directory that holds them (`dir`, relative to checkpoint_dir), and never removes them. Each best file holds its own value, so an index that
-disagrees with the files (a kill between two writes, a file deleted by hand, a truncated
-index) is rebuilt from them, with a warning.
+directory that holds them (`dir`, relative to checkpoint_dir), and never removes them.
+Each best file holds its own value, so an index that disagrees with the files (a kill
+between two writes, a file deleted by hand, a truncated index) is rebuilt from them, with
+a warning.
 """
 
 from __future__ import annotations
@@ -73,13 +74,16 @@ class BestCheckpoints:
                 path.unlink(missing_ok=True)
 
     def kept_in(self, source: Path, checkpoint_dir) -> None:
-        """After a resume from `source` into a new directory of `checkpoint_dir`: the kept files
-        stay where they are."""
-        try:
-            where = os.path.relpath(source, checkpoint_dir)
-        except ValueError:  # another drive (Windows)
-            where = str(Path(source).resolve())
-        self.kept = [e if e.get("dir") else {**e, "dir": where} for e in self.kept]
+        """After a resume from the run directory `source` into a new directory of `checkpoint_dir`:
+        the kept files stay where they are, and the entries say where from there."""
+        def where(entry: dict) -> str:
+            directory = entry_path(source, entry).parent
+            try:
+                return os.path.relpath(directory, checkpoint_dir)
+            except ValueError:  # another drive (Windows)
+                return str(directory.resolve())
+
+        self.kept = [{**e, "dir": where(e)} for e in self.kept]
 
     @property
     def best(self) -> dict | None:
