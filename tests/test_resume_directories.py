@@ -88,6 +88,15 @@ def test_resuming_the_newest_checkpoint_goes_on_in_the_same_directory(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000000026.pt", "step-000000039.pt"]
 
 
+def test_resuming_into_another_checkpoint_dir_writes_there_and_leaves_the_source_alone(tmp_path):
+    first = fit(tmp_path / "a", epochs=1)
+    before = files(Path(first.checkpoint_path).parent)
+    resumed = fit(tmp_path / "b", mlp(seed=3), epochs=2, resume=first.checkpoint_path)
+    assert Path(resumed.checkpoint_path).parent.parent == tmp_path / "b"
+    assert "is not a run directory of checkpoint_dir=" in resumed.resumed_from["note"]
+    assert files(Path(first.checkpoint_path).parent) == before
+
+
 # --- a NaN after a resume -------------------------------------------------------------------
 
 class NanFrom:

@@ -46,7 +46,7 @@ def claim(config, state, path: Path, payload: dict) -> tuple[RunLock | None, dic
     directory = ckpt.run_directory(config.checkpoint_dir, state.checkpoint_run)
     origin = {"run": payload.get("run_id") or ckpt.run_id_of(source), "path": str(path), "step": payload["step"]}
     return None, {"directory": str(directory), "origin": origin,
-                  "note": _why_new(source, directory, payload["step"], later, live)}
+                  "note": _why_new(config, source, directory, payload["step"], later, live)}
 
 
 def _try_lock(directory: Path, run_name: str | None) -> tuple[RunLock | None, dict | None]:
@@ -66,7 +66,7 @@ def _own_run_directory(config, directory: Path) -> bool:
     return inside.exists() and inside.resolve() == directory.resolve()
 
 
-def _why_new(source: Path, directory: Path, step: int, later: list[Path], live: dict | None) -> str:
+def _why_new(config, source: Path, directory: Path, step: int, later: list[Path], live: dict | None) -> str:
     new = f"this run writes its checkpoints into a new directory, {directory.name}"
     if live is not None:
         who = describe(live)
@@ -74,7 +74,9 @@ def _why_new(source: Path, directory: Path, step: int, later: list[Path], live: 
     if later:
         return (f"{source.name} holds {len(later)} checkpoint(s) saved after step {step} (up to "
                 f"{later[-1].name}); they are kept, and {new}, which records where it came from.")
-    return f"The checkpoint is not in a run directory of `checkpoint_dir`: {new}."
+    if not _own_run_directory(config, source):
+        return f"{source} is not a run directory of checkpoint_dir={str(config.checkpoint_dir)!r}: {new}."
+    return f"{source.name} cannot be written: {new}."
 
 
 def _live_run_error(resume, path: Path, live: dict) -> GpunbError:
