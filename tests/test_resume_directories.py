@@ -167,14 +167,14 @@ LIVE_RUN = textwrap.dedent("""
     class Slow:
         def on_checkpoint(self, state, path):
             if state.step == 2:
-                print(path, flush=True)
+                print("checkpoint:", path, flush=True)
 
         def on_step_end(self, state):
             time.sleep(0.05)
 
     x, y = classification_data(n=200)
     Trainer(batch_size=16, track=False, max_steps=2400, checkpoint_dir=sys.argv[1], checkpoint_every=1,
-            keep_last=2, name="notebook-B").fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[Slow()])
+            keep_last=2400, name="notebook-B").fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[Slow()])
 """)
 
 
@@ -185,15 +185,22 @@ def start_live_run(directory):
                                                        os.environ.get("PYTHONPATH", "")])}
     child = subprocess.Popen([sys.executable, "-c", LIVE_RUN, str(directory)], stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, text=True, env=env)
-    line = []
-    reader = threading.Thread(target=lambda: line.append(child.stdout.readline()), daemon=True)
+    found = []
+
+    def read():
+        for line in child.stdout:  # ends when the child does
+            if line.startswith("checkpoint: "):
+                found.append(Path(line[len("checkpoint: "):].strip()))
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     reader.join(timeout=90)
-    if not line or not line[0].strip():
+    if not found:
         child.kill()
         child.wait()
         pytest.fail("the live run did not write a checkpoint within 90 s")
-    return child, Path(line[0].strip())
+    return child, found[0]
 
 
 class StopAfter:
