@@ -99,6 +99,7 @@ class _Run:
     stepper: Stepper
     batch_size: int
     best: BestCheckpoints | None = None  # save_top_k: the best checkpoints kept so far
+    checkpointer: Checkpointer | None = None  # with checkpoint_dir: saves, and holds the run directory
     compilation: Compilation | None = None  # which module the step calls: eager or compiled
     start_epoch: int = 0
     skip_batches: int = 0
@@ -174,10 +175,11 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
                ready.precision_reason, feed, val_feed, stepper, batch_size,
                best=BestCheckpoints(monitor, config.save_top_k) if monitor is not None else None)
     if config.checkpoint_dir:  # first: saved before others hear of the step
-        callbacks.run_first(Checkpointer(config, dist=dist, model=model, stepper=stepper,
-                                         precision=precision, losses=run.losses,
-                                         batches_per_epoch=feed.num_batches, events=callbacks,
-                                         rank=dist.rank, best=run.best))
+        run.checkpointer = Checkpointer(config, dist=dist, model=model, stepper=stepper,
+                                        precision=precision, losses=run.losses,
+                                        batches_per_epoch=feed.num_batches, events=callbacks,
+                                        rank=dist.rank, best=run.best)
+        callbacks.run_first(run.checkpointer)
     if schedule is not None:  # steps at epoch ends before the checkpoint of that epoch is written
         callbacks.run_first(schedule)
     run.compilation = Compilation(run, device, dist.world_size)  # now, or under "auto" once timing says it pays
