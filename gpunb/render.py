@@ -73,6 +73,14 @@ def best_text(r) -> str:
     return f"{r.best_monitor}={fmt(r.best_value)} at step {r.best_step} ({restored})"
 
 
+def _samples_text(r) -> str:
+    """`7,190 samples`; a resumed or continued fit: `1,438 samples in this fit of 7,190`."""
+    before = getattr(r, "start_samples", 0)
+    if not before:
+        return f"{r.samples:,} samples"
+    return f"{r.samples - before:,} samples in this fit of {r.samples:,}"
+
+
 def summary_rows(r) -> list[tuple[str, str]]:
     """(name, text) pairs describing a TrainResult: the HTML summary and `gpunb demo` print these."""
     reason = f" ({r.stop_reason})" if r.stop_reason not in (None, r.status) else ""
@@ -82,7 +90,7 @@ def summary_rows(r) -> list[tuple[str, str]]:
                       f"device(s) (micro-batch {r.micro_batch_size})"),
             *([("batch size", r.batch_size_reason)] if r.batch_size_reason else []),
             ("progress", progress_text(r)),
-            ("wall time", f"{r.wall_time_s:.1f} s ({r.samples:,} samples, {r.samples_per_s:,.0f}/s)")]
+            ("wall time", f"{r.wall_time_s:.1f} s ({_samples_text(r)}, {r.samples_per_s:,.0f}/s)")]
     if r.wall_time_s:
         share = 100 * r.data_wait_s / r.wall_time_s
         rows.append(("data wait", f"{r.data_wait_s:.2f} s ({share:.1f}% of wall time)"))

@@ -45,6 +45,7 @@ class ContinueState:
     validations: list = field(default_factory=list)
     rng: dict | None = None  # every RNG as the fit left it: dropout and shuffling go on, not start over
     continued_by: str | None = None  # the fit that went on from this state (its objects have moved on)
+    run_name: str | None = None  # the fit's name: a continuation goes on under it
 
     def __repr__(self) -> str:
         return f"ContinueState(step={self.step}, next_epoch={self.next_epoch})"
@@ -182,7 +183,7 @@ def capture(run, carried: ContinueState | None = None) -> ContinueState | None:
     return ContinueState(weakref.ref(run.model), run.stepper.optimizer, run.stepper.schedule, run.stepper.ema,
                          run.precision.state_dict(), fit.step, next_epoch, fit.samples_seen, unfinished,
                          list(fit.history), list(fit.epochs), list(fit.validations),
-                         devices.rng_state(fit.device))
+                         devices.rng_state(fit.device), run_name=fit.run_name)
 
 
 class Rollback:

@@ -157,7 +157,8 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
     # one forward + backward, undone; FSDP: the whole model's step may not fit on one device
     summary = summarize(model, optimizer, objective, precision, train, device, batch_size, config,
                         measure=not (dist.world_size > 1 and config.strategy == "fsdp"))
-    run_name = config.name or type(model).__name__  # before FSDP renames the class
+    # a continued fit goes on under the name of the fit it continues; the class: before FSDP renames it
+    run_name = config.name or (carried.run_name if carried is not None else None) or type(model).__name__
     train_model, teardown.unwrap = wrap_model(model, config, dist, device)  # undone whatever happens next
     dist.adopt_shards(optimizer)  # FSDP replaced the parameters with sharded ones
     state = dist.state_type(config=config, model=train_model, optimizer=optimizer, device=device,
@@ -197,6 +198,7 @@ def _train(run: _Run) -> TrainResult:
     config, state, callbacks, stepper = run.config, run.state, run.callbacks, run.stepper
     timer = Timer()
     state.extras["start_step"] = state.step  # a resumed or continued fit counts on from here
+    state.extras["start_samples"] = state.samples_seen
     interrupt = InterruptFlag()
     val_every_steps = validation.every_steps(run)  # None: no pass within epochs (the common case)
     log_every = config.log_every
@@ -336,6 +338,7 @@ def _result(run: _Run, timer) -> TrainResult:
         batch_size_reason=config.extras.get("batch_size_reason", ""),
         micro_batch_size=run.stepper.micro_batch_size(run.batch_size), grad_accum=config.grad_accum,
         world_size=state.world_size, steps=state.step, start_step=state.extras.get("start_step", 0),
+        start_samples=state.extras.get("start_samples", 0),
         total_steps=state.total_steps, samples=state.samples_seen,
         wall_time_s=timer.elapsed(), data_wait_s=timer.data_wait, validation_s=timer.validation,
         compute_s=max(0.0, timer.elapsed() - timer.data_wait - timer.validation),
