@@ -140,3 +140,72 @@ def test_live_dashboard_then_static_summary(tmp_path, screenshots):
                 page.screenshot(path=tmp_path / "failure.png")  # what the browser showed, for the report
                 (tmp_path / "failure.html").write_text(page.content())
                 raise
+
+
+def _seconds(text: str) -> float:
+    """'27s', '1m 05s', '2h 03m' (units.format_duration) as seconds."""
+    total = 0.0
+    for value, unit in re.findall(r"(\d+)([hms])", text):
+        total += int(value) * {"h": 3600, "m": 60, "s": 1}[unit]
+    return total
+
+
+def test_the_sidebar_agrees_with_the_dashboard_and_a_stop_shows_at_once(tmp_path):
+    """One ETA in both views (within 10%, or the sidebar's 2 s poll), and the sidebar's Stop:
+    visible in the dashboard at once, the run stopped at the next step, its summary in place."""
+    require_browser()
+    cell_source = TRAIN_CELL.replace("--name dash-demo --no-track", "--name stop-demo")
+    with jupyter_lab(tmp_path, env={"OMP_NUM_THREADS": "1"}) as url:
+        api(url, f"api/contents/{NOTEBOOK}", "PUT",
+            {"type": "notebook", "format": "json", "content": notebook_json("%load_ext gpunb", cell_source)})
+        api(url, "api/sessions", "POST",
+            {"path": NOTEBOOK, "type": "notebook", "name": NOTEBOOK, "kernel": {"name": "python3"}})
+        with chromium_page(url, f"lab/tree/{NOTEBOOK}") as page:
+            try:
+                notebook = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook")
+                cell = notebook.locator(".jp-CodeCell").nth(1)
+                cell.locator(".jp-InputArea", has_text="--name stop-demo").wait_for()
+                page.locator(".jp-StatusBar-Item", has_text="Python 3 (ipykernel) | Idle").wait_for(timeout=60_000)
+                page.locator(".jp-SideBar.jp-mod-left [data-id='gpunb-sidebar']").click()
+                panel = page.locator("#gpunb-sidebar")
+                page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+                page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+
+                output = cell.locator(".jp-OutputArea")
+                status = output.locator(".widget-html").filter(has_text=re.compile(r"step \d+/\d+"))
+                status.wait_for(timeout=60_000)
+                card = panel.locator(".jp-gpunb-run[data-status='running']", has_text="stop-demo")
+                card.filter(has_text="ETA").wait_for(timeout=30_000)
+                page.wait_for_timeout(3000)  # a few logs in: the estimate has a window to work with
+                for _ in range(3):  # both count down from the runtime's one estimate
+                    shown = _seconds(status.inner_text().split("ETA")[1])
+                    listed = _seconds(card.inner_text().split("ETA")[1])
+                    assert abs(shown - listed) <= max(0.1 * max(shown, listed), 2.5), (shown, listed)
+                    page.wait_for_timeout(1000)
+
+                step_before = _step(status.inner_text())
+                card.locator(".jp-gpunb-stop").click()
+                page.locator(".jp-Dialog").get_by_role("button", name="Stop run").click()
+                asked = time.monotonic()
+                # at once: the dashboard says it is stopping, or already holds the stopped run's summary
+                stopping = output.locator(".widget-html", has_text="stopping after this step")
+                summary = output.locator(".gpunb-result")
+                page.wait_for_function(
+                    "out => out.querySelector('.gpunb-result') || /stopping after this step/.test(out.innerText)",
+                    arg=output.element_handle(), timeout=5_000)
+                seen = time.monotonic() - asked
+                summary.wait_for(timeout=10_000)
+                ended = time.monotonic() - asked
+                table = summary.locator("table").first
+                rows = dict(zip(table.locator("th").all_inner_texts(), table.locator("td").all_inner_texts()))
+                assert rows.get("status") == "stopped (stopped from the sidebar)", rows
+                stopped_at = int(re.search(r"step ([\d,]+) of", rows["progress"]).group(1).replace(",", ""))
+                assert step_before < stopped_at < TOTAL_STEPS
+                # finished in the sidebar within one of its 2 s polls of the cell's end
+                panel.locator(".jp-gpunb-run[data-status='stopped']", has_text="stop-demo").wait_for(timeout=3_000)
+                print(f"stop visible after {seen:.2f} s, summary after {ended:.2f} s, at step {stopped_at}")
+                assert seen < 1.5 and stopping.count() + summary.count() >= 1
+            except BaseException:
+                page.screenshot(path=tmp_path / "failure.png")
+                (tmp_path / "failure.html").write_text(page.content())
+                raise
