@@ -202,6 +202,8 @@ class _Launch:
                     break
             except ProcessException as error:
                 self._drain(queue, timeout=0)
+                if interrupt.raised and not self.training:
+                    continue  # the interrupt killed a starting rank: the check above ends the launch
                 raise self._failure(error, processes) from None
             if deadline is not None and time.monotonic() > deadline:
                 self.abandoned = (f"the ranks did not stop within {INTERRUPT_GRACE_S:.0f} s of the interrupt "
