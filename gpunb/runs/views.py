@@ -63,7 +63,9 @@ def remove(*names_or_ids: str, registry: Registry | None = None) -> int:
 def prune(*, older_than_days: float | None = None, keep: int | None = None,
           registry: Registry | None = None) -> int:
     """Delete finished runs that started more than `older_than_days` ago, and/or all but the
-    newest `keep` finished runs; returns how many were removed. Running runs always stay.
+    newest `keep` finished runs; returns how many were removed. Running runs always stay (a run
+    on another host sharing the registry runs while its heartbeat is fresh); a warning names
+    those that started before the cutoff.
 
         gpunb.runs.prune(keep=20)              # the 20 newest finished runs stay
         gpunb.runs.prune(older_than_days=30)   # a month of history stays
@@ -82,8 +84,8 @@ def prune(*, older_than_days: float | None = None, keep: int | None = None,
               if (keep is not None and index >= keep)
               or (cutoff is not None and (run["started_at"] or 0) < cutoff)]
     if cutoff is not None:
-        _warn_kept(registry, [run for run in every if run["status"] == "running"
-                              and (run["started_at"] or 0) < cutoff], "prune")
+        _warn_kept([run for run in every if run["status"] == "running" and (run["started_at"] or 0) < cutoff],
+                   "prune")
     return _remove(registry, doomed, "prune") if doomed else 0
 
 
@@ -91,18 +93,17 @@ def _remove(registry: Registry, runs: list[dict], action: str) -> int:
     """Remove `runs`; the registry keeps any that turned out to be alive, and the user hears why."""
     removed = set(registry.remove([run["id"] for run in runs]))
     kept = [registry.get_run(run["id"], with_history=False) for run in runs if run["id"] not in removed]
-    _warn_kept(registry, [run for run in kept if run is not None], action)  # None: removed by someone else
+    _warn_kept([run for run in kept if run is not None], action)  # None: removed by someone else
     return len(removed)
 
 
-def _warn_kept(registry: Registry, runs: list[dict], action: str) -> None:
+def _warn_kept(runs: list[dict], action: str) -> None:
     if not runs:
         return
     host, now = socket.gethostname(), time.time()
     listed = "; ".join(f"{_label(run)} ({whereabouts(run, host, now)})" for run in runs)
-    warnings.warn(f"gpunb.runs.{action}() kept {listed}: still running, so its record stays. HINT: stop it "
-                  f"first (the sidebar's Stop button, or interrupt its cell) to {action} it.",
-                  UserWarning, stacklevel=3)
+    warnings.warn(f"gpunb.runs.{action}() kept {listed}: still running. HINT: stop it first (the sidebar's "
+                  f"Stop button, or interrupt its cell), then {action} again.", UserWarning, stacklevel=3)
 
 
 def _label(run: dict) -> str:
