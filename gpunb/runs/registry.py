@@ -33,7 +33,8 @@ from typing import Any
 from gpunb.errors import GpunbError
 from gpunb.runs.errors import RegistryDamaged, RegistryLocked, registry_error
 from gpunb.runs.journal import enable_wal
-from gpunb.runs.liveness import PROCESS_DIED, STALE_AFTER_S, alive, judged_dead, process_start  # noqa: F401
+from gpunb.runs.liveness import (PROCESS_DIED, STALE_AFTER_S, alive, judged_dead, last_sign,  # noqa: F401
+                                 process_start)
 from gpunb.runs.liveness import kernel_id as current_kernel_id
 from gpunb.runs.paths import default_path
 
@@ -270,11 +271,11 @@ class Registry:
                     for run in dead:
                         db.execute("UPDATE runs SET status = 'failed', error = ?, ended_at = ? "
                                    "WHERE id = ? AND status = 'running'",
-                                   (PROCESS_DIED, run["updated_at"], run["id"]))
+                                   (PROCESS_DIED, last_sign(run), run["id"]))
             except RegistryLocked:
                 pass  # a reader must not fail for this; the next read records it
             for run in dead:
-                run.update(status="failed", error=PROCESS_DIED, ended_at=run["updated_at"], eta_s=None)
+                run.update(status="failed", error=PROCESS_DIED, ended_at=last_sign(run), eta_s=None)
         for run in runs:
             del run["_pid_started"]
         return runs
