@@ -10,6 +10,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from fractions import Fraction
 from pathlib import Path
@@ -866,14 +867,15 @@ def test_the_heartbeat_is_stamped_by_the_writer_thread_only_while_nothing_else_i
     monkeypatch.setattr(writer_module, "HEARTBEAT_EVERY_S", 0.05, raising=False)
     beats = []
     real = registry.heartbeat
-    monkeypatch.setattr(registry, "heartbeat", lambda run_id: beats.append(run_id) or real(run_id))
+    monkeypatch.setattr(registry, "heartbeat",
+                        lambda run_id: beats.append((run_id, threading.current_thread().name)) or real(run_id))
     state, rec = _state(), RunRecorder(registry)
     rec.on_fit_start(state)
     assert rec.flush(10)
     deadline = time.monotonic() + 10
     while len(beats) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert set(beats) == {rec.run_id} and len(beats) >= 3
+    assert set(beats) == {(rec.run_id, f"gpunb-run-{rec.run_id[:8]}")} and len(beats) >= 3  # the writer's thread
     registry.request_stop(rec.run_id)  # a heartbeat also brings a stop request in
     deadline = time.monotonic() + 10
     while not rec.writer.stop_requested and time.monotonic() < deadline:
