@@ -1,13 +1,16 @@
-"""Inline SVG line charts: pure functions of their data (no clock, no randomness, no torch).
+"""SVG line charts: pure functions of their data (no clock, no randomness, no torch).
 
 The same data gives the same bytes, so rendered summaries are stable under nbval and
 nbconvert; `fill="currentColor"` lets labels follow the page's text colour (dark themes).
+What a notebook stores goes through `as_image`, which survives untrusted front ends.
 """
 
 from __future__ import annotations
 
+import base64
 import html
 import math
+import re
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
            "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
@@ -84,6 +87,24 @@ def line_chart(metric: str, names: list[str], series: list[list[tuple[float, flo
                      f"{'' if line else ' (no data)'}</text>")
     parts.append("</svg>")
     return "".join(parts)
+
+
+IMAGE_INK = "#808080"  # labels and grid inside an <img>: readable on light and dark pages
+
+
+def as_image(svg: str, alt: str) -> str:
+    """The chart as an `<img>` holding its SVG, for HTML that a notebook stores.
+
+    JupyterLab and Notebook 7 sanitize the HTML of an untrusted notebook (any notebook
+    reopened, downloaded or received) and drop inline `<svg>`, leaving its labels as
+    loose text; GitHub's viewer does the same. An image is kept by all of them. The page's
+    text colour does not reach into an image, hence a grey that reads on either theme.
+    The bytes stay a pure function of the chart, so stored outputs compare under nbval.
+    """
+    width, height = re.search(r"width='(\d+)' height='(\d+)'", svg).groups()
+    data = base64.b64encode(svg.replace("currentColor", IMAGE_INK).encode()).decode("ascii")
+    return (f"<img src='data:image/svg+xml;base64,{data}' width='{width}' height='{height}' "
+            f"alt='{html.escape(alt, quote=True)}' style='max-width:100%;height:auto'>")
 
 
 def loss_chart(train: list, val: list = (), *, x_max: int | None = None) -> str:

@@ -67,6 +67,7 @@ class TrainConfig:
     clip_grad_norm: float | None = None  # clip the global gradient norm to this value
     lr_schedule: str = "none"  # "none", "one-cycle" or "cosine" (with warmup)
     warmup_steps: int = 0  # linear warmup steps for the cosine schedule
+    min_lr_ratio: float = 0.0  # the cosine schedule decays to lr * min_lr_ratio (e.g. 0.1), not below
     ema: float | None = None  # decay of an average of the weights (e.g. 0.999), used for validation; None: off
     ema_warmup: bool = True  # the average's decay grows as min(ema, (1 + n) / (10 + n)) over updates n
     # at the end, load the averaged weights into the model (else: result.ema_state_dict); restore_best
@@ -76,6 +77,7 @@ class TrainConfig:
     num_workers: Union[int, str] = "auto"  # DataLoader workers, or "auto"
     gpu_resident: Union[bool, str] = "auto"  # keep tensor data on the GPU: "auto", True or False
     transforms: Sequence[Callable[[Any], Any]] = ()  # applied to each batch on the device
+    batch_size_fn: Callable[[Any], int] | None = None  # samples in a batch; None: the target's first dimension
     # --- logging and safety
     log_every: Union[int, str] = "auto"  # steps between metric reads (the only host syncs); "auto": ~100 a run, >= 1 an epoch
     val_every: int = 1  # epochs between validation passes
@@ -130,6 +132,7 @@ class TrainConfig:
         self.loggers = _loggers(self.loggers)
         self.keep_last = _positive_int("keep_last", self.keep_last)
         self.warmup_steps = _count("warmup_steps", self.warmup_steps)
+        self._check_min_lr_ratio()
         if self.max_steps is not None:
             self.max_steps = _positive_int("max_steps", self.max_steps)
         if self.val_every_steps is not None:
@@ -149,12 +152,26 @@ class TrainConfig:
                              "pass `ema=0.999` too, or drop `ema_apply`.")
         if self.lr is not None and not self.lr > 0:
             raise GpunbError(f"lr must be positive, got {self.lr!r}.", "pass e.g. `lr=3e-4`.")
+        if self.batch_size_fn is not None and not callable(self.batch_size_fn):
+            kind = type(self.batch_size_fn).__name__
+            raise GpunbError(f"batch_size_fn must be a function of a batch, got a {kind}.",
+                             "pass e.g. `batch_size_fn=lambda batch: len(batch[-1])` (the labels' count).")
         if self.gpu_resident not in ("auto", True, False):
             raise GpunbError(f"gpu_resident must be 'auto', True or False, got {self.gpu_resident!r}.")
         if self.resume and not self.checkpoint_dir and self.resume in (True, "last", "best"):
             which = "best" if self.resume == "best" else "last"
             raise GpunbError(f"resume='{which}' needs a checkpoint_dir to look in.",
                              "pass `checkpoint_dir=...` too, or `resume=<path to a checkpoint>`.")
+
+    def _check_min_lr_ratio(self) -> None:
+        ratio = self.min_lr_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+            raise GpunbError(f"min_lr_ratio must be a fraction of the learning rate between 0 and 1, got {ratio!r}.",
+                             "pass e.g. `min_lr_ratio=0.1`: the cosine schedule then ends at a tenth of `lr`.")
+        if ratio and self.lr_schedule != "cosine":
+            raise GpunbError(f"min_lr_ratio={ratio} sets where the cosine schedule ends, and "
+                             f"lr_schedule is {self.lr_schedule!r}.",
+                             "pass `lr_schedule='cosine'` too (`--lr-schedule cosine`), or drop `min_lr_ratio`.")
 
     def _check_best(self) -> None:
         """save_top_k / monitor / mode / restore_best: what they need, before any work."""
@@ -202,6 +219,8 @@ class TrainConfig:
             value = getattr(self, f.name)
             if f.name == "transforms":
                 value = [getattr(t, "__name__", type(t).__name__) for t in value]
+            elif f.name == "batch_size_fn" and value is not None:
+                value = getattr(value, "__name__", type(value).__name__)
             elif f.name == "loggers":
                 value = [v if isinstance(v, str) else type(v).__name__ for v in value]
             out[f.name] = value

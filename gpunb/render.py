@@ -13,7 +13,7 @@ import sys
 import time
 from types import SimpleNamespace
 
-from gpunb.charts import line_chart, loss_chart
+from gpunb.charts import as_image, line_chart, loss_chart
 from gpunb.units import format_duration
 
 
@@ -69,8 +69,16 @@ def result_text(result) -> str:
 
 def best_text(r) -> str:
     """`val_loss=0.1234 at step 40 (restored into the model)`: the best of the kept checkpoints."""
-    restored = "restored into the model" if r.restored_best else "restore_best=True loads it at the end"
+    restored = "restored into the model" if r.restored_best else "on disk; restore_best=True would load it at the end"
     return f"{r.best_monitor}={fmt(r.best_value)} at step {r.best_step} ({restored})"
+
+
+def _samples_text(r) -> str:
+    """`7,190 samples`; a resumed or continued fit: `1,438 samples in this fit of 7,190`."""
+    before = getattr(r, "start_samples", 0)
+    if not before:
+        return f"{r.samples:,} samples"
+    return f"{r.samples - before:,} samples in this fit of {r.samples:,}"
 
 
 def summary_rows(r) -> list[tuple[str, str]]:
@@ -82,7 +90,7 @@ def summary_rows(r) -> list[tuple[str, str]]:
                       f"device(s) (micro-batch {r.micro_batch_size})"),
             *([("batch size", r.batch_size_reason)] if r.batch_size_reason else []),
             ("progress", progress_text(r)),
-            ("wall time", f"{r.wall_time_s:.1f} s ({r.samples:,} samples, {r.samples_per_s:,.0f}/s)")]
+            ("wall time", f"{r.wall_time_s:.1f} s ({_samples_text(r)}, {r.samples_per_s:,.0f}/s)")]
     if r.wall_time_s:
         share = 100 * r.data_wait_s / r.wall_time_s
         rows.append(("data wait", f"{r.data_wait_s:.2f} s ({share:.1f}% of wall time)"))
@@ -126,8 +134,12 @@ def compile_text(info: dict) -> str:
 
 
 def compute_text(achieved_tflops: float, mfu: float | None, peak_tflops: float | None) -> str:
-    """`312 TFLOPS, MFU 31.5% of 989`: model FLOPs per second and their share of the dense peak."""
-    text = f"{achieved_tflops:.3g} TFLOPS"
+    """`312 TFLOPS, MFU 31.5% of 989`: model FLOPs per second and their share of the dense peak.
+
+    The unit follows the size (a CPU's `808 MFLOPS`, not `0.000808 TFLOPS`); the peak stays in TFLOPS.
+    """
+    number, _, prefix = si(achieved_tflops * 1e12).partition(" ")
+    text = f"{number} {prefix}FLOPS"
     return text if mfu is None else f"{text}, MFU {100 * mfu:.1f}% of {peak_tflops:g}"
 
 
@@ -156,10 +168,10 @@ def progress_text(r) -> str:
 
 def result_html(r) -> str:
     series = r.loss_series()
-    svg = loss_chart(series["train"], series.get("val", []), x_max=r.steps)
+    chart = as_image(loss_chart(series["train"], series.get("val", []), x_max=r.steps), f"loss of {r.run_name}")
     return (f"<div class='gpunb-result'><b>{html.escape(r.run_name)}</b>"
             f"<div style='display:flex;gap:1.5em;flex-wrap:wrap;align-items:flex-start'>"
-            f"{html_table(summary_rows(r), key_column=True)}{svg}</div>{epoch_table_html(r.epochs)}</div>")
+            f"{html_table(summary_rows(r), key_column=True)}{chart}</div>{epoch_table_html(r.epochs)}</div>")
 
 
 def epoch_table_html(epochs: list[dict]) -> str:
@@ -266,10 +278,10 @@ def lr_find_html(r) -> str:
     if r.suggestion:
         names.append("suggested")
         series.append([min(points, key=lambda p: abs(p[0] - math.log10(r.suggestion)))])
-    svg = line_chart("loss (smoothed)", names, series, x_label="log10(learning rate)",
-                     width=420, height=210, legend=110)
+    chart = as_image(line_chart("loss (smoothed)", names, series, x_label="log10(learning rate)",
+                                width=420, height=210, legend=110), "learning-rate range test")
     text = html.escape(lr_find_text(r)).replace("\n", "<br>")
-    return f"<div class='gpunb-lr-find'>{svg}<div>{text}</div></div>"
+    return f"<div class='gpunb-lr-find'>{chart}<div>{text}</div></div>"
 
 
 def plot_lr_find(r, ax=None):
@@ -362,9 +374,15 @@ def progress_parts(state, with_loss: bool) -> list[str]:
     if compute:
         parts.append(compute)
     parts.append(f"elapsed {format_duration(time.time() - state.started_at)}")
-    eta = eta_seconds(state)
+    stopping = getattr(state, "stop_reason", None)
+    if stopping:  # the loop ends after this step; a checkpoint may still be written
+        parts.append(f"stopping after this step ({stopping})")
+        return parts
+    eta = eta_left(state)
     if eta is not None:
         parts.append(f"ETA {format_duration(eta)}")
+    elif not latest:  # before the first log: set-up, a compile or the first steps are running
+        parts.append("warming up")
     return parts
 
 
@@ -373,7 +391,11 @@ def epochs_suffix(state) -> str:
     return f"/{state.config.epochs}" if state.config.epochs else ""
 
 
-def eta_seconds(state) -> float | None:
-    if not state.total_steps or not state.step or "step_time_ms" not in state.latest:
+def eta_left(state, now: float | None = None) -> float | None:
+    """Seconds left: the runtime's newest estimate (runtime/eta.py), counted down since it was
+    made. The dashboard and the run registry (so the sidebar) both read this."""
+    eta = getattr(state, "eta", None)
+    if eta is None or not state.total_steps:
         return None
-    return (state.total_steps - state.step) * state.latest["step_time_ms"] / 1000
+    seconds, made_at = eta
+    return max(0.0, seconds - ((time.time() if now is None else now) - made_at))

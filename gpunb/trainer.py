@@ -48,6 +48,10 @@ class Trainer:
         ReduceLROnPlateau with `"monitor"` at each validation). `continue_from`: the result of
         an earlier fit of this model, to go on with its optimizer, schedule and step count;
         `epochs` / `max_steps` then count the steps added.
+
+        `step(model, batch)`: computes the loss itself; it returns the loss, `(loss, output)` or
+        `{"loss": loss, "output": output, "target": target}` (no "target": the batch's labels or
+        last item), and `metrics` score the output against the target.
         """
         __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
         check_model(model)

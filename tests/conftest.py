@@ -1,4 +1,6 @@
+import base64
 import os
+import re
 import tempfile
 
 import pytest
@@ -36,8 +38,29 @@ def mlp(features=10, classes=3, hidden=32, seed=0):
     return nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, classes))
 
 
-# Kernels started by the tests and by nbval inherit this: never the user's real registry.
-os.environ.setdefault("GPUNB_HOME", tempfile.mkdtemp(prefix="gpunb-test-home-"))
+def charts_in(markup: str) -> list[str]:
+    """The SVG of each chart image in `markup`: stored HTML holds charts as <img> of their SVG."""
+    return [base64.b64decode(data).decode()
+            for data in re.findall(r"src=['\"]data:image/svg\+xml;base64,([^'\"]+)", markup)]
+
+
+# Kernels started by the tests and by nbval inherit this: never the user's real registry,
+# even when the user's shell sets GPUNB_HOME (a default would keep theirs).
+os.environ["GPUNB_HOME"] = tempfile.mkdtemp(prefix="gpunb-test-home-")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--docs-images", action="store_true",
+                     help="let the browser tests write their screenshots into docs/ (otherwise they go "
+                          "to a temporary directory and the checkout is left as it was)")
+
+
+@pytest.fixture
+def screenshots(request, tmp_path):
+    """Where the browser tests save screenshots: docs/ with `--docs-images`, else a temp dir."""
+    from browser_support import DOCS
+
+    return DOCS if request.config.getoption("--docs-images") else tmp_path / "screenshots"
 
 
 @pytest.fixture

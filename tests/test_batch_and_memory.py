@@ -164,3 +164,78 @@ def test_the_probe_steps_with_fits_stepper_and_an_oom_means_does_not_fit():
     assert probe.fits(8) and not probe.fits(16)  # not split into pieces that would fit
     assert probe.stepper.splits == 1 and probe.stepper.pending == [] and probe.stepper.step_loss is None
     assert all(p.grad is None for p in model.parameters())
+
+
+# Under AdamW a gradient scaled by a constant gives nearly the same update, so the checks
+# below train with plain SGD (and SGD with momentum), where a wrongly weighted micro-batch
+# moves the weights by a different amount, and compare every step's loss, not only the end.
+
+class OOMOnce(nn.Module):
+    """Raises the CUDA OOM error once, at its `at`-th forward call (counting from 1)."""
+
+    def __init__(self, at, seed=0):
+        super().__init__()
+        self.net = mlp(seed=seed)
+        self.at, self.calls = at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.net(x)
+
+
+def sgd_run(model, momentum, n=256, **overrides):
+    x, y = classification_data(n=n)
+    options = dict(epochs=2, batch_size=32, track=False, log_every=1)
+    options.update(overrides)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=momentum)
+    return Trainer(**options).fit(model, (x, y), optimizer=optimizer, loss_fn=nn.CrossEntropyLoss())
+
+
+def assert_same_run(a_model, a_result, b_model, b_result):
+    """Every logged step's loss and the final weights agree to float rounding."""
+    assert [h["step"] for h in a_result.history] == [h["step"] for h in b_result.history]
+    assert [h["loss"] for h in a_result.history] == pytest.approx(
+        [h["loss"] for h in b_result.history], rel=1e-5, abs=1e-6)
+    for a, b in zip(a_model.parameters(), b_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_oom_under_sgd_trains_as_the_smaller_micro_batch_from_the_start(momentum):
+    recovered = OOMAbove(limit=8)
+    result = sgd_run(recovered, momentum, batch_size=16, grad_accum=2)
+    assert result.oom_recoveries == 1 and result.micro_batch_size == 8
+    small = OOMAbove(limit=8)
+    reference = sgd_run(small, momentum, batch_size=8, grad_accum=4)
+    assert reference.oom_recoveries == 0 and reference.steps == result.steps == 16
+    assert_same_run(recovered, result, small, reference)
+
+
+@pytest.mark.parametrize("grad_accum", [1, 3])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_an_uneven_split_weights_each_piece_by_its_samples(momentum, grad_accum):
+    """7 samples split into 4 + 3: the loaded batch's loss and gradient are the mean over its 7
+    samples, as without the split (an equal weight per piece would give the 3 samples more pull)."""
+    recovered = OOMAbove(limit=4)
+    result = sgd_run(recovered, momentum, n=63, batch_size=7, grad_accum=grad_accum)
+    assert result.oom_recoveries == 1 and result.micro_batch_size == 4
+    unsplit = OOMAbove(limit=7)
+    reference = sgd_run(unsplit, momentum, n=63, batch_size=7, grad_accum=grad_accum)
+    assert reference.oom_recoveries == 0 and reference.steps == result.steps == 18 // grad_accum
+    assert_same_run(recovered, result, unsplit, reference)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_oom_mid_step_with_accumulation_replays_the_step_as_if_none_happened(momentum):
+    """An OOM at the 2nd loaded batch of step 3 (grad_accum=3, 10 samples a batch, an epoch's
+    last batch of 6 and a short last group): the step's first batch is replayed in pieces of
+    5 and the run goes on in them, each weighted by its share of the step."""
+    recovered = OOMOnce(at=8)
+    result = sgd_run(recovered, momentum, n=76, batch_size=10, grad_accum=3)
+    assert result.oom_recoveries == 1 and result.micro_batch_size == 5
+    plain = OOMOnce(at=0)
+    reference = sgd_run(plain, momentum, n=76, batch_size=10, grad_accum=3)
+    assert reference.oom_recoveries == 0 and reference.steps == result.steps == 6
+    assert_same_run(recovered, result, plain, reference)

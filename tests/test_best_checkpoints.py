@@ -3,6 +3,11 @@ restore_best, and the up-front errors for a monitor that is never measured."""
 
 import json
 import math
+import os
+import random
+import signal
+import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -13,6 +18,7 @@ from torch import nn
 
 from gpunb import TrainConfig, Trainer
 from gpunb.errors import GpunbError
+from gpunb.runtime.best import BestCheckpoints
 from gpunb.runtime.callbacks import EarlyStopping
 from gpunb.runtime.checkpoint import find_checkpoint, list_checkpoints, load_checkpoint
 from gpunb.runtime.monitor import Monitor, default_mode
@@ -151,3 +157,122 @@ def test_restore_best_warns_and_keeps_the_last_weights_when_the_file_is_gone(tmp
         _, result = fit(model, epochs=2, checkpoint_dir=tmp_path, save_top_k=1, restore_best=True,
                         callbacks=[RemoveBest()])
     assert not result.restored_best and result.best_step is not None
+
+
+# --- the index after a kill or a lost file ------------------------------------------------------
+
+def three_best(tmp_path):
+    """A run that keeps the 3 best checkpoints by val_loss; returns its directory and best.json's list."""
+    _, result = fit(epochs=8, checkpoint_dir=tmp_path, save_top_k=3, keep_last=1)
+    run = Path(result.best_checkpoint).parent
+    return run, json.loads((run / "best.json").read_text())["kept"]
+
+
+def test_resume_best_with_the_best_file_deleted_warns_and_takes_the_best_one_left(tmp_path):
+    run, kept = three_best(tmp_path)
+    (run / kept[0]["file"]).unlink()
+    with pytest.warns(RuntimeWarning, match=f"names {kept[0]['file']}, no longer on disk") as caught:
+        _, resumed = fit(mlp(seed=3), epochs=8, checkpoint_dir=tmp_path, save_top_k=3, resume="best")
+    assert f"the best now is {kept[1]['file']} (val_loss=" in str(caught[0].message)
+    assert resumed.resumed_from["path"] == str(run / kept[1]["file"])
+
+
+def test_a_truncated_index_is_rebuilt_from_the_files_with_a_warning(tmp_path):
+    run, kept = three_best(tmp_path)
+    index = run / "best.json"
+    index.write_text(index.read_text()[:40])
+    with pytest.warns(RuntimeWarning, match="best.json cannot be read .*JSONDecodeError.*ranked again"):
+        found = find_checkpoint("best", tmp_path)
+    assert found == run / kept[0]["file"]
+
+
+def test_an_index_that_leaves_out_the_newest_best_file_is_rebuilt(tmp_path):
+    run, kept = three_best(tmp_path)
+    index = run / "best.json"
+    stale = json.loads(index.read_text())
+    stale["kept"] = kept[1:]  # as if killed after the best file was written, before its index
+    index.write_text(json.dumps(stale))
+    with pytest.warns(RuntimeWarning, match=f"leaves out {kept[0]['file']}"):
+        assert find_checkpoint("best", tmp_path) == run / kept[0]["file"]
+
+
+def test_the_index_is_written_before_the_dropped_files_are_removed(tmp_path, monkeypatch):
+    class Killed(BaseException):
+        pass
+
+    run, kept = three_best(tmp_path)
+    best = BestCheckpoints(Monitor("val_loss"), 3)
+    best.load_state_dict({"monitor": "val_loss", "mode": "min", "k": 3, "kept": kept})
+    newer = best.with_entry(999, kept[0]["value"] / 2)
+
+    def killed(path, missing_ok=False):
+        raise Killed  # the process dies at its first removal
+
+    monkeypatch.setattr(Path, "unlink", killed)
+    with pytest.raises(Killed):
+        best.write(run, newer, 999, {"best": {**best.state_dict(), "kept": newer}, "step": 999})
+    monkeypatch.undo()
+    listed = json.loads((run / "best.json").read_text())["kept"]
+    assert listed[0]["file"] == "best-step-000000999.pt" and all((run / e["file"]).exists() for e in listed)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_sigkill_during_best_checkpoint_writes_leaves_an_index_that_finds_the_true_best(tmp_path):
+    """20 writers killed at random points: resume="best" always finds the best file on disk, and
+    best.json never names a file that is gone."""
+    weights = torch.randn(256, 1024)  # 1 MB a file: a write takes long enough to be hit mid-way
+    rng = random.Random(0)
+    for attempt in range(20):
+        run = tmp_path / f"attempt-{attempt:02d}" / "run-x"
+        run.mkdir(parents=True)
+        ready, written = os.pipe()
+        child = os.fork()
+        if child == 0:  # the writer, as a run whose every validation is a new best
+            try:
+                os.close(ready)
+                best = BestCheckpoints(Monitor("val_loss"), 2)
+                for step in range(1, 10_000):
+                    kept = best.with_entry(step, 1.0 / step)
+                    best.write(run, kept, step, {"best": {**best.state_dict(), "kept": kept}, "step": step,
+                                                 "model": {"w": weights}})
+                    if step == 2:
+                        os.write(written, b"x")
+            finally:
+                os._exit(0)
+        os.close(written)
+        os.read(ready, 1)  # two bests on disk; then it dies anywhere within the next writes
+        os.close(ready)
+        time.sleep(rng.uniform(0, 0.15))
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+
+        newest = max(run.glob("best-step-*.pt"))  # files appear whole (renamed): the newest is the best
+        listed = json.loads((run / "best.json").read_text())["kept"]
+        assert all((run / e["file"]).exists() for e in listed), (attempt, listed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a kill between a file and its index: rebuilt, with a warning
+            assert find_checkpoint("best", run.parent) == newest, (attempt, newest.name, listed)
+
+
+@pytest.mark.parametrize("elsewhere", [False, True])  # the old run under the same checkpoint_dir, or another
+def test_a_run_resumed_into_a_new_directory_ranks_the_old_runs_best_files_without_removing_them(tmp_path,
+                                                                                                 elsewhere):
+    old = tmp_path / ("other" if elsewhere else "checkpoints") / "run-old"
+    new = tmp_path / "checkpoints" / "run-new"
+    first = BestCheckpoints(Monitor("val_loss"), 2)
+    for step, value in [(1, 0.5), (2, 0.4)]:
+        kept = first.with_entry(step, value)
+        first.write(old, kept, step, {"best": {**first.state_dict(), "kept": kept}, "step": step})
+
+    resumed = BestCheckpoints(Monitor("val_loss"), 2)
+    resumed.load_state_dict(first.state_dict())
+    resumed.kept_in(old, new.parent)
+    kept = resumed.with_entry(3, 0.45)  # pushes the old step 1 out of the list
+    resumed.write(new, kept, 3, {"best": {**resumed.state_dict(), "kept": kept}, "step": 3})
+
+    assert sorted(p.name for p in old.iterdir() if p.suffix == ".pt") == ["best-step-000000001.pt",
+                                                                          "best-step-000000002.pt"]
+    assert find_checkpoint("best", new.parent) == old / "best-step-000000002.pt"
+    (old / "best-step-000000002.pt").unlink()
+    with pytest.warns(RuntimeWarning, match="no longer on disk"):
+        assert find_checkpoint("best", new.parent) == new / "best-step-000000003.pt"

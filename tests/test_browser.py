@@ -14,7 +14,6 @@ from urllib.parse import urlsplit
 import pytest
 from browser_support import (
     BUILT,
-    DOCS,
     chromium_page,
     jupyter_lab,
     kernel_client,
@@ -35,11 +34,11 @@ gpunb.Trainer(epochs=1000, max_steps=100_000, log_every=5, name="browser-run").f
 """
 
 
-def test_sidebar_shows_host_stats_stops_a_run_shows_it_and_removes_it(tmp_path):
+def test_sidebar_shows_host_stats_stops_a_run_shows_it_and_removes_it(tmp_path, screenshots):
     require_browser()
     if not (BUILT / "package.json").exists():
         pytest.skip("the sidebar is not built: `pip install -e .` or `cd labextension && jlpm build`")
-    DOCS.mkdir(exist_ok=True)
+    screenshots.mkdir(parents=True, exist_ok=True)
     with jupyter_lab(tmp_path) as url, chromium_page(url) as page:
         # The panel: its own icon in the left area, the no-GPU state with host stats.
         page.locator(".jp-SideBar.jp-mod-left [data-id='gpunb-sidebar']").click()
@@ -49,7 +48,7 @@ def test_sidebar_shows_host_stats_stops_a_run_shows_it_and_removes_it(tmp_path):
         panel.locator(".jp-gpunb-host .jp-gpunb-bar", has_text="RAM").wait_for()
         panel.locator(".jp-gpunb-host .jp-gpunb-sparkline").wait_for()  # CPU history: >= 2 samples
         page.locator(".jp-Launcher").wait_for()  # the same settled page in both screenshots
-        page.screenshot(path=DOCS / "sidebar-no-gpu.png")
+        page.screenshot(path=screenshots / "sidebar-no-gpu.png")
 
         # The layout restorer reopens the panel after a reload.
         page.wait_for_timeout(1500)  # the workspace is saved shortly after a layout change
@@ -66,7 +65,7 @@ def test_sidebar_shows_host_stats_stops_a_run_shows_it_and_removes_it(tmp_path):
             run.locator(".jp-gpunb-sparkline").wait_for()  # >= 2 logged losses
             assert run.get_attribute("data-status") == "running"
             assert "train.ipynb" in run.inner_text() and "ETA" in run.inner_text()
-            page.screenshot(path=DOCS / "sidebar-run.png")
+            page.screenshot(path=screenshots / "sidebar-run.png")
 
             # Stop, confirm, and the run ends cleanly as "stopped".
             run.locator(".jp-gpunb-stop").click()
@@ -96,7 +95,7 @@ def test_sidebar_shows_host_stats_stops_a_run_shows_it_and_removes_it(tmp_path):
         assert detail.locator(".jp-gpunb-chart[data-metric='loss'] polyline").count() == 2  # loss, val_loss
         config = detail.locator(".jp-gpunb-config").inner_text()
         assert "max_steps" in config and "100000" in config
-        page.screenshot(path=DOCS / "sidebar-run-detail.png")
+        page.screenshot(path=screenshots / "sidebar-run-detail.png")
         detail.locator(".jp-gpunb-back").click()
         stopped.wait_for()
 

@@ -136,8 +136,8 @@ def test_the_loop_adds_no_device_op_per_step_to_forward_backward_and_optimizer(t
         with log:
             if loop == "gpunb":  # NaN detection and checkpoints on; logs and checkpoints every 4 steps
                 Trainer(batch_size=8, epochs=1, log_every=4, checkpoint_every=4, checkpoint_dir=tmp_path,
-                        detect_nan=True, track=False).fit(model, (x, y), loss_fn=nn.MSELoss(),
-                                                          optimizer=optimizer, callbacks=[log])
+                        detect_nan=True).fit(model, (x, y), loss_fn=nn.MSELoss(),  # tracked: the default
+                                             optimizer=optimizer, callbacks=[log])
             else:
                 for i in range(0, 64, 8):
                     nn.MSELoss()(model(x[i:i + 8]), y[i:i + 8]).backward()

@@ -18,8 +18,10 @@ DATA = classification_data(n=96)  # batch 16: 6 steps an epoch
 def fit(model, continue_from=None, optimizer=None, scheduler=None, **options):
     settings = dict(batch_size=16, log_every=2, track=False, accelerator="cpu", epochs=1)
     settings.update(options)
+    callbacks = settings.pop("callbacks", ())
     return Trainer(**settings).fit(model, DATA, DATA, optimizer=optimizer, scheduler=scheduler,
-                                   loss_fn=nn.CrossEntropyLoss(), continue_from=continue_from)
+                                   loss_fn=nn.CrossEntropyLoss(), continue_from=continue_from,
+                                   callbacks=callbacks)
 
 
 def dropout_mlp():
@@ -195,3 +197,93 @@ def test_a_pickled_result_leaves_the_continue_state_behind():
     first = fit(mlp())
     assert first.continue_state is not None
     assert pickle.loads(pickle.dumps(first)).continue_state is None
+
+
+class FailAt:
+    """A callback that raises at a step, as a bug in user code would."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, state):
+        if state.step == self.step:
+            raise ValueError(f"failed at step {state.step}")
+
+
+def weights(model):
+    return {name: value.clone() for name, value in model.state_dict().items()}
+
+
+def test_a_result_continued_once_is_refused_and_names_the_newer_fit():
+    model = mlp()
+    first = fit(model, lr_schedule="cosine")
+    more = fit(model, continue_from=first)
+    before = weights(model)
+    with pytest.raises(GpunbError, match="already continued by the fit of 'Sequential' that went on from "
+                                         "step 6 to step 12") as error:
+        fit(model, continue_from=first)
+    assert "`gputrain_result`" in error.value.hint
+    assert all(torch.equal(value, model.state_dict()[name]) for name, value in before.items())
+    assert fit(model, continue_from=more).steps == 18  # the newer result goes on
+
+
+def test_a_failed_continuation_puts_everything_back_so_the_next_one_is_exact():
+    reference_model = dropout_mlp()
+    reference_first = fit(reference_model, lr_schedule="cosine", ema=0.9)
+    reference = fit(reference_model, continue_from=reference_first, ema=0.9)
+    model = dropout_mlp()
+    first = fit(model, lr_schedule="cosine", ema=0.9)
+    # two epochs stretch the kept cosine schedule; the failure comes 3 steps in
+    with (pytest.warns(RuntimeWarning, match="back as they were at step 6"),
+          pytest.raises(ValueError, match="failed at step 9")):
+        fit(model, continue_from=first, ema=0.9, epochs=2, callbacks=[FailAt(9)])
+    more = fit(model, continue_from=first, ema=0.9)
+    assert [row["lr"] for row in more.history] == [row["lr"] for row in reference.history]
+    assert [row["loss"] for row in more.history] == [row["loss"] for row in reference.history]
+    assert more.steps == 12 and more.continue_state.ema.updates == 12
+    for name, value in reference_model.state_dict().items():
+        assert torch.equal(value, model.state_dict()[name]), name
+        assert torch.equal(reference.ema_state_dict[name], more.ema_state_dict[name]), name
+    optimizer = more.continue_state.optimizer
+    assert all(float(state["step"]) == 12 for state in optimizer.state.values())
+
+
+def test_gputrain_continue_after_a_failed_continue_goes_on_from_where_both_started(ip):
+    ip.run_cell_magic("gputrain", f"--epochs 1 {OPTIONS}", CELL)
+    ip.user_ns["FailAt"] = FailAt
+    with (pytest.warns(RuntimeWarning, match="back as they were at step 6"),
+          pytest.raises(ValueError, match="failed at step 8")):
+        ip.run_cell_magic("gputrain", f"--continue {OPTIONS}", "callbacks = [FailAt(8)]")
+    ip.run_cell_magic("gputrain", f"--continue {OPTIONS}", "callbacks = []")
+    more = ip.user_ns["gputrain_result"]
+    optimizer = more.continue_state.optimizer
+    assert more.steps == 12 and all(float(state["step"]) == 12 for state in optimizer.state.values())
+
+
+def test_a_users_one_cycle_continued_past_its_end_is_refused_before_training():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = fit(model, optimizer=optimizer,
+                scheduler=lambda opt, n: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=n))
+    before = weights(model)
+    with pytest.raises(GpunbError, match="OneCycleLR built for 6 steps") as error:
+        fit(model, continue_from=first, optimizer=optimizer)
+    assert "schedule of its own" in error.value.hint
+    assert all(torch.equal(value, model.state_dict()[name]) for name, value in before.items())
+
+
+def test_a_fit_stopped_mid_epoch_continues_by_ending_that_epoch_exactly():
+    from test_checkpoint import StopAt
+
+    spec = {"scheduler": lambda opt, n: StepLR(opt, step_size=1, gamma=0.5), "interval": "epoch"}
+    straight_model = dropout_mlp()
+    straight = fit(straight_model, scheduler=spec, epochs=3, log_every=1)
+    model = dropout_mlp()
+    stopped = fit(model, scheduler=spec, epochs=3, log_every=1, callbacks=[StopAt(4)])
+    assert stopped.steps == 4 and stopped.epochs == []
+    more = fit(model, continue_from=stopped, epochs=2, log_every=1)  # the rest of epoch 0, then 2 more
+    assert [row["epoch"] for row in more.epochs] == [0, 1, 2] and more.steps == 18
+    assert [row["lr"] for row in more.history] == [row["lr"] for row in straight.history]
+    assert [row["val_loss"] for row in more.validations] == [row["val_loss"] for row in straight.validations]
+    for name, value in straight_model.state_dict().items():
+        assert torch.equal(value, model.state_dict()[name]), name

@@ -1,4 +1,5 @@
-"""GPU-only behaviour: prefetcher streams and memory, GPU-resident data, GradScaler, bf16."""
+"""GPU-only behaviour: prefetcher streams and memory, stream order under forced races, GPU-resident
+data, GradScaler, bf16, and no host sync between logs."""
 
 import pytest
 import torch
@@ -266,3 +267,230 @@ def test_random_device_transforms_resume_bit_for_bit_on_the_gpu(tmp_path):
 
     # eager: compile="auto" decides from the time left, which a resumed run sees otherwise
     resume_test(tmp_path, accelerator="cuda", deterministic=True, compile=False)
+
+
+# --------------------------------------------------------------------------- stream order, forced
+# A GPU sleep queued on one stream holds back what is queued after it on that stream only;
+# work on another stream that does not wait for it runs at once (torch's streams do not
+# synchronise with each other by themselves). Each test below queues such a sleep before
+# a write, so that a missing wait reads the memory before it is written: wrong values,
+# every time, rather than a rare race.
+
+SLEEP_CYCLES = 50_000_000  # about 25-35 ms at an H100's or H200's clock: ages for a fill or a copy
+SIZE = 1 << 18  # floats per test batch
+
+
+def consumer_made(count):
+    """Tensors the consumer (current) stream writes only after a sleep, as a loader running in
+    the loop's thread (DataLoader with num_workers=0) makes GPU tensors."""
+    for i in range(count):
+        x = torch.full((SIZE,), -1.0, device="cuda")
+        torch.cuda._sleep(SLEEP_CYCLES)
+        x.fill_(float(i))
+        yield x
+
+
+def side_made(i):
+    """Batch i, written on the stream this runs on (the side stream) only after a sleep."""
+    x = torch.full((SIZE,), -1.0, device="cuda")
+    torch.cuda._sleep(SLEEP_CYCLES)
+    return x.fill_(float(i))
+
+
+def filled_with(batches) -> list:
+    """The one value each batch holds (None where its elements differ), read on the consumer stream."""
+    return [b.min().item() if b.min().item() == b.max().item() else None for b in batches]
+
+
+def test_the_side_stream_waits_for_what_the_consumer_stream_made_before_preparing_it():
+    from gpunb.runtime.prefetch import CudaPrefetcher
+
+    prefetch = CudaPrefetcher(torch.device("cuda"))
+    prepared = [batch.clone() for batch in prefetch(consumer_made(6), prepare=lambda x: x + 0)]
+    assert filled_with(prepared) == [float(i) for i in range(6)]
+
+
+def test_a_prefetch_thread_waits_for_what_the_consumer_stream_made_for_the_epoch():
+    from gpunb.runtime.prefetch import CudaPrefetcher
+
+    prefetch = CudaPrefetcher(torch.device("cuda"))
+    rows = torch.full((6, SIZE), -1.0, device="cuda")  # as the epoch's order, made on the consumer stream
+    torch.cuda._sleep(SLEEP_CYCLES)
+    rows.copy_(torch.arange(6.0, device="cuda")[:, None].expand(6, SIZE))
+    prepared = [batch.clone() for batch in prefetch.in_thread(range(6), prepare=lambda i: rows[i] + 0)]
+    assert filled_with(prepared) == [float(i) for i in range(6)]
+
+
+@pytest.mark.parametrize("ahead", ["in the loop's thread", "in a thread"])
+def test_the_consumer_stream_waits_for_each_prepared_batch(ahead):
+    from gpunb.runtime.prefetch import CudaPrefetcher
+
+    prefetch = CudaPrefetcher(torch.device("cuda"))
+    prepared = prefetch if ahead == "in the loop's thread" else prefetch.in_thread
+    batches = prepared(range(6), side_made)
+    read = [batch.clone() for batch in batches]  # queued at once on the consumer stream: no host wait
+    assert filled_with(read) == [float(i) for i in range(6)]
+
+
+def test_a_batch_in_use_on_the_consumer_stream_is_not_overwritten_by_a_later_one():
+    """The consumer stream is still busy with a batch the loop has let go: its memory must not be
+    handed to a batch prepared later (record_stream), or that batch's write lands in it first."""
+    from gpunb.runtime.prefetch import CudaPrefetcher
+
+    prefetch = CudaPrefetcher(torch.device("cuda"))
+    read = []
+    for batch in prefetch.in_thread(range(8), lambda i: torch.full((SIZE,), float(i), device="cuda")):
+        torch.cuda._sleep(SLEEP_CYCLES)  # a long step, before it reads the batch
+        read.append(batch.clone())
+    assert filled_with(read) == [float(i) for i in range(8)]
+
+
+def numbered_rows(n=512, features=16):
+    """Every value distinct, so a batch read before its copy landed cannot pass for the right one."""
+    return (torch.arange(n * features, dtype=torch.float32).view(n, features) + 1, torch.arange(n))
+
+
+def identity(x):
+    """A device transform without a `generator` argument: its batches are prepared in the loop's thread."""
+    return x
+
+
+def slowed_copy(monkeypatch):
+    """Each host batch's copy to the GPU queued behind a sleep on the side stream."""
+    from gpunb.runtime.prefetch import CudaPrefetcher
+
+    copy = CudaPrefetcher.copy
+
+    def slowed(self, host_batch):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        return copy(self, host_batch)
+
+    monkeypatch.setattr(CudaPrefetcher, "copy", slowed)
+
+
+class Rows(torch.utils.data.Dataset):
+    """Tensors `(x, y)` read one sample at a time, through a DataLoader."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+@pytest.mark.parametrize("source, options", [
+    ("tensors", dict(gpu_resident=False)),  # copied in a thread (event per batch)
+    ("tensors", dict(gpu_resident=False, transforms=(identity,))),  # copied in the loop's thread
+    ("dataset", dict(num_workers=0)),  # DataLoader in this process: the loop's thread
+    ("dataset", dict(num_workers=2)),  # workers: copied in a thread
+])
+def test_each_prepared_batch_holds_its_rows_when_its_copy_is_slow(source, options, monkeypatch):
+    from gpunb import TrainConfig
+    from gpunb.runtime.data import build_feed
+    from gpunb.runtime.inputs import adapt_data
+
+    slowed_copy(monkeypatch)
+    x, y = numbered_rows()
+    data = (x, y) if source == "tensors" else adapt_data(Rows(x, y), "train_data")
+    feed = build_feed(data, batch_size=64, device=torch.device("cuda"),
+                      config=TrainConfig(shuffle=False, **options))
+    assert feed.prefetch is not None
+    expected_x, expected_y = x.cuda(), y.cuda()
+    torch.cuda.synchronize()
+    matches = []
+    for b, batch in enumerate(feed.epoch(0)):
+        rows = slice(64 * b, 64 * (b + 1))
+        # queued on the consumer stream as a step would be, read after the epoch
+        matches.append(torch.stack([(batch[0] == expected_x[rows]).all(), (batch[1] == expected_y[rows]).all()]))
+    assert len(matches) == 8
+    assert torch.stack(matches).all(dim=1).tolist() == [True] * 8
+
+
+@pytest.mark.parametrize("transforms", [(), (identity,)], ids=["in a thread", "in the loop's thread"])
+def test_training_from_host_tensors_with_slow_copies_ends_as_from_resident_ones(transforms, monkeypatch):
+    x, y = classification_data(n=512)
+
+    def trained(**options):
+        torch.manual_seed(0)
+        model = mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        result = Trainer(epochs=2, batch_size=64, precision="32", compile=False, track=False, log_every=1,
+                         transforms=transforms, **options).fit(model, (x, y), optimizer=optimizer,
+                                                               loss_fn=nn.CrossEntropyLoss())
+        return model, [row["loss"] for row in result.history]
+
+    resident, resident_losses = trained(gpu_resident=True)
+    slowed_copy(monkeypatch)
+    copied, copied_losses = trained(gpu_resident=False)
+    assert copied_losses == pytest.approx(resident_losses, rel=1e-4)
+    for a, b in zip(resident.parameters(), copied.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- no sync per step
+
+
+class NoSyncBetweenLogs:
+    """Makes every synchronising CUDA call an error (`torch.cuda.set_sync_debug_mode`) from the
+    first step's end (set-up and the first step's lazy initialisation may sync) to the last
+    step's (the fit's final log then reads the losses, its one sync). In between: the data of
+    each step, forward, backward, the optimizer, and every callback's per-step hook."""
+
+    def __init__(self):
+        self.checked_steps = 0
+
+    def on_step_end(self, state):
+        if state.step == 1:
+            torch.cuda.set_sync_debug_mode("error")
+            return
+        self.checked_steps += 1
+        if state.step == state.total_steps:
+            torch.cuda.set_sync_debug_mode(0)
+
+    def on_exception(self, state, error):  # the error path may sync: not what is checked
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def fit_without_syncs(model, data, callbacks=(), **options):
+    """One epoch under NoSyncBetweenLogs, logged only at its end; every step but the first was checked."""
+    check = NoSyncBetweenLogs()
+    settings = dict(epochs=1, batch_size=64, log_every=10_000, compile=False)  # tracked: the default
+    settings.update(options)
+    try:
+        result = Trainer(**settings).fit(model, data, loss_fn=nn.CrossEntropyLoss(), callbacks=[check, *callbacks])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert result.steps == result.history[-1]["step"] > 2 and len(result.history) == 1
+    assert check.checked_steps == result.steps - 1
+    return result
+
+
+@pytest.mark.parametrize("data, options", [
+    ("tensors", {}),  # resident on the GPU, gathered inline
+    ("tensors", dict(clip_grad_norm=1.0, lr_schedule="cosine", grad_accum=2)),
+    ("tensors", dict(gpu_resident=False)),  # from host memory, prefetched in a thread
+    ("tensors", dict(gpu_resident=False, transforms=(identity,))),  # prefetched in the loop's thread
+    ("dataset", dict(num_workers=0)),  # DataLoader in this process, prefetched in the loop's thread
+    ("dataset", dict(num_workers=2)),
+])
+def test_training_steps_do_not_sync_with_the_gpu_between_logs(data, options):
+    x, y = classification_data(n=512)
+    result = fit_without_syncs(mlp(), (x, y) if data == "tensors" else Rows(x, y), **options)
+    assert result.device.startswith("cuda")
+
+
+def test_steps_with_device_transforms_do_not_sync_with_the_gpu_between_logs():
+    fit_without_syncs(small_convnet(), uint8_images(), transforms=augmentations())
+
+
+def test_a_sync_in_a_step_is_caught_by_the_check():
+    class ReadsTheLoss:
+        def on_step_end(self, state):
+            float(next(state.model.parameters()).sum())  # as a per-step log of a value would
+
+    with pytest.raises(RuntimeError, match="synchronizing CUDA operation"):
+        fit_without_syncs(mlp(), classification_data(n=512), callbacks=[ReadsTheLoss()])
+    assert torch.cuda.get_sync_debug_mode() == 0

@@ -3,11 +3,11 @@
 import re
 
 import pytest
-from conftest import classification_data, mlp
+from conftest import charts_in, classification_data, mlp
 from torch import nn
 
 from gpunb import Trainer
-from gpunb.charts import MAX_CURVE_POINTS, loss_chart
+from gpunb.charts import IMAGE_INK, MAX_CURVE_POINTS, loss_chart
 from gpunb.notebook.dashboard import Dashboard
 from gpunb.render import progress_line, summary_rows
 
@@ -42,8 +42,9 @@ def watched():
 
 def test_the_live_curve_is_the_summarys_curve(watched):
     dashboard, result = watched
-    # Same function, same axes: the last live chart reappears unchanged in the summary.
-    assert dashboard.curve.value in result._repr_html_()
+    # Same function, same axes: the last live chart reappears in the summary, as an image
+    # whose ink is fixed (the page's text colour does not reach into an image).
+    assert charts_in(result._repr_html_()) == [dashboard.curve.value.replace("currentColor", IMAGE_INK)]
     assert "<polyline" in dashboard.curve.value and "<circle" not in dashboard.curve.value
 
 
@@ -85,6 +86,35 @@ def test_the_progress_line_says_the_elapsed_time():
     state.__dict__.update(step=5, total_steps=10, progress=0.5, epoch=0, latest={"loss": 0.5},
                           config=type("C", (), {"epochs": 2})(), started_at=0.0)
     assert "elapsed " in progress_line(state) and "loss 0.5" in progress_line(state)
+    assert "warming up" not in progress_line(state)
+
+
+def test_a_stop_request_shows_at_once():
+    # A stop asked for (the sidebar, early stopping) redraws the dashboard in the same step,
+    # without waiting for the next redraw: the loop ends after it, a checkpoint may follow.
+    from types import SimpleNamespace
+
+    dashboard = Dashboard(min_interval_s=3600)
+    drawn = []
+    dashboard._draw = lambda state, now=None: drawn.append(progress_line(state))
+    state = SimpleNamespace(step=5, total_steps=10, progress=0.5, epoch=0, latest={"loss": 0.5},
+                            config=SimpleNamespace(epochs=2), started_at=0.0, stop_reason=None, eta=None)
+    dashboard._last_draw = __import__("time").monotonic()
+    dashboard.on_step_end(state)
+    assert drawn == []  # throttled
+    state.stop_reason = "stopped from the sidebar"
+    dashboard.on_step_end(state)
+    assert len(drawn) == 1 and drawn[0].endswith("stopping after this step (stopped from the sidebar)")
+    dashboard.on_step_end(state)
+    assert len(drawn) == 1  # once
+
+
+def test_the_first_frame_says_the_run_is_warming_up():
+    # Before the first log the dashboard has no loss, no rate and no ETA: it says why it waits.
+    state = type("State", (), {})()
+    state.__dict__.update(step=0, total_steps=10, progress=0.0, epoch=0, latest={},
+                          config=type("C", (), {"epochs": 2})(), started_at=0.0)
+    assert progress_line(state).endswith("warming up") and "ETA" not in progress_line(state)
 
 
 def test_train_loss_is_the_epoch_mean_everywhere_and_the_last_interval_is_loss(watched):

@@ -3,7 +3,7 @@
 A notebook made through the contents API trains gpunb.demo's digits CNN in a kernel of
 the server; headless Chromium (Playwright, the system browser) runs it and watches the
 ipywidgets dashboard advance, then sees it replaced in place by the static summary.
-Writes docs/dashboard-live.png and docs/dashboard-summary.png.
+Screenshots dashboard-live.png and dashboard-summary.png go to docs/ with `--docs-images`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import re
 import time
 
 import pytest
-from browser_support import DOCS, api, chromium_page, jupyter_lab, notebook_json, require_browser
+from browser_support import api, chromium_page, jupyter_lab, notebook_json, require_browser
+from conftest import charts_in
 
 pytestmark = pytest.mark.browser
 
@@ -35,9 +36,9 @@ def _step(text: str) -> int:
     return int(match.group(1))
 
 
-def test_live_dashboard_then_static_summary(tmp_path):
+def test_live_dashboard_then_static_summary(tmp_path, screenshots):
     require_browser()
-    DOCS.mkdir(exist_ok=True)
+    screenshots.mkdir(parents=True, exist_ok=True)
     # One torch thread: the kernel shares two cores with the server and the browser, and
     # oversubscribed intra-op threads make this CPU run several times slower, not faster.
     with jupyter_lab(tmp_path, env={"OMP_NUM_THREADS": "1"}) as url:
@@ -92,7 +93,24 @@ def test_live_dashboard_then_static_summary(tmp_path):
                 assert cell.locator(".jp-InputPrompt").inner_text().strip() == "[*]:"  # still running
                 # ... and the kernel reads Busy, though the widgets' comms subshell was opened meanwhile.
                 assert page.locator(".jp-StatusBar-Item", has_text="Python 3 (ipykernel) | Busy").count() == 1
-                cell.screenshot(path=DOCS / "dashboard-live.png")
+                cell.screenshot(path=screenshots / "dashboard-live.png")
+
+                # Narrow windows: 1024 px with the gpunb sidebar open beside the notebook, then
+                # 600 px. The bar keeps a usable width, the status line wraps instead of being cut,
+                # and no line of the dashboard runs out of its box.
+                page.locator(".jp-SideBar.jp-mod-left [data-id='gpunb-sidebar']").click()
+                page.locator("#gpunb-sidebar").wait_for()
+                for width in (1024, 600):
+                    page.set_viewport_size({"width": width, "height": 800})
+                    page.wait_for_timeout(500)  # a redraw or two at the new width
+                    assert progress.bounding_box()["width"] >= 150, (width, progress.bounding_box())
+                    assert "ETA" in status.inner_text()
+                    cut = output.locator(".widget-html-content").evaluate_all(
+                        "els => els.filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.innerText)")
+                    assert not cut, (width, cut)
+                    if width == 1024:
+                        cell.screenshot(path=screenshots / "dashboard-narrow.png")
+                page.set_viewport_size({"width": 1280, "height": 800})
 
                 # The end: the widget's place now holds the static summary (table and curve).
                 summary = output.locator(".gpunb-result")
@@ -108,12 +126,15 @@ def test_live_dashboard_then_static_summary(tmp_path):
                 assert {"val_loss", "train_loss", "last loss", "wall time"} <= rows.keys(), rows
                 assert summary.locator("table.gpunb-epochs tbody tr").count() == 40  # one row an epoch
                 assert "dash-demo" in summary.inner_text()
-                lines = summary.locator("svg polyline")
-                assert lines.count() >= 1 and len(lines.first.get_attribute("points").split()) >= 3
-                assert "val loss" in summary.locator("svg").text_content()  # validation after each epoch
+                # the chart is an image of its SVG, so a reopened, untrusted notebook keeps it
+                (chart,) = charts_in(summary.inner_html())
+                points = re.search(r"<polyline points='([^']*)'", chart).group(1)
+                assert len(points.split()) >= 3
+                assert "val loss" in chart  # validation after each epoch
+                assert summary.locator("img").first.evaluate("img => img.decode().then(() => img.naturalWidth)") == 510
                 cell.locator(".jp-InputPrompt", has_text="[2]:").wait_for()
                 assert "Traceback" not in notebook.inner_text()
-                cell.screenshot(path=DOCS / "dashboard-summary.png")
+                cell.screenshot(path=screenshots / "dashboard-summary.png")
                 print(f"training cell ran for {elapsed:.1f} s in the browser")
             except BaseException:
                 page.screenshot(path=tmp_path / "failure.png")  # what the browser showed, for the report

@@ -5,6 +5,7 @@ import types
 import IPython
 import nbformat
 import pytest
+from conftest import charts_in
 from IPython.core.error import UsageError
 from IPython.testing.globalipapp import get_ipython
 from nbclient import NotebookClient
@@ -131,7 +132,7 @@ def test_the_html_view_is_one_display_updated_in_place(html_run):
     assert len(updates) >= 4 and {m["content"]["transient"]["display_id"] for m in updates} == {display_id}
     live = [m["content"]["data"]["text/html"] for m in updates[:-1]]
     assert all("gpunb-live" in frame for frame in live)
-    assert any("<table class='gpunb-epochs'>" in frame and "<polyline" in frame for frame in live)
+    assert any("<table class='gpunb-epochs'>" in frame and "<polyline" in "".join(charts_in(frame)) for frame in live)
     assert not any("application/vnd.jupyter.widget-view+json" in m["content"].get("data", {}) for m in messages)
     final = updates[-1]["content"]["data"]
     assert final["text/plain"].startswith("TrainResult('html-view': completed, 3 epochs, 18 steps")

@@ -91,7 +91,8 @@ def test_metrics_of_a_model_that_computes_its_own_loss_take_its_logits_and_the_l
     data = counting_text(n=32)
     result = Trainer(epochs=1, batch_size=16, track=False).fit(tiny_gpt2(), data, data, metrics={"top": top_logit})
     assert "val_top" in result.final_metrics and "val_acc" not in result.final_metrics
-    assert seen[-1] == ((16, LENGTH, VOCAB), (16, LENGTH))
+    # a causal LM scores logits[:, t] against labels[:, t + 1]: its metrics see those same pairs
+    assert seen[-1] == ((16, LENGTH - 1, VOCAB), (16, LENGTH - 1))
 
 
 class Indexed:

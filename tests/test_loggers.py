@@ -251,12 +251,13 @@ def test_a_logger_that_cannot_start_raises_its_own_error_and_is_not_finished(tmp
 # --- Weights & Biases
 
 
-def wandb_records(folder):
+def wandb_records(folder, teardown=True):
     """The records of an offline run's .wandb file (LevelDB log blocks of protobuf Records)."""
     import wandb
     from wandb.proto import wandb_internal_pb2 as pb
 
-    wandb.teardown()  # the service process writes the file; it has flushed it once it has exited
+    if teardown:
+        wandb.teardown()  # the service process writes the file; it has flushed it once it has exited
     [path] = glob.glob(os.path.join(folder, "wandb", "offline-run-*", "*.wandb"))
     data, position, pending, block = open(path, "rb").read(), 7, b"", 32768
     assert data[:4] == b":W&B"

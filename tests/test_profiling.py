@@ -208,8 +208,8 @@ def test_profiler_callback_with_the_trainer():
 
     callback = ProfilerCallback(steps=2, warmup=1)
     x, y = torch.randn(64, 8), torch.randint(0, 2, (64,))
-    fit = Trainer(batch_size=8, epochs=1, track=False).fit(tiny_model(), (x, y), loss_fn=nn.CrossEntropyLoss(),
-                                                            callbacks=[callback])
+    # tracked, as a user's run is: the run recorder's hooks run beside the profiled steps
+    fit = Trainer(batch_size=8, epochs=1).fit(tiny_model(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[callback])
     assert fit.steps == 4 and fit.stop_reason == "profiled 2 steps"  # 1 warmup, 1 start-up, 2 profiled
     assert callback.result().steps == 2
     assert callback.result().signals["batch_size"] == 8  # the small-batch advice can name it
@@ -555,3 +555,20 @@ def test_magic_help_lists_the_options(ip):
     doc = ProfileMagics.gpuprofile.__doc__
     for option in ("--steps", "--warmup", "--save DIR", "--train", "%%gputrain"):
         assert option in doc
+
+
+def test_a_fused_optimizers_tensor_lists_are_counted_not_listed():
+    # _fused_adamw_ takes every parameter, gradient and state as tensor lists: its row said
+    # the whole nested list of shapes; it says how many tensors each list holds instead.
+    t = FakeTrace()
+    t.step(0, 0.0, 1000)
+    params = [[64, 10], [64], [10, 64], [10]] * 20
+    t.op("aten::_fused_adamw_", 10, 500, types=["TensorList"] * 4 + ["Scalar"],
+         dims=[params, params, params, params, []])
+    t.op("aten::addmm", 600, 300, types=["float"] * 3, dims=[[10], [128, 64], [64, 10]])
+    rows = {row.name: row.shapes for row in t.result(kind="statement").top_ops}
+    assert rows["aten::_fused_adamw_"] == "80 tensors, 80 tensors, 80 tensors, 80 tensors"
+    assert rows["aten::addmm"] == "[10], [128, 64], [64, 10]"
+    t.op("aten::cat", 950, 10, types=["float"] * 9, dims=[[1024, 1024, 3]] * 9)
+    long = {row.name: row.shapes for row in t.result(kind="statement").top_ops}["aten::cat"]
+    assert len(long) == 60 and long.endswith("…")

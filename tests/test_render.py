@@ -5,6 +5,8 @@ import io
 import re
 from pathlib import Path
 
+from conftest import charts_in
+
 import gpunb
 from gpunb.charts import sparkline
 from gpunb.render import ProgressPrinter, html_table
@@ -58,7 +60,7 @@ def test_results_render_through_render_without_the_extension():
     finder = LRFinderResult(lrs=[1e-4, 1e-3], losses=[1.0, 0.5], suggestion=1e-4)
     assert repr(finder) == ("LRFinderResult: suggested lr 1.00e-04 after 2 steps (1e-04 to 1e-03)\n"
                             "Apply it with: %%gputrain --lr 1.00e-04")
-    assert "<svg" in finder._repr_html_() and "Apply it with" in finder._repr_html_()
+    assert charts_in(finder._repr_html_()) and "Apply it with" in finder._repr_html_()
 
 
 def test_the_sparkline_spans_its_box():
@@ -77,3 +79,37 @@ def test_the_progress_printer_writes_one_line_per_epoch_off_a_tty():
     printer.on_epoch_end(State(), {"train_loss": 0.25, "epoch": 1})
     printer.on_fit_end(State())
     assert stream.getvalue() == "epoch 2: train_loss 0.25\n"
+
+
+def test_stored_charts_are_images_that_untrusted_front_ends_keep():
+    # Sanitizers (JupyterLab, Notebook 7, GitHub) drop inline <svg> from an untrusted notebook's
+    # HTML and leave its labels as loose text; an <img> of the SVG survives them.
+    history = [{"step": s, "epoch": 0, "loss": 1.0 / s} for s in range(1, 40)]
+    result = TrainResult("run<1>", history=history, steps=39, samples=39 * 8,
+                         validations=[{"step": 39, "val_loss": 0.05}])
+    markup = result._repr_html_()
+    assert "<svg" not in markup
+    (svg,) = charts_in(markup)
+    assert svg.startswith("<svg") and svg.count("<polyline") == 1 and "val loss" in svg
+    assert "currentColor" not in svg  # the page's colour does not reach into an image
+    assert re.search(r"<img src='data:image/svg\+xml;base64,[^']+' width='510' height='210' alt='loss of run&lt;1&gt;'",
+                     markup)
+    assert markup == result._repr_html_()  # the same bytes each time: stored outputs compare
+
+
+def test_compute_reads_in_a_unit_of_its_size():
+    from gpunb.render import compute_text
+
+    assert compute_text(40.0, 0.04, 989) == "40 TFLOPS, MFU 4.0% of 989"
+    assert compute_text(0.000808, None, None) == "808 MFLOPS"  # a CPU run: not "0.000808 TFLOPS"
+    assert compute_text(1.43e-05, None, None) == "14.3 MFLOPS"
+    assert compute_text(0.5, None, None) == "500 GFLOPS"
+
+
+def test_the_best_checkpoint_line_says_whether_it_was_loaded():
+    from gpunb.render import best_text
+
+    best = dict(best_monitor="val_loss", best_value=0.25, best_step=40)
+    kept = best_text(TrainResult("r", restored_best=False, **best))
+    assert kept == "val_loss=0.25 at step 40 (on disk; restore_best=True would load it at the end)"
+    assert "restored into the model" in best_text(TrainResult("r", restored_best=True, **best))

@@ -123,3 +123,68 @@ def test_random_device_transforms_resume_mid_epoch_bit_for_bit(tmp_path, acceler
     fit(other, uint8_images(), **dict(settings, transforms=augmentations()[2:]))
     with pytest.raises(AssertionError):  # the random transforms do change the run
         assert_same_weights(straight, other)
+
+
+def damage(path, change):
+    payload = torch.load(path, weights_only=True)
+    change(payload)
+    torch.save(payload, path)
+
+
+@pytest.mark.parametrize("part, change", [
+    ("torch", lambda rng: rng.update(torch=rng["torch"][:100])),
+    ("torch", lambda rng: rng.update(torch=rng["torch"].float())),
+    ("python", lambda rng: rng.update(python=rng["python"][:10])),
+    ("numpy", lambda rng: rng.update(numpy=rng["numpy"][:5])),
+    ("numpy", lambda rng: rng.update(numpy_meta=["PCG64", 0, 0, 0.0])),
+], ids=["torch-truncated", "torch-float", "python-short", "numpy-short", "numpy-other-kind"])
+def test_a_damaged_rng_state_is_refused_before_the_weights_are_touched(tmp_path, part, change):
+    from gpunb.runtime.checkpoint import find_checkpoint
+
+    x, y = classification_data(n=96)
+    fit(dropout_mlp(), (x, y), epochs=1, checkpoint_dir=tmp_path)
+    damage(find_checkpoint("last", tmp_path), lambda payload: change(payload["rng"]))
+    model = dropout_mlp(seed=7)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(GpunbError, match=f"(?s)is damaged.*the {part} RNG state cannot be set") as error:
+        fit(model, (x, y), epochs=2, checkpoint_dir=tmp_path, resume="last")
+    assert "resume from an earlier checkpoint" in error.value.hint
+    assert all(torch.equal(value, model.state_dict()[name]) for name, value in before.items())
+
+
+def test_a_resume_with_fewer_batches_an_epoch_warns_that_epochs_no_longer_line_up(tmp_path):
+    x, y = classification_data(n=200)
+    fit(dropout_mlp(), (x, y), epochs=2, checkpoint_dir=tmp_path, callbacks=[StopAt(10)])  # 13 batches an epoch
+    with pytest.warns(RuntimeWarning, match="saved with 13 batches an epoch and the data now gives 7: the saved "
+                                            r"position \(batch 10\) is past the end of the new epoch 0.*"
+                                            "goes on from 10 and this run ends at step 14"):
+        result, _ = fit(dropout_mlp(), (x[:100], y[:100]), epochs=2, checkpoint_dir=tmp_path, resume="last")
+    assert result.steps == 14 and result.epochs[-1]["epoch"] == 1
+
+
+def test_a_damaged_weight_average_is_refused_before_the_weights_are_touched(tmp_path):
+    from gpunb.runtime.checkpoint import find_checkpoint
+
+    x, y = classification_data(n=96)
+    fit(dropout_mlp(), (x, y), epochs=1, ema=0.9, checkpoint_dir=tmp_path)
+    damage(find_checkpoint("last", tmp_path), lambda payload: payload["ema"]["weights"].pop("0.weight"))
+    model = dropout_mlp(seed=7)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(GpunbError, match="weight average: missing from the checkpoint: 0.weight"):
+        fit(model, (x, y), epochs=2, ema=0.9, checkpoint_dir=tmp_path, resume="last")
+    assert all(torch.equal(value, model.state_dict()[name]) for name, value in before.items())
+
+
+@pytest.mark.cuda
+def test_a_cuda_rng_state_is_checked_in_a_scratch_generator():
+    from gpunb.runtime import device as devices
+    from gpunb.runtime.resume_check import rng_problems
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    state = devices.rng_state(device)
+    assert rng_problems(state, device) == []
+    before = torch.cuda.get_rng_state(device)
+    state["cuda"] = state["cuda"][:3]
+    problems = rng_problems(state, device)
+    assert len(problems) == 1 and "the cuda RNG state cannot be set" in problems[0], problems
+    assert torch.equal(torch.cuda.get_rng_state(device), before)  # the device's own generator is untouched

@@ -154,3 +154,170 @@ def test_ranks_build_a_factorys_scheduler_on_their_own_optimizer():
         scheduler=lambda opt, n: torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.0, total_iters=n))
     assert result.world_size == 2 and result.total_steps == 6
     assert [row["lr"] for row in result.history] == pytest.approx([1e-3 * (1 - s / 6) for s in range(1, 7)])
+
+
+# -- the cosine shorthand: warm-up, then decay to a floor ------------------------------------------
+
+def cosine_lrs(total, warmup, **ratio):
+    """The rate each optimizer step uses under lr_schedule='cosine', and the rate after the last."""
+    from gpunb.config import TrainConfig
+    from gpunb.runtime.schedule import build_schedule
+
+    optimizer = torch.optim.SGD(mlp().parameters(), lr=0.1)
+    config = TrainConfig(lr_schedule="cosine", warmup_steps=warmup, **ratio)
+    schedule = build_schedule(None, optimizer, config, total, None)
+    used = []
+    for _ in range(total):
+        used.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.after_step()
+    return used, optimizer.param_groups[0]["lr"]
+
+
+def test_cosine_warms_up_then_decays_to_min_lr_ratio_of_the_rate():
+    used, after = cosine_lrs(total=11, warmup=3, min_lr_ratio=0.1)
+    assert used[:3] == pytest.approx([0.1 / 3, 0.2 / 3, 0.1])  # linear warm-up; its last step at the full rate
+    assert used[3] == pytest.approx(0.1)  # the decay starts from the full rate
+    assert used[7] == pytest.approx(0.055)  # halfway through the decay: halfway between rate and floor
+    assert all(a > b for a, b in zip(used[3:], used[4:]))  # decreasing all the way
+    assert used[-1] > 0.01 and after == pytest.approx(0.01)  # the floor is reached, never passed
+    _, to_zero = cosine_lrs(total=11, warmup=3)
+    assert to_zero == pytest.approx(0.0, abs=1e-12)  # default: torch's CosineAnnealingLR, HF's "cosine"
+
+
+def test_a_fit_with_min_lr_ratio_ends_at_the_floor():
+    model = mlp()
+    result = fit(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), lr_schedule="cosine",
+                 warmup_steps=2, min_lr_ratio=0.2)
+    assert lrs(result)[1] == pytest.approx(0.1) and lrs(result)[-1] == pytest.approx(0.02)
+    assert min(lrs(result)) == pytest.approx(0.02)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(min_lr_ratio=1.5), "min_lr_ratio must be a fraction of the learning rate between 0 and 1, got 1.5"),
+    (dict(min_lr_ratio=0.1), "min_lr_ratio=0.1 sets where the cosine schedule ends, and lr_schedule is 'none'"),
+    (dict(min_lr_ratio=0.1, lr_schedule="one-cycle"), "lr_schedule is 'one-cycle'"),
+])
+def test_min_lr_ratio_without_the_cosine_schedule_or_out_of_range_is_refused(options, message):
+    from gpunb.config import TrainConfig
+
+    with pytest.raises(GpunbError, match=message):
+        TrainConfig(**options)
+
+
+def test_gputrain_takes_min_lr_ratio(ip):
+    cell = "model = mlp()\ntrain_data = (x, y)\nloss_fn = nn.CrossEntropyLoss()"
+    ip.run_cell_magic("gputrain", "--max-steps 6 --lr-schedule cosine --min-lr-ratio 0.1 --lr 0.1 "
+                      "--log-every 1 --no-track --quiet --out res", cell)
+    result = ip.user_ns["res"]
+    assert result.config["min_lr_ratio"] == 0.1
+    assert result.history[-1]["lr"] == pytest.approx(0.01)
+
+
+class SidebarStopAt:
+    """Asks the run registry to stop this run at a step, as the sidebar's stop button does."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, state):
+        if state.step == self.step:
+            from gpunb.runs.registry import Registry
+
+            assert Registry().request_stop(state.extras["run_id"])
+
+
+@pytest.mark.parametrize("stopper", [SidebarStopAt, StopAt])
+def test_a_stop_mid_epoch_neither_steps_an_epoch_scheduler_nor_validates_the_partial_epoch(tmp_path, stopper):
+    spec = {"scheduler": lambda opt, n: StepLR(opt, step_size=1, gamma=0.5), "interval": "epoch"}
+    straight_model = mlp()
+    straight = fit(straight_model, spec, val=DATA, epochs=3)
+    stopped = fit(mlp(), spec, val=DATA, epochs=3, checkpoint_dir=tmp_path, track=True, callbacks=[stopper(4)])
+    assert stopped.steps == 4 and stopped.stop_reason in ("stopped from the sidebar", "test stop")
+    assert stopped.validations == [] and stopped.epochs == []  # epoch 0 did not end
+    assert lrs(stopped) == lrs(straight)[:4]
+    resumed_model = mlp(seed=7)
+    resumed = fit(resumed_model, spec, val=DATA, epochs=3, checkpoint_dir=tmp_path, resume="last")
+    assert lrs(resumed) == lrs(straight)
+    assert [row["val_loss"] for row in resumed.validations] == [row["val_loss"] for row in straight.validations]
+    for a, b in zip(straight_model.state_dict().values(), resumed_model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+class InterruptAt(StopAt):
+    def on_step_end(self, state):
+        if state.step == self.step:
+            state.request_stop("interrupted")  # what the loop does after a Ctrl-C
+
+
+def test_a_ctrl_c_on_an_epochs_last_step_still_ends_that_epoch_so_the_resume_is_exact(tmp_path):
+    spec = {"scheduler": lambda opt, n: StepLR(opt, step_size=1, gamma=0.5), "interval": "epoch"}
+    straight_model = mlp()
+    straight = fit(straight_model, spec, val=DATA, epochs=3)
+    stopped = fit(mlp(), spec, val=DATA, epochs=3, checkpoint_dir=tmp_path, callbacks=[InterruptAt(6)])
+    assert stopped.interrupted and [row["epoch"] for row in stopped.epochs] == [0]
+    resumed_model = mlp(seed=7)
+    resumed = fit(resumed_model, spec, val=DATA, epochs=3, checkpoint_dir=tmp_path, resume="last")
+    assert lrs(resumed) == lrs(straight)
+    assert [row["val_loss"] for row in resumed.validations] == [row["val_loss"] for row in straight.validations]
+    for a, b in zip(straight_model.state_dict().values(), resumed_model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def one_cycle(optimizer, total_steps):
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total_steps)
+
+
+def test_a_one_cycle_factory_resumed_for_more_epochs_is_refused_before_anything_loads(tmp_path):
+    fit(mlp(), one_cycle, epochs=2, checkpoint_dir=tmp_path)
+    model = mlp(seed=7)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(GpunbError, match="OneCycleLR built for 12 steps .* this run has 24") as error:
+        fit(model, one_cycle, epochs=4, checkpoint_dir=tmp_path, resume="last")
+    assert "with the `epochs`/`max_steps` it was saved with" in error.value.hint
+    assert all(torch.equal(value, model.state_dict()[name]) for name, value in before.items())
+
+
+@pytest.mark.parametrize("old_file", [False, True])
+def test_a_scheduler_state_of_another_class_is_refused(tmp_path, old_file):
+    fit(mlp(), lambda opt, n: StepLR(opt, step_size=3), checkpoint_dir=tmp_path)
+    if old_file:  # written before checkpoints named the scheduler's class
+        from gpunb.runtime.checkpoint import find_checkpoint
+
+        path = find_checkpoint("last", tmp_path)
+        payload = torch.load(path, weights_only=True)
+        del payload["scheduler_type"]
+        torch.save(payload, path)
+    exponential = lambda opt, n: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)  # noqa: E731
+    with pytest.raises(GpunbError, match="holds the state of (StepLR|another scheduler class), and this run's "
+                                         "scheduler is ExponentialLR"):
+        fit(mlp(), exponential, epochs=3, checkpoint_dir=tmp_path, resume="last")
+
+
+def linear_decay(optimizer, total_steps):
+    return torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.01, total_iters=total_steps)
+
+
+def test_a_schedule_the_checkpoint_lacks_is_moved_on_to_the_saved_step(tmp_path):
+    straight_model = mlp()
+    straight = fit(straight_model, linear_decay, torch.optim.SGD(straight_model.parameters(), lr=0.1), epochs=4)
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    fit(model, None, optimizer, epochs=4, checkpoint_dir=tmp_path, callbacks=[StopAt(5)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning, match="saved without a learning-rate schedule.*moved on to step 5"):
+        resumed = fit(model, linear_decay, optimizer, epochs=4, checkpoint_dir=tmp_path, resume="last")
+    assert lrs(resumed)[:5] == [0.1] * 5  # trained at a constant rate
+    assert lrs(resumed)[5:] == pytest.approx(lrs(straight)[5:])  # then the schedule, ending where planned
+
+
+def test_a_saved_schedule_this_run_lacks_is_named(tmp_path):
+    fit(mlp(), lambda opt, n: StepLR(opt, step_size=4, gamma=0.5), checkpoint_dir=tmp_path)
+    with pytest.warns(RuntimeWarning, match=r"holds a learning-rate schedule \(StepLR\) and this run has none"):
+        fit(mlp(), None, epochs=3, checkpoint_dir=tmp_path, resume="last")
+
+
+def test_a_factory_that_builds_other_settings_is_told_the_saved_ones_go_on(tmp_path):
+    fit(mlp(), factory, epochs=2, checkpoint_dir=tmp_path)
+    with pytest.warns(RuntimeWarning, match=r"CosineAnnealingLR was saved with T_max=12 \(this run built 24\)"):
+        fit(mlp(), factory, epochs=4, checkpoint_dir=tmp_path, resume="last")

@@ -1,4 +1,8 @@
-"""What the loop does per optimizer step beyond a plain loop: nothing that grows with the steps."""
+"""What the loop does per optimizer step beyond a plain loop: nothing that grows with the steps.
+
+The runs here are tracked, as a user's are by default: the run recorder's per-step hook
+is part of what is counted.
+"""
 
 import collections
 
@@ -80,7 +84,7 @@ def _contexts_made(steps, precision):
         patch.setattr(torch, "autocast", CountedAutocast)
         patch.setattr(precisions.Precision, "autocast", counted)
         torch.manual_seed(0)
-        Trainer(batch_size=8, max_steps=steps, log_every=4, precision=precision, track=False).fit(
+        Trainer(batch_size=8, max_steps=steps, log_every=4, precision=precision).fit(
             mlp(), classification_data(n=256), loss_fn=nn.CrossEntropyLoss())
     return made
 
@@ -119,7 +123,7 @@ def test_a_whole_step_dispatches_the_plain_loops_ops_and_one_detach_with_a_faste
         log = StepOps()
         with log:
             if loop == "gpunb":  # tensors batched by indexing, as below
-                Trainer(batch_size=8, epochs=1, log_every=4, track=False).fit(
+                Trainer(batch_size=8, epochs=1, log_every=4).fit(
                     model, (x, y), loss_fn=nn.MSELoss(), optimizer=optimizer, callbacks=[log])
             else:
                 order = torch.randperm(64)
@@ -156,7 +160,7 @@ def _phases_named(profile_from_start: bool) -> list:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(steps, "phase_range", counted)
         patch.setattr(epochs, "phase_range", counted)
-        Trainer(batch_size=8, max_steps=3, log_every=4, track=False).fit(
+        Trainer(batch_size=8, max_steps=3, log_every=4).fit(
             mlp(), classification_data(n=64), loss_fn=nn.CrossEntropyLoss(), callbacks=[Profiles()])
     return named
 
@@ -184,7 +188,7 @@ def _contexts_entered(steps_run: int) -> int:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(steps, "_NO_CONTEXT", entered)
         patch.setattr(precisions, "_NO_AUTOCAST", entered)
-        Trainer(batch_size=8, max_steps=steps_run, log_every=3, precision="32", track=False).fit(
+        Trainer(batch_size=8, max_steps=steps_run, log_every=3, precision="32").fit(
             mlp(), classification_data(n=128), loss_fn=nn.CrossEntropyLoss())
     return entered.count
 
@@ -213,7 +217,7 @@ def _zero_grad_calls(steps_run: int, optimizer_type) -> tuple[int, int]:
                       lambda self, set_to_none=True: torchs.append(1) or original(self, set_to_none))
         model = mlp()
         optimizer = optimizer_type(model.parameters(), lr=0.1)
-        Trainer(batch_size=8, max_steps=steps_run, log_every=4, track=False).fit(
+        Trainer(batch_size=8, max_steps=steps_run, log_every=4).fit(
             model, classification_data(n=256), loss_fn=nn.CrossEntropyLoss(), optimizer=optimizer)
     assert all(p.grad is None for p in model.parameters())  # as zero_grad(set_to_none=True) leaves them
     return len(torchs), CountsZeroGrad.calls
@@ -224,3 +228,64 @@ def test_a_step_drops_the_gradients_itself_unless_the_optimizer_has_its_own_zero
     assert _zero_grad_calls(4, torch.optim.SGD) == _zero_grad_calls(12, torch.optim.SGD)
     short, long = _zero_grad_calls(4, CountsZeroGrad), _zero_grad_calls(12, CountsZeroGrad)
     assert long[1] - short[1] == 8  # an optimizer's own zero_grad is called once per step
+
+
+class DeviceReads(TorchDispatchMode):
+    """Reads of tensor values into Python (on a GPU, each waits for the device), counted between
+    one step's end and the next; a window in which the run logged is marked as such.
+    `.item()`, `float()`, `int()`, `bool()` and printing dispatch aten's `_local_scalar_dense`;
+    `.tolist()` and `.numpy()` do not, and are counted by `counting_conversions`."""
+
+    def __init__(self):
+        super().__init__()
+        self.windows, self.reads, self.logged = [], 0, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ == "_local_scalar_dense":
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+    def counting_conversions(self, patch):
+        for name in ("tolist", "numpy"):
+            original = getattr(torch.Tensor, name)
+
+            def counted(tensor, *args, _original=original, **kwargs):
+                self.reads += 1
+                return _original(tensor, *args, **kwargs)
+
+            patch.setattr(torch.Tensor, name, counted)
+
+    def close_window(self):
+        self.windows.append((self.logged, self.reads))
+        self.reads, self.logged = 0, False
+
+    def on_step_end(self, state):
+        self.close_window()
+
+    def on_log(self, state, metrics):
+        self.logged = True
+
+    def on_fit_end(self, state):
+        self.close_window()
+
+
+def _device_reads(steps_run: int, log_every: int, samples: int = 64) -> list:
+    """(logged, reads) per step of a tracked fit (8 steps an epoch of 64 samples), then the fit's end."""
+    reads = DeviceReads()
+    with pytest.MonkeyPatch.context() as patch:
+        reads.counting_conversions(patch)
+        with reads:
+            Trainer(batch_size=8, max_steps=steps_run, log_every=log_every).fit(
+                mlp(), classification_data(n=samples), loss_fn=nn.CrossEntropyLoss(), callbacks=[reads])
+    return reads.windows
+
+
+def test_a_tracked_run_reads_the_device_only_where_it_logs():
+    windows = _device_reads(steps_run=20, log_every=4)  # 2 epochs and a half: epoch ends too
+    assert len(windows) == 21 and sum(logged for logged, _ in windows) == 5
+    # the first window also holds the fit's set-up (preflight checks read values once)
+    assert [i for i, (logged, reads) in enumerate(windows, 1) if i > 1 and reads and not logged] == []
+    # one epoch, logged once at its end: 24 steps read no more than 3
+    long, short = _device_reads(24, log_every=100, samples=192), _device_reads(3, log_every=100, samples=192)
+    assert sum(logged for logged, _ in long) == sum(logged for logged, _ in short) == 1
+    assert sum(reads for _, reads in long) == sum(reads for _, reads in short)

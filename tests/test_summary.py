@@ -212,3 +212,92 @@ def test_the_weight_average_of_ema_counts_in_the_memory_estimate():
     assert averaged.ema_bytes == averaged.weights_bytes
     assert averaged.estimated_bytes == plain.estimated_bytes + averaged.weights_bytes
     assert f"weight average {format_bytes(averaged.weights_bytes)}" in repr(averaged)
+
+
+# -- the measured batch draws from no RNG that training reads ------------------------------------
+
+MASK, VOCAB, LENGTH = 1, 50, 12
+
+
+def masking_collate(rows):
+    """Random masking in the collate function, as a masked-LM collator does: torch's global RNG."""
+    ids = torch.stack(rows)
+    masked = torch.rand(ids.shape) < 0.3
+    return {"input_ids": ids.masked_fill(masked, MASK), "labels": ids.masked_fill(~masked, -100)}
+
+
+class TinyMaskedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.embed, self.head = nn.Embedding(VOCAB, 16), nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids, labels):
+        logits = self.head(torch.relu(self.embed(input_ids)))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+class TinyGPT(nn.Module):
+    """nanoGPT's interface: forward(idx, targets) -> (logits, loss)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.embed, self.head = nn.Embedding(VOCAB, 16), nn.Linear(16, VOCAB)
+
+    def forward(self, idx, targets=None):
+        logits = self.head(torch.relu(self.embed(idx)))
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+
+class GetBatch(torch.utils.data.IterableDataset):
+    """nanoGPT's `get_batch`: random windows of a token stream, drawn with torch.randint, forever."""
+
+    def __init__(self, tokens, batch_size=8):
+        self.tokens, self.batch_size = tokens, batch_size
+
+    def __iter__(self):
+        while True:
+            starts = torch.randint(len(self.tokens) - LENGTH - 1, (self.batch_size,))
+            x = torch.stack([self.tokens[i:i + LENGTH] for i in starts])
+            y = torch.stack([self.tokens[i + 1:i + 1 + LENGTH] for i in starts])
+            yield x, y
+
+
+def _plain_loop(model, loader, steps, call):
+    """What a user writes: seed, then step through the loader."""
+    torch.manual_seed(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    batches = iter(loader)
+    for _ in range(steps):
+        loss = call(model, next(batches))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def _gpunb(model, loader, steps):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    Trainer(max_steps=steps, seed=0, track=False, log_every=1, accelerator="cpu").fit(
+        model, loader, optimizer=optimizer)
+
+
+def test_a_collate_that_draws_random_numbers_trains_as_the_plain_loop_bit_for_bit():
+    rows = torch.randint(2, VOCAB, (64, LENGTH), generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(list(rows), batch_size=8, collate_fn=masking_collate)
+    ours, plain = TinyMaskedLM(), TinyMaskedLM()
+    _gpunb(ours, loader, steps=6)
+    _plain_loop(plain, loader, 6, lambda model, batch: model(**batch))
+    for name, value in plain.state_dict().items():
+        assert torch.equal(ours.state_dict()[name], value), name
+
+
+def test_a_get_batch_stream_on_the_global_rng_trains_as_the_plain_loop_bit_for_bit():
+    tokens = torch.randint(0, VOCAB, (2000,), generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(GetBatch(tokens), batch_size=None)
+    ours, plain = TinyGPT(), TinyGPT()
+    _gpunb(ours, loader, steps=6)
+    _plain_loop(plain, loader, 6, lambda model, batch: model(*batch)[1])
+    for name, value in plain.state_dict().items():
+        assert torch.equal(ours.state_dict()[name], value), name

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import classification_data, mlp
+from conftest import charts_in, classification_data, mlp
 from test_checkpoint import StopAt
 from torch import nn
 from torch.utils.data import IterableDataset
@@ -50,7 +50,7 @@ def test_a_stream_under_max_steps_is_validated_every_n_steps():
     assert [step for step, _ in result.loss_series()["val"]] == heard  # the chart's validation points
     # the epoch row shows the epoch's last pass, not a pass of its own
     assert result.epochs[-1]["val_loss"] == result.validations[-1]["val_loss"]
-    assert "<svg" in result._repr_html_() and "val_loss=" in repr(result)
+    assert charts_in(result._repr_html_()) and "val_loss=" in repr(result)
 
 
 def test_without_val_every_steps_validation_stays_at_epoch_ends():
@@ -108,3 +108,81 @@ def test_two_ddp_ranks_validate_at_the_same_steps_as_one_process(tmp_path):
     best = load_checkpoint(two.best_checkpoint)["model"]
     for name, value in two_model.state_dict().items():
         assert torch.equal(value, best[name]), name
+
+
+# --- a setting that cannot fire, and the steps after the last interval
+
+
+class Heard:
+    """The steps at which validation ends, as EarlyStopping and best checkpoints hear them."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_validation_end(self, state, metrics):
+        self.steps.append(state.step)
+
+
+def test_an_interval_longer_than_the_run_warns_and_validates_once_at_the_end(tmp_path):
+    x, y = classification_data(n=200)  # 13 steps an epoch, 26 in all
+    heard, stopping = Heard(), EarlyStopping(patience=1)
+    model = mlp()
+    with pytest.warns(UserWarning, match=r"val_every_steps=1000 is more than this run's 26 optimizer steps"
+                                         r"(.|\n)*HINT: set `val_every_steps` to at most 26"):
+        result = fit(model, (x, y), callbacks=[heard, stopping], epochs=2, val_every_steps=1000,
+                     checkpoint_dir=tmp_path, save_top_k=1, restore_best=True)
+    assert result.steps == 26 and heard.steps == [26]
+    assert [row["step"] for row in result.validations] == [26]
+    assert stopping.best == result.validations[0]["val_loss"]  # early stopping judged the pass
+    assert result.best_step == 26 and Path(result.best_checkpoint).exists() and result.restored_best
+    assert load_checkpoint(result.checkpoint_path)["validations"] == result.validations
+    assert result.final_metrics["val_loss"] == result.validations[0]["val_loss"]
+
+
+def test_the_steps_after_the_last_interval_are_validated_at_the_end(tmp_path):
+    x, y = classification_data(n=200)
+    result = fit(mlp(), (x, y), epochs=2, val_every_steps=10, checkpoint_dir=tmp_path)
+    assert [row["step"] for row in result.validations] == [10, 20, 26]
+    assert load_checkpoint(result.checkpoint_path)["validations"][-1]["step"] == 26  # the final save holds it
+    assert result.epochs[-1]["val_loss"] == result.validations[-1]["val_loss"]
+    aligned = fit(mlp(), (x, y), epochs=2, val_every_steps=13)  # the end is a pass already: not twice
+    assert [row["step"] for row in aligned.validations] == [13, 26]
+    stopped = fit(mlp(), (x, y), callbacks=[StopAt(15)], epochs=2, val_every_steps=10)
+    assert [row["step"] for row in stopped.validations] == [10]  # a run stopped early is not at its end
+
+
+def test_a_stream_of_unknown_length_is_validated_at_its_end():
+    x, y = classification_data(n=200)  # 13 steps, unknown before they are taken
+    with pytest.warns(UserWarning, match="has no length"):
+        result = fit(mlp(), Stream(x, y), epochs=1, val_every_steps=5)
+    assert [row["step"] for row in result.validations] == [5, 10, 13]
+
+
+def test_epochs_after_the_last_val_every_are_validated_at_the_end(tmp_path):
+    x, y = classification_data(n=200)
+    result = fit(mlp(), (x, y), epochs=3, val_every=2)
+    assert [row["step"] for row in result.validations] == [26, 39]
+    assert [row.get("val_loss") is not None for row in result.epochs] == [False, True, True]
+    with pytest.warns(UserWarning, match=r"val_every=5 is more than this run's 3 epochs"):
+        longer = fit(mlp(), (x, y), epochs=3, val_every=5, checkpoint_dir=tmp_path, save_top_k=1,
+                     restore_best=True)
+    assert [row["step"] for row in longer.validations] == [39]
+    assert longer.best_step == 39 and longer.restored_best
+
+
+@pytest.mark.parametrize("setting", [dict(val_every_steps=5), dict(val_every=2)])
+def test_an_interval_without_validation_data_is_named_before_training(setting):
+    x, y = classification_data(n=200)
+    name = next(iter(setting))
+    heard, told_at_start = Heard(), []
+
+    class AtStart:
+        def on_fit_start(self, state):
+            told_at_start.extend(str(w.message) for w in caught if "no validation data" in str(w.message))
+
+    with pytest.warns(UserWarning, match=rf"{name}=\d is set but there is no validation data(.|\n)*"
+                                         r"HINT: pass `val_data`") as caught:
+        result = Trainer(batch_size=16, track=False, epochs=2, **setting).fit(
+            mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[heard, AtStart()])
+    assert result.validations == [] and heard.steps == []
+    assert len(told_at_start) == 1  # once, before the first step

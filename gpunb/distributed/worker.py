@@ -165,7 +165,7 @@ class Relay:
     def _send(self, event: str, state, *args, **fields) -> None:
         snapshot = {"step": state.step, "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch,
                     "samples_seen": state.samples_seen, "steps_per_epoch": state.steps_per_epoch,
-                    "total_steps": state.total_steps, "latest": dict(state.latest),
+                    "total_steps": state.total_steps, "latest": dict(state.latest), "eta": state.eta,
                     "rows": state.history[self.rows_sent:], "epochs": list(state.epochs),
                     "validations": list(state.validations), "val_names": state.val_names,
                     "checkpoint_path": state.checkpoint_path, "resumed": state.resumed,

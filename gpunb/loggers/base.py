@@ -8,6 +8,13 @@ multi-device run is rank 0 too) and hears, in order:
     on_epoch_end     the epoch's row (train_loss, val_*, epoch) at the epoch's last step
     on_fit_end       the final metrics; closes the run (completed, stopped or interrupted)
     on_exception     closes the run as failed (or interrupted, for a KeyboardInterrupt)
+
+A logger is an observer: a failure of its own (a full disk, a lost server) warns once,
+naming the logger, the error and the fix, switches that logger off, and training goes on.
+Only a logger that cannot start for a reason other than its file system (a wrong tracking
+URI) raises, before the first step. Where it writes is checked before any work
+(`check_destinations`), and each logger has its rows on disk at every log interval, so a
+killed process loses at most the last interval.
 """
 
 from __future__ import annotations
@@ -15,9 +22,13 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
+import tempfile
+import warnings
 from pathlib import Path
 
 from gpunb.errors import GpunbError
+from gpunb.runtime.checkpoint import is_disk_full
 
 LOG_DIR_KEY = "log_dir"  # state.extras: the fit's run directory, shared by its loggers
 _NOT_METRICS = {"step", "steps", "epoch"}  # a log row's counters, not measurements
@@ -99,33 +110,38 @@ def outcome(state=None, error: BaseException | None = None) -> str:
 
 
 class Logger:
-    """The events, with the rank-0 guard; a logger defines start, write, finish."""
+    """The events, with the rank-0 guard and the observer's rule; a logger defines start, write,
+    finish, and may define `directory(config)` (checked before training) and `abandon()`."""
 
     def on_fit_start(self, state) -> None:
         self._active = False
         if state.rank == 0:
-            self.start(state)
+            try:
+                self.start(state)
+            except OSError as error:  # its file system, not its configuration: train without it
+                self._switch_off(state, error)
+                return
             self._active = True  # only a run that started is finished
 
     def on_log(self, state, row) -> None:
         if getattr(self, "_active", False):
-            self.write(row["step"], numbers(row), state)
+            self._observed(state, self.write, row["step"], numbers(row), state)
 
     def on_epoch_end(self, state, row) -> None:
         if getattr(self, "_active", False):
-            self.write(row["step"], numbers(row, _EPOCH_ROW_SKIP), state)
+            self._observed(state, self.write, row["step"], numbers(row, _EPOCH_ROW_SKIP), state)
 
     def on_fit_end(self, state) -> None:
         if getattr(self, "_active", False):
             self._active = False
             if state.result is not None and LOG_DIR_KEY in state.extras:
                 state.result.log_dir = state.extras[LOG_DIR_KEY]
-            self.finish(state, outcome(state))
+            self._observed(state, self.finish, state, outcome(state))
 
     def on_exception(self, state, error) -> None:
         if getattr(self, "_active", False):
             self._active = False
-            self.finish(state, outcome(error=error))
+            self._observed(state, self.finish, state, outcome(error=error))  # never hides `error`
 
     def start(self, state) -> None:
         raise NotImplementedError
@@ -135,3 +151,68 @@ class Logger:
 
     def finish(self, state, status: str) -> None:
         raise NotImplementedError
+
+    def directory(self, config) -> Path | None:
+        """The local directory this logger writes in (None: none, e.g. a tracking server)."""
+        return None
+
+    def destination(self) -> str:
+        """Where this logger writes, for messages."""
+        return "its destination"
+
+    def abandon(self) -> None:
+        """Let go of what a failed logger holds (open files); it writes nothing more."""
+
+    def _observed(self, state, action, *args) -> None:
+        try:
+            action(*args)
+        except Exception as error:  # noqa: BLE001 (any failure of an observer; KeyboardInterrupt passes)
+            self._switch_off(state, error)
+
+    def _switch_off(self, state, error: Exception) -> None:
+        self._active = False
+        warn_failed(self, state, error)
+        try:
+            self.abandon()
+        except Exception:  # noqa: BLE001 (already reported; closing a broken writer may fail again)
+            pass
+
+
+def warn_failed(logger, state, error: Exception) -> None:
+    """The one warning of a logger that failed: which, at which step, why, what is kept, the fix."""
+    name = type(logger).__name__
+    where = logger.destination()
+    if is_disk_full(error) or is_disk_full(error.__cause__ or error.__context__):
+        fix = "free space there, or pass a `log_dir` on a disk with room; the next run logs again"
+        why = f"the disk is full ({type(error).__name__}: {error})"
+    else:
+        fix = f"check that {where} can be written, or leave {_short(name)} out of `loggers`"
+        why = f"{type(error).__name__}: {error}"
+    warnings.warn(f"{name} failed at step {state.step} and is switched off: {why}. Training goes on; what "
+                  f"it wrote before step {state.step} is kept in {where}.\nHINT: {fix}.",
+                  RuntimeWarning, stacklevel=2)
+
+
+def _short(class_name: str) -> str:
+    """The name `loggers=` knows a logger class by, or "this logger"."""
+    short = class_name.removesuffix("Logger").lower()
+    return f"`{short}`" if short in ("csv", "tensorboard", "mlflow", "wandb") else "this logger"
+
+
+def check_destinations(loggers, config) -> None:
+    """Every logger's directory can be created and written in, before any work is done."""
+    for logger in loggers:
+        directory = getattr(logger, "directory", lambda config: None)(config)
+        if directory is None:
+            continue
+        try:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            handle, probe = tempfile.mkstemp(prefix=".probe-", dir=directory)
+            os.close(handle)
+            os.unlink(probe)
+        except OSError as error:
+            raise GpunbError(f"{type(logger).__name__} cannot write its logs to {directory}: "
+                             f"{type(error).__name__}: {error.strerror or error}.",
+                             "pass a `log_dir` you can write to (one under your home directory, say; a logger "
+                             "object takes its own `log_dir` or `dir`), or `loggers=()` to train without loggers."
+                             ) from error

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from gpunb.loggers.base import Logger, final_metrics, run_dir
+from gpunb.loggers.base import Logger, final_metrics, log_root, run_dir
 
 _FIRST = ["step", "epoch"]
 
@@ -17,7 +17,10 @@ class CSVLogger(Logger):
 
     Columns are `step`, `epoch` and every metric seen so far; a row leaves the metrics it
     does not have empty. A new metric (val_acc after the first epoch) adds a column: the
-    file is rewritten with the wider header, as Lightning's CSVLogger does.
+    file is rewritten with the wider header, as Lightning's CSVLogger does, into a new file
+    that replaces the old one (a full disk mid-way leaves the old file whole, as it leaves
+    no half row after an append). Each row is
+    on disk when `write` returns (the file is closed), so a killed process loses none.
     `log_dir`: the directory to write in; None: the fit's run directory (see TrainConfig.log_dir).
     """
 
@@ -41,13 +44,15 @@ class CSVLogger(Logger):
         self.columns.extend(new)
         path = self.dir / "metrics.csv"
         if new or not path.exists():  # a wider header: write the whole file again
-            with open(path, "w", newline="") as f:
-                writer = csv.DictWriter(f, self.columns)
-                writer.writeheader()
-                writer.writerows(self.rows)
+            _replace_csv(path, self.columns, self.rows)
         else:
-            with open(path, "a", newline="") as f:
-                csv.DictWriter(f, self.columns).writerow(row)
+            _append_csv(path, self.columns, row)
+
+    def directory(self, config) -> Path:
+        return self.log_dir or log_root(config)
+
+    def destination(self) -> str:
+        return str(getattr(self, "dir", None) or self.log_dir or "its run directory")
 
     def finish(self, state, status: str) -> None:
         result = {"status": status}
@@ -55,6 +60,28 @@ class CSVLogger(Logger):
             result.update(final_metrics(state))
             result["stop_reason"] = state.result.stop_reason
         _write_json(self.dir / "result.json", result)
+
+
+def _append_csv(path: Path, columns: list, row: dict) -> None:
+    size = path.stat().st_size
+    try:
+        with open(path, "a", newline="") as f:
+            csv.DictWriter(f, columns).writerow(row)
+    except OSError:
+        os.truncate(path, size)  # a full disk: no half row left, the file ends at its last whole row
+        raise
+
+
+def _replace_csv(path: Path, columns: list, rows: list) -> None:
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        with open(partial, "w", newline="") as f:
+            writer = csv.DictWriter(f, columns)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def _write_json(path: Path, value: dict) -> None:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from pathlib import Path
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 from gpunb.loggers.base import Logger, final_metrics, flat_config, log_root, require
 
@@ -33,9 +36,7 @@ class MLflowLogger(Logger):
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-        if uri is None:
-            uri = (log_root(state.config).resolve() / "mlruns").as_uri()  # file:///...: a local file store
+        uri = self.uri = self._uri(state.config)
         with _file_store_allowed(uri):
             self.client = MlflowClient(tracking_uri=uri)
         found = self.client.get_experiment_by_name(self.experiment)
@@ -47,7 +48,28 @@ class MLflowLogger(Logger):
             self.client.log_batch(self.run_id, params=params[i:i + 100])
 
     def write(self, step: int, metrics: dict, state) -> None:
-        self._log(metrics, step)
+        self._log(metrics, step)  # a file store writes each call through: nothing waits in memory
+
+    def directory(self, config) -> Path | None:
+        """A local file store's folder; a tracking server or database: None (not checked here)."""
+        uri = self._uri(config)
+        parts = urlparse(uri)
+        if parts.scheme == "file":
+            return Path(url2pathname(parts.path))
+        return Path(uri) if not parts.scheme and "/" in uri else None  # a bare path; "databricks" is not one
+
+    def destination(self) -> str:
+        return getattr(self, "uri", None) or "its tracking store"
+
+    def abandon(self) -> None:
+        if self.run_id is not None:
+            self.client.set_terminated(self.run_id, status="FAILED")  # may fail too: then it stays RUNNING
+
+    def _uri(self, config) -> str:
+        uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        if uri is None:
+            uri = (log_root(config).resolve() / "mlruns").as_uri()  # file:///...: a local file store
+        return uri
 
     def finish(self, state, status: str) -> None:
         try:

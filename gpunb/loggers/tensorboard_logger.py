@@ -9,7 +9,7 @@ import socket
 import time
 from pathlib import Path
 
-from gpunb.loggers.base import Logger, final_metrics, flat_config, require, run_dir
+from gpunb.loggers.base import Logger, final_metrics, flat_config, log_root, require, run_dir
 
 TRACE_KEY = "profile_trace"  # state.extras: the chrome trace a profiler wrote during the run
 
@@ -41,6 +41,20 @@ class TensorBoardLogger(Logger):
     def write(self, step: int, metrics: dict, state) -> None:
         for name, value in metrics.items():
             self.writer.add_scalar(name, value, step)
+        # The writer's thread appends each event soon after it is queued, but a file system
+        # without append (S3, GCS) holds them until a flush, every 120 s by default: flush at each
+        # row, so a killed process loses at most this interval, and a full disk is heard here.
+        self.writer.flush()
+
+    def directory(self, config) -> Path:
+        return self.log_dir or log_root(config)
+
+    def destination(self) -> str:
+        return str(getattr(self, "dir", None) or self.log_dir or "its run directory")
+
+    def abandon(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
     def finish(self, state, status: str) -> None:
         from torch.utils.tensorboard.summary import hparams

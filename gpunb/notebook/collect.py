@@ -1,12 +1,14 @@
 """Which of the namespace's objects a %%gputrain cell trains: one per role (model,
 train_data, optimizer, ...), type-checked, with a UsageError that names the fix, and
-refused when the cell bound a new model or data under another name than the one trained."""
+refused when the cell bound a new model or data under another name than the one trained.
+The other roles an earlier cell left behind are used only when they match (leftovers.py)."""
 
 from __future__ import annotations
 
 from IPython.core.error import UsageError
 
 from gpunb.errors import GpunbError
+from gpunb.notebook.leftovers import drop_mismatched
 from gpunb.runtime.roles import NAMES, REQUIRED, by_name
 
 
@@ -53,6 +55,8 @@ def collect(namespace, args, before, named=frozenset(), required=REQUIRED) -> di
         if found[role] is not None and not callable(found[role]):
             raise UsageError(f"`{getattr(args, role + '_name')}` is a {type(found[role]).__name__}, which is not "
                              f"callable.\nHINT: e.g. `loss_fn = nn.CrossEntropyLoss()`.")
+    # an earlier cell's val_data, loss_fn, ...: used only when they match (leftovers.py)
+    drop_mismatched(args, before, found, named, evaluating="train_data" not in required)
     callbacks = found["callbacks"]
     if callbacks is None:
         callbacks = []

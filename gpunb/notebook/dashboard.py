@@ -15,8 +15,13 @@ import time
 from collections import deque
 from types import SimpleNamespace
 
-from gpunb.charts import loss_chart, sparkline
+from gpunb.charts import as_image, loss_chart, sparkline
 from gpunb.render import epoch_table_html, flops_text, free_memory_text, memory_text, progress_parts
+
+
+# ipywidgets' HTML widget sets a line height of one widget row (28 px): text that wraps in a
+# narrow output area would read double-spaced.
+TEXT_STYLE = "line-height:1.4;display:inline-block"
 
 
 class Dashboard:
@@ -31,6 +36,7 @@ class Dashboard:
         self.epoch_rows: list = []
         self.gpu_samples: deque = deque(maxlen=120)
         self.draws = 0
+        self._stop_drawn = False
 
     # --- events -------------------------------------------------------------
     def on_fit_start(self, state) -> None:
@@ -42,16 +48,20 @@ class Dashboard:
         self.val_points = [(row["step"], row["val_loss"]) for row in state.validations if "val_loss" in row]
         self.epoch_rows = list(state.epochs)
 
+        # Narrow output areas (a sidebar open beside the notebook) wrap the status line under
+        # the bar instead of squeezing the bar to nothing or cutting the line off.
         self.progress = w.IntProgress(min=0, max=max(1, state.total_steps or 1), value=state.step,
-                                      layout=w.Layout(flex="1 1 auto", max_width="480px"))
-        self.status = w.HTML(layout=w.Layout(flex="0 0 auto"))
+                                      layout=w.Layout(flex="1 1 240px", min_width="160px", max_width="480px"))
+        self.status = w.HTML(layout=w.Layout(flex="0 1 auto", min_width="0"))
         self.metrics = w.HTML()
         self.curve = w.HTML()
         self.gpu = w.HTML()
         self.epochs = w.HTML()
         header = w.HTML(_header_html(state))
-        self.box = _Dashboard([header, w.HBox([self.progress, self.status]), self.metrics,
-                               w.HBox([self.curve, self.gpu]), self.epochs], run_name=state.run_name)
+        wrap = w.Layout(flex_flow="row wrap", align_items="center")
+        self.box = _Dashboard([header, w.HBox([self.progress, self.status], layout=wrap), self.metrics,
+                               w.HBox([self.curve, self.gpu], layout=w.Layout(flex_flow="row wrap")),
+                               self.epochs], run_name=state.run_name)
         # The bundle by hand: ipywidgets 7 shows a widget through `_ipython_display_`, which
         # drops the display id, and the summary at the end could not take the widget's place.
         view = {"text/plain": repr(self.box), "application/vnd.jupyter.widget-view+json": self.box.get_view_spec()}
@@ -60,7 +70,9 @@ class Dashboard:
 
     def on_step_end(self, state) -> None:
         now = time.monotonic()
-        if now - self._last_draw >= self.min_interval_s:
+        stopping = state.stop_reason is not None and not self._stop_drawn
+        if stopping or now - self._last_draw >= self.min_interval_s:
+            self._stop_drawn = state.stop_reason is not None  # a stop shows at once, not at the next redraw
             self._draw(state, now)
 
     def on_log(self, state, row) -> None:
@@ -91,8 +103,8 @@ class Dashboard:
             self.progress.max = state.total_steps
         self.progress.value = min(state.step, self.progress.max)
         line = " · ".join(progress_parts(state, with_loss=False))
-        self.status.value = f"<span style='white-space:nowrap'>{html.escape(line)}</span>"
-        self.metrics.value = _metrics_html(state)
+        self.status.value = f"<span style='{TEXT_STYLE}'>{html.escape(line)}</span>"
+        self.metrics.value = f"<span style='{TEXT_STYLE}'>{_metrics_html(state)}</span>"
         self.curve.value = loss_chart(self.train_points, self.val_points, x_max=state.total_steps)
         if self.gpu_samples:
             self.gpu.value = gpu_sparklines_html(list(self.gpu_samples))
@@ -129,13 +141,15 @@ class HtmlDashboard(Dashboard):
         total = max(1, state.total_steps or 1)
         line = html.escape(" · ".join(progress_parts(state, with_loss=False)))
         gpu = gpu_sparklines_html(list(self.gpu_samples)) if self.gpu_samples else ""
-        curve = loss_chart(self.train_points, self.val_points, x_max=state.total_steps)
+        # a frame is stored in the notebook (the last one stays if the kernel dies): an image
+        curve = as_image(loss_chart(self.train_points, self.val_points, x_max=state.total_steps), "loss")
         return (f"<div class='gpunb-live'><div>{_header_html(state)}</div>"
-                f"<div style='display:flex;gap:.8em;align-items:center'>"
-                f"<progress max='{total}' value='{min(state.step, total)}' style='flex:1 1 auto;max-width:480px'>"
-                f"</progress><span class='gpunb-status' style='white-space:nowrap'>{line}</span></div>"
+                f"<div style='display:flex;flex-wrap:wrap;gap:.2em .8em;align-items:center'>"
+                f"<progress max='{total}' value='{min(state.step, total)}' "
+                f"style='flex:1 1 240px;min-width:160px;max-width:480px'></progress>"
+                f"<span class='gpunb-status' style='{TEXT_STYLE}'>{line}</span></div>"
                 f"<div>{_metrics_html(state)}</div>"
-                f"<div style='display:flex;gap:1em'>{curve}<div>{gpu}</div></div>"
+                f"<div style='display:flex;flex-wrap:wrap;gap:1em'>{curve}<div>{gpu}</div></div>"
                 f"{epoch_table_html(self.epoch_rows)}</div>")
 
     def _finish(self, summary) -> None:
@@ -183,14 +197,15 @@ class FailedRun:
     def _repr_html_(self) -> str:
         points = [(row["step"], row["loss"]) for row in self.state.history]
         return (f"<div class='gpunb-failed'><b>{html.escape(repr(self))}</b>"
-                f"{loss_chart(points, x_max=self.state.step) if points else ''}</div>")
+                f"{as_image(loss_chart(points, x_max=self.state.step), 'loss') if points else ''}</div>")
 
 
 def _header_html(state) -> str:
     config = state.config
     batch = f"{config.batch_size} x {config.grad_accum} accumulation x {state.world_size} device(s)"
-    return (f"<b>{html.escape(state.run_name)}</b> &middot; {html.escape(str(state.device))} &middot; "
-            f"precision {html.escape(config.precision)} &middot; batch {batch}{_summary_html(state)}")
+    return (f"<div style='{TEXT_STYLE}'><b>{html.escape(state.run_name)}</b> &middot; "
+            f"{html.escape(str(state.device))} &middot; precision {html.escape(config.precision)} &middot; "
+            f"batch {batch}{_summary_html(state)}</div>")
 
 
 def _summary_html(state) -> str:

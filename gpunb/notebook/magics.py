@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from gpunb.errors import GpunbError
@@ -30,6 +30,7 @@ class GpuMagics(Magics):
     @argument("--lr", type=float, help="learning rate of the default AdamW (or of your optimizer)")
     @argument("--lr-schedule", help="none (default), one-cycle or cosine")
     @argument("--warmup-steps", type=int, help="linear warmup steps for the cosine schedule")
+    @argument("--min-lr-ratio", type=float, help="the cosine schedule ends at lr times this (e.g. 0.1; default 0)")
     @argument("--ema", type=float, help="average the weights with this decay (e.g. 0.999); validation uses the average")
     @argument("--ema-apply", action="store_true", help="load the averaged weights into the model at the end")
     @argument("--continue", dest="continue_fit", action="store_true",
@@ -68,8 +69,8 @@ class GpuMagics(Magics):
     @argument("--step", dest="step_name", default="step")
     @argument("--metrics", dest="metrics_name", default="metrics")
     @argument("--callbacks", dest="callbacks_name", default="callbacks")
-    @cell_magic
-    def gputrain(self, line, cell):
+    @line_cell_magic
+    def gputrain(self, line, cell=None):
         """Train the model a cell defines, under gpunb's managed runtime.
 
         The cell is ordinary PyTorch. It runs first, in the notebook's namespace, and
@@ -78,10 +79,13 @@ class GpuMagics(Magics):
         a tensor, a tuple of tensors, or NumPy/DLPack arrays). It may define `val_data`,
         `optimizer` (default AdamW), `scheduler` (a torch LR scheduler on `optimizer`, or
         `f(optimizer, total_steps) -> scheduler`), `loss_fn` (or a model that returns its
-        loss, or `step(model, batch) -> loss`), `metrics` and `callbacks`; `--model net`
+        loss, or `step(model, batch)` returning the loss, or `(loss, output)` for `metrics`),
+        `metrics` and `callbacks`; `--model net`
         etc. use other names. Afterwards `model` is trained in place and the TrainResult
         is in `gputrain_result` (or `--out`). `--continue` trains the same model on from
-        the last %%gputrain: `--epochs 2` then means two more epochs.
+        the last %%gputrain: `--epochs 2` then means two more epochs. As a line magic
+        (`%gputrain --continue --epochs 2`) it runs no cell and trains what earlier cells
+        defined.
 
         Example::
 
@@ -98,12 +102,14 @@ class GpuMagics(Magics):
             raise UsageError(f"--continue trains on from the last fit, and {other} does not train here.\n"
                              f"HINT: drop `--continue` to {then}.")
         if args.export:
+            if cell is None:
+                raise UsageError("--export writes the cell's code into a script, and a line magic has no cell.\n"
+                                 "HINT: use the cell magic: `%%gputrain --export train.py` on top of the cell.")
             return self._export(args, line, cell, config)
         if not args.quiet and not args.find_lr:
             _dashboard_mode(self.shell)  # a bad GPUNB_DASHBOARD is refused before the cell runs
         before = {name: id(value) for name, value in self.shell.user_ns.items()}
-        outcome = self.shell.run_cell(cell, store_history=False)
-        if not outcome.success:
+        if cell is not None and not self.shell.run_cell(cell, store_history=False).success:
             return None  # the user's own traceback has been shown; nothing to train
         found = collect(self.shell.user_ns, args, before, named_options(line),
                          required=("model",) if args.eval else REQUIRED)
@@ -181,6 +187,7 @@ def _config(args):
         "accelerator": args.accelerator, "strategy": args.strategy, "backend": args.backend,
         "grad_accum": args.grad_accum, "clip_grad_norm": args.clip, "lr": args.lr, "lr_schedule": args.lr_schedule,
         "warmup_steps": args.warmup_steps, "ema": args.ema, "checkpoint_dir": args.checkpoint_dir,
+        "min_lr_ratio": args.min_lr_ratio,
         "checkpoint_every": args.checkpoint_every, "resume": args.resume, "seed": args.seed,
         "log_every": _int_or(args.log_every, "log_every"), "num_workers": _int_or(args.num_workers, "num_workers"),
         "name": args.name, "save_top_k": args.save_top_k, "monitor": args.monitor, "mode": args.mode,

@@ -121,9 +121,14 @@ def _device_time(device_work, phase_ranges, t0, t1) -> DeviceTime:
                       idle_data_pct=100 * idle_data / wall)
 
 
+SHAPES_WIDTH = 60  # characters of an op's input shapes in the top-ops table
+
+
 def _shapes(op) -> str:
+    """`[64, 10], [10]`; a list of tensors (a fused optimizer's every parameter) as its count."""
     dims = op.args.get("Input Dims") or []
-    return ", ".join(str(d) for d in dims if d)
+    text = ", ".join(f"{len(d)} tensors" if isinstance(d[0], list) else str(d) for d in dims if d)
+    return text if len(text) <= SHAPES_WIDTH else text[:SHAPES_WIDTH - 1] + "…"
 
 
 def _top_ops(ops, wall) -> list[OpRow]:

@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 
+from gpunb.render import eta_left
 from gpunb.runs.registry import Registry, RegistryLocked, json_safe
 from gpunb.runs.writer import RunWriter
 
@@ -45,7 +46,7 @@ class RunRecorder:
         self._rows: list = []  # (step, metrics) logged since the last write
         self._latest: dict = {}  # every metric's newest value
         self._last_write = 0.0  # monotonic time of the last write
-        self._first_log: tuple[float, int] | None = None  # (monotonic, step), for the ETA
+        self._logged = False  # the first log is always written
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until what was handed to the writer is in the registry; False on timeout."""
@@ -77,11 +78,9 @@ class RunRecorder:
     def on_log(self, state, metrics: dict) -> None:
         if self.run_id is None:
             return
-        first = self._first_log is None
-        if first:
-            self._first_log = (_now(), state.step)
+        first, self._logged = not self._logged, True
         self._collect(state.step, metrics)
-        self._write(state, force=first)  # the first log is always written
+        self._write(state, force=first)
 
     def on_validation_end(self, state, metrics: dict) -> None:
         if self.run_id is not None:
@@ -137,7 +136,7 @@ class RunRecorder:
         if force or now - self._last_write >= WRITE_EVERY_S:
             self._last_write = now
             fields = {"step": state.step, "epoch": state.epoch, "progress": state.progress,
-                      "eta_s": self._eta(state, now), "latest": dict(self._latest)}
+                      "eta_s": eta_left(state), "latest": dict(self._latest)}
             self.writer.submit(fields, self._take_rows(POINTS_PER_WRITE))
         if self.writer.stop_requested or self._stop_requested_now():
             state.request_stop("stopped from the sidebar")
@@ -159,15 +158,6 @@ class RunRecorder:
             log.warning("gpunb: the end of this run is not in the run registry %s yet; it is written "
                         "in the background as soon as the registry is free.", self.registry.path)
         self.run_id = None
-
-    def _eta(self, state, now: float) -> float | None:
-        if not state.total_steps or self._first_log is None:
-            return None
-        started, first_step = self._first_log
-        done = state.step - first_step  # measured from the first log: excludes set-up and compile time
-        if done <= 0:
-            return None
-        return max(0.0, (state.total_steps - state.step) * (now - started) / done)
 
     def _warn_once(self, error: Exception) -> None:  # called from the writer thread
         if self._warned:

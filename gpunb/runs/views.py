@@ -1,6 +1,6 @@
 """`runs()`, `compare()`, `remove()`, `prune()`: the registry from a notebook.
 
-Both return small objects with `_repr_html_` (the curves are an inline SVG from
+Both return small objects with `_repr_html_` (the curves are an SVG image from
 gpunb.charts, so no plotting library is needed) and a plain-text `__repr__` that depends
 only on the stored data, so it is stable under nbval.
 """
@@ -12,7 +12,7 @@ import socket
 import time
 import warnings
 
-from gpunb.charts import line_chart
+from gpunb.charts import as_image, line_chart
 from gpunb.errors import GpunbError
 from gpunb.render import html_table
 from gpunb.runs.liveness import whereabouts
@@ -181,7 +181,8 @@ class RunComparison:
             ("run", "points", "first", "min", "max", "final", "steps"), rows)
 
     def _repr_html_(self) -> str:
-        return line_chart(self.metric, [run["name"] or run["id"] for run in self.runs], self.series)
+        names = [run["name"] or run["id"] for run in self.runs]
+        return as_image(line_chart(self.metric, names, self.series), f"{self.metric} of {', '.join(names)}")
 
 
 # ---------------------------------------------------------------------- formatting

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import torch
 
 from gpunb.errors import GpunbError
+from gpunb.runtime.inputs import is_mapping, with_values
 from gpunb.runtime.worker_seed import batch_seed
 
 
@@ -107,15 +108,15 @@ def batch_rng(seed: int, device: torch.device):
 
 def apply_transforms(batch, transforms, generator: torch.Generator | None = None):
     """Transforms act on the inputs: a tensor batch, the first element of a tuple batch, or a
-    dict batch's "pixel_values" (the Hugging Face name for images). With a `generator`, each
+    mapping batch's "pixel_values" (the Hugging Face name for images). With a `generator`, each
     transform is given it (all of them take one: Augmenter.own_rng)."""
     inputs = _inputs(batch)
     for transform in transforms:
         inputs = transform(inputs) if generator is None else transform(inputs, generator=generator)
     if isinstance(batch, torch.Tensor):
         return inputs
-    if isinstance(batch, dict):
-        return {**batch, "pixel_values": inputs}
+    if is_mapping(batch):
+        return with_values(batch, {**batch, "pixel_values": inputs})
     return (inputs, *batch[1:])
 
 
@@ -123,10 +124,10 @@ def _inputs(batch) -> torch.Tensor:
     """The tensor the transforms act on."""
     if isinstance(batch, torch.Tensor):
         return batch
-    if isinstance(batch, dict):
+    if is_mapping(batch):
         if "pixel_values" not in batch:
-            raise GpunbError(f"GPU transforms act on images, and this dict batch has no 'pixel_values' "
-                             f"(its keys: {', '.join(map(repr, batch))}).",
+            raise GpunbError(f"GPU transforms act on images, and this {type(batch).__name__} batch has no "
+                             f"'pixel_values' (its keys: {', '.join(map(repr, batch))}).",
                              "name the images 'pixel_values' in the dataset's rows, or drop `transforms=` "
                              "and transform inside the Dataset.")
         return batch["pixel_values"]

@@ -5,8 +5,9 @@ scheduler, precision (GradScaler) and RNG states, and the position in the run
 (epoch, optimizer step, batches consumed in the epoch).
 
 Each run writes into a directory of its own, `<checkpoint_dir>/run-<run id>/`, so
-that runs sharing a checkpoint_dir never prune each other's files; a resumed run
-goes on writing into the directory of the run it continues.
+that runs sharing a checkpoint_dir never prune each other's files, and holds the
+directory's lock while it trains (run_lock.py). Where a resumed run writes is
+decided in resume_target.py.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from gpunb.errors import GpunbError
 FORMAT = "gpunb-checkpoint"
 VERSION = 1
 _NAME = re.compile(r"^step-(\d{9})\.pt$")
+_ANY_NAME = re.compile(r"^(?:best-)?step-(\d{9})\.pt$")  # last-N and best checkpoints
 _RUN_DIR = "run-"
 _TMP_PREFIX = ".tmp-"
 
@@ -105,6 +107,20 @@ def is_disk_full(error: BaseException) -> bool:
 def _own_checkpoints(directory: Path) -> list[Path]:
     """Checkpoints of one run (its directory), oldest step first."""
     return sorted(p for p in directory.iterdir() if _NAME.match(p.name))
+
+
+def later_checkpoints(directory: str | os.PathLike, step: int) -> list[Path]:
+    """The checkpoints (last-N and best) in `directory` saved after `step`, oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    later = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _ANY_NAME.match(p.name))]
+    return [p for s, p in sorted(later) if s > step]
+
+
+def run_id_of(directory: Path) -> str | None:
+    """The run id a run directory is named after (None: not a run directory)."""
+    return directory.name[len(_RUN_DIR):] if directory.name.startswith(_RUN_DIR) else None
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:

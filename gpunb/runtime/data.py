@@ -25,7 +25,7 @@ from torch.utils.data import (BatchSampler, DataLoader, IterableDataset, RandomS
 
 from gpunb.errors import GpunbError
 from gpunb.runtime.augment import Augmenter
-from gpunb.runtime.inputs import move_batch
+from gpunb.runtime.inputs import gather_rows, move_batch
 from gpunb.runtime.prefetch import CudaPrefetcher
 from gpunb.runtime.worker_seed import SeededBatchSampler, SeededDataset, loader_generator
 from gpunb.runtime.workers import SHIPPED, for_workers
@@ -130,12 +130,9 @@ def _indexed(tensors, index, batch_size, first, end) -> Iterator[tuple]:
 
 
 def _gathered(tensors, index, batch_size, b: int) -> tuple:
-    """Batch `b`: one slice of the order and one gather per tensor. `index_select` rather than the
-    `t[rows]` of a hand-written loop: the same rows, without advanced indexing's general
-    machinery (on a CPU 2.7 us instead of 7.4 for 128 rows of 64 floats, and 5x faster for
-    28 x 28 images; benchmarks/RESULTS.md)."""
-    rows = _rows(index, batch_size, b)
-    return tuple([t.index_select(0, rows) for t in tensors])
+    """Batch `b`: one slice of the order and one gather per tensor (inputs.gather_rows, which
+    the check before training gathers its batch with too)."""
+    return gather_rows(tensors, _rows(index, batch_size, b))
 
 
 def _rows(index, batch_size, b: int) -> torch.Tensor:

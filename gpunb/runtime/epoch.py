@@ -20,7 +20,15 @@ class EpochSteps:
     def __init__(self, batches, grad_accum, timer, marks, remaining):
         self.batches, self.grad_accum, self.timer, self.marks = batches, grad_accum, timer, marks
         self.remaining, self.in_group = remaining, 0
+        self.ended = False  # the data ran out before the announced count (or it had none)
         self.ahead = self._fetch() if remaining is None else None
+
+    @property
+    def exhausted(self) -> bool:
+        """Every batch of the epoch has been handed out (a stop on the last step counts)."""
+        if self.ended:
+            return True
+        return self.remaining == 0 if self.remaining is not None else self.ahead is None
 
     def __iter__(self):
         return self
@@ -29,6 +37,7 @@ class EpochSteps:
         if self.remaining is not None:
             batch = self._fetch()
             if batch is None:
+                self.ended = True
                 raise StopIteration
             self.remaining -= 1
             if self.grad_accum == 1:  # every batch ends a step: no group to count

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from gpunb.runtime.data import closing
-from gpunb.runtime.inputs import batch_size_of, slice_batch
+from gpunb.runtime.inputs import check_sliceable, slice_batch
+from gpunb.runtime.metrics import divide_counted
 
 
 def validation_pass(model, feed, objective, precision, reduce_sums) -> dict:
@@ -25,7 +26,7 @@ def validation_pass(model, feed, objective, precision, reduce_sums) -> dict:
     with closing(feed.epoch(0)) as batches:
         sums, count = validation_sums(model, batches, objective, precision, getattr(feed, "padding", 0))
     model.train()
-    metrics = dict(reduce_sums(sums, count))  # one sync
+    metrics = divide_counted(reduce_sums(sums, count))  # one sync
     if objective.stateful is not None:
         metrics.update(objective.stateful.compute())  # torchmetrics gather every rank's state here
     return metrics
@@ -38,9 +39,10 @@ def validation_sums(model, batches, objective, precision, padding: int = 0) -> t
     __tracebackhide__ = True  # noqa: F841
     sums, count = {}, 0
     for batch, last in _with_last(batches):
-        n = batch_size_of(batch)
+        n = objective.samples(batch)
         keep = n - padding if last else n
         if 0 < keep < n:
+            check_sliceable(batch, n)
             batch = slice_batch(batch, 0, keep)
         with precision.autocast():  # keep 0, only a repeated sample: the forward pass (collectives), not scored
             batch_sums = objective.evaluate(model, batch, score=keep > 0)

@@ -58,6 +58,7 @@ class FitState:
     world_size: int = 1
     started_at: float = field(default_factory=time.time)
     latest: dict = field(default_factory=dict)  # newest host-side metrics of any kind
+    eta: tuple | None = None  # (seconds left, time.time() of the estimate): see runtime/eta.py
     history: list = field(default_factory=list)  # rows appended at each log / epoch end
     stop_reason: str | None = None
     result: Any = None  # the TrainResult, set before on_fit_end

@@ -25,8 +25,8 @@ from gpunb.runtime.compiling import Compilation
 from gpunb.runtime.data import build_feed, closing, with_batch_size
 from gpunb.runtime.ema import WeightEma
 from gpunb.runtime.epoch import EpochSteps, Timer
+from gpunb.runtime.eta import EtaClock
 from gpunb.runtime.events import Callbacks, FitState
-from gpunb.runtime.inputs import batch_size_of
 from gpunb.runtime.interrupt import InterruptFlag
 from gpunb.runtime.monitor import monitor_of, validation_names
 from gpunb.runtime.nan_guard import StepLosses
@@ -63,7 +63,8 @@ def run(config: TrainConfig, context, model, train_data, val_data=None, *, optim
         with InterruptFlag() as setting_up:  # a Ctrl-C in set-up: stop before the first step
             teardown.saved_globals = devices.seed_everything(config.seed, config.deterministic)
             prepared = _prepare(config, context, model, train_data, val_data, optimizer, scheduler,
-                                Objective(loss_fn, step, metrics), callbacks, teardown, continue_from)
+                                Objective(loss_fn, step, metrics, config.batch_size_fn), callbacks, teardown,
+                                continue_from)
         if setting_up.raised:
             prepared.state.request_stop("interrupted")
         result = _train(prepared)
@@ -98,10 +99,14 @@ class _Run:
     stepper: Stepper
     batch_size: int
     best: BestCheckpoints | None = None  # save_top_k: the best checkpoints kept so far
+    checkpointer: Checkpointer | None = None  # with checkpoint_dir: saves, and holds the run directory
     compilation: Compilation | None = None  # which module the step calls: eager or compiled
     start_epoch: int = 0
     skip_batches: int = 0
+    continued: object = None  # the ContinueState this fit goes on from (continue_from)
     losses: StepLosses = field(default_factory=StepLosses)  # step losses since the last log
+    eta: EtaClock = field(default_factory=EtaClock)
+    samples_at_log: int = 0  # state.samples_seen at the last log: the interval's samples/s counts from it
 
 
 def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, objective, user_callbacks, teardown,
@@ -112,6 +117,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
     if continue_from is not None:
         carried = continuing.continue_state_of(continue_from, model, config, dist.world_size)
         optimizer = continuing.same_optimizer(carried, optimizer)
+        teardown.rollback = continuing.Rollback(carried, model)  # before anything moves
         config = continuing.extended(config, carried)
     ready = setup(config, dist, model, train_data, val_data, optimizer)
     device, precision, optimizer = ready.device, ready.precision, ready.optimizer
@@ -144,13 +150,15 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
     total_steps = steps_per_epoch * config.epoch_limit if steps_per_epoch is not None else None
     if config.max_steps is not None:
         total_steps = min(total_steps or config.max_steps, config.max_steps)
+    validation.warn_unused(config, val is not None, total_steps, dist.rank)
     schedule = _schedule(scheduler, optimizer, config, total_steps, val_names, carried)
     config = config.replace(log_every=config.resolved_log_every(total_steps, steps_per_epoch))
 
     # one forward + backward, undone; FSDP: the whole model's step may not fit on one device
     summary = summarize(model, optimizer, objective, precision, train, device, batch_size, config,
                         measure=not (dist.world_size > 1 and config.strategy == "fsdp"))
-    run_name = config.name or type(model).__name__  # before FSDP renames the class
+    # a continued fit goes on under the name of the fit it continues; the class: before FSDP renames it
+    run_name = config.name or (carried.run_name if carried is not None else None) or type(model).__name__
     train_model, teardown.unwrap = wrap_model(model, config, dist, device)  # undone whatever happens next
     dist.adopt_shards(optimizer)  # FSDP replaced the parameters with sharded ones
     state = dist.state_type(config=config, model=train_model, optimizer=optimizer, device=device,
@@ -163,18 +171,21 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
     ema = _weight_ema(model, config, carried)
     stepper = Stepper(train_model, optimizer, objective, precision, schedule, config, state, no_sync, ema=ema)
     callbacks = Callbacks(list(user_callbacks))
+    batch_size = feed.batch_size or batch_size  # a user's DataLoader batches by its own size
     run = _Run(config, dist, state, callbacks, model, train_model, objective, precision,
                ready.precision_reason, feed, val_feed, stepper, batch_size,
                best=BestCheckpoints(monitor, config.save_top_k) if monitor is not None else None)
     if config.checkpoint_dir:  # first: saved before others hear of the step
-        callbacks.run_first(Checkpointer(config, dist=dist, model=model, stepper=stepper,
-                                         precision=precision, losses=run.losses,
-                                         batches_per_epoch=feed.num_batches, events=callbacks,
-                                         rank=dist.rank, best=run.best))
+        run.checkpointer = Checkpointer(config, dist=dist, model=model, stepper=stepper,
+                                        precision=precision, losses=run.losses,
+                                        batches_per_epoch=feed.num_batches, events=callbacks,
+                                        rank=dist.rank, best=run.best)
+        callbacks.run_first(run.checkpointer)
     if schedule is not None:  # steps at epoch ends before the checkpoint of that epoch is written
         callbacks.run_first(schedule)
     run.compilation = Compilation(run, device, dist.world_size)  # now, or under "auto" once timing says it pays
     if carried is not None:
+        run.continued = carried
         continuing.restore(run, carried)
     if config.resume:
         resume(run, ckpt.find_checkpoint(config.resume, config.checkpoint_dir))
@@ -187,9 +198,12 @@ def _train(run: _Run) -> TrainResult:
     config, state, callbacks, stepper = run.config, run.state, run.callbacks, run.stepper
     timer = Timer()
     state.extras["start_step"] = state.step  # a resumed or continued fit counts on from here
+    state.extras["start_samples"] = state.samples_seen
     interrupt = InterruptFlag()
     val_every_steps = validation.every_steps(run)  # None: no pass within epochs (the common case)
     log_every = config.log_every
+    samples_in = run.objective.samples  # batch_size_fn, or the target's first dimension
+    run.samples_at_log = state.samples_seen  # a resumed run counts on from its checkpoint's
     try:
         with interrupt:
             callbacks.call("on_fit_start", state)
@@ -207,9 +221,10 @@ def _train(run: _Run) -> TrainResult:
                 # Per step, only host bookkeeping beside what a plain loop does (kept to a few
                 # attribute updates: on sub-millisecond steps each call shows).
                 with closing(run.feed.epoch(epoch, skip)) as batches:
-                    for batch, last_in_step in EpochSteps(batches, config.grad_accum, timer, state, remaining):
+                    steps = EpochSteps(batches, config.grad_accum, timer, state, remaining)
+                    for batch, last_in_step in steps:
                         state.batch_in_epoch += 1
-                        state.samples_seen += batch_size_of(batch) * state.world_size
+                        state.samples_seen += samples_in(batch) * state.world_size
                         stepper.accumulate(batch, last_in_step)
                         del batch  # let it go before the optimizer step allocates its temporaries
                         if not last_in_step:
@@ -217,7 +232,7 @@ def _train(run: _Run) -> TrainResult:
                         step_loss = stepper.update()  # stays on the device: no sync here
                         state.step += 1
                         run.losses.add(step_loss, state.step)  # a list append: no device op
-                        if val_every_steps and state.step % val_every_steps == 0:
+                        if val_every_steps and (state.step % val_every_steps == 0 or state.step == state.total_steps):
                             validation.at_step(run, timer)  # before on_step_end: its checkpoints hold the pass
                         callbacks.call("on_step_end", state)
                         if state.step % log_every == 0:
@@ -228,8 +243,8 @@ def _train(run: _Run) -> TrainResult:
                             break
                 if run.losses:  # the epoch's last, partial interval
                     _log(run, timer)
-                if state.stop_reason == "interrupted":
-                    break
+                if state.should_stop and not steps.exhausted:
+                    break  # any stop mid-epoch (Ctrl-C, the sidebar, a callback): the epoch's end comes on resume
                 _end_epoch(run, state.history[logged_before:], timer)
                 if state.should_stop or _finished(state):
                     break
@@ -275,7 +290,7 @@ def _log(run: _Run, timer) -> None:
     loss = run.dist.reduce_loss(run.losses.mean(), state)  # the interval's one sync (ranks: + stop vote)
     run.losses.end_interval(run, loss)  # detect_nan: raises on NaN, with the last good weights back
     seconds = timer.lap()
-    samples = steps * run.batch_size * run.config.grad_accum * state.world_size
+    samples, run.samples_at_log = state.samples_seen - run.samples_at_log, state.samples_seen
     row = {"step": state.step, "epoch": state.epoch, "loss": loss, "steps": steps,
            "lr": run.stepper.optimizer.param_groups[0]["lr"],
            "samples_per_s": samples / seconds if seconds else 0.0,
@@ -286,6 +301,7 @@ def _log(run: _Run, timer) -> None:
         row["skipped_steps"] = run.precision.skipped_steps  # one more read, at the same sync point
     state.history.append(row)
     state.latest.update(row)
+    state.eta = run.eta.at_log(state.step, row["elapsed_s"], state.total_steps, seconds / steps)
     run.callbacks.call("on_log", state, row)
 
 
@@ -298,6 +314,7 @@ def _end_epoch(run: _Run, logged: list, timer) -> None:
     metrics = validation.validate(run, timer) if validation.due_at_epoch_end(run) else None
     row.update(validation.epoch_metrics(state))  # this pass, or the epoch's last at a step
     row["elapsed_s"] = timer.elapsed()
+    run.eta.at_epoch_end(row["elapsed_s"])
     state.epochs.append(row)  # before on_validation_end: a best checkpoint then holds the row
     if metrics is not None:
         run.callbacks.call("on_validation_end", state, metrics)
@@ -321,6 +338,7 @@ def _result(run: _Run, timer) -> TrainResult:
         batch_size_reason=config.extras.get("batch_size_reason", ""),
         micro_batch_size=run.stepper.micro_batch_size(run.batch_size), grad_accum=config.grad_accum,
         world_size=state.world_size, steps=state.step, start_step=state.extras.get("start_step", 0),
+        start_samples=state.extras.get("start_samples", 0),
         total_steps=state.total_steps, samples=state.samples_seen,
         wall_time_s=timer.elapsed(), data_wait_s=timer.data_wait, validation_s=timer.validation,
         compute_s=max(0.0, timer.elapsed() - timer.data_wait - timer.validation),
@@ -332,5 +350,5 @@ def _result(run: _Run, timer) -> TrainResult:
         summary=RunSummary.from_plain(state.extras["summary"]),
         compilation=run.compilation.report(),
         ema_state_dict=run.stepper.ema.state_dict(to_cpu=True) if run.stepper.ema is not None else None,
-        continue_state=continuing.capture(run))
+        continue_state=continuing.capture(run, run.continued))
 

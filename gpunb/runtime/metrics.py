@@ -1,10 +1,12 @@
-"""Validation metrics: plain functions (a weighted mean of per-batch values) and torchmetrics'
-Metric / MetricCollection, which keep state over the whole pass.
+"""Validation metrics: plain functions (a weighted mean of per-batch values), the built-in
+accuracy (counts), and torchmetrics' Metric / MetricCollection, which keep state over the whole pass.
 
-A per-batch mean is right for loss and accuracy but not for F1 or AUROC: those need every
-prediction. A torchmetrics metric is updated with each batch's output and target, computed
-once per validation pass and reset; under a process group its compute() gathers the
-state of every rank (torchmetrics syncs itself on compute).
+A per-batch mean is right for loss but not for F1 or AUROC: those need every prediction. A
+torchmetrics metric is updated with each batch's output and target, computed once per
+validation pass and reset; under a process group its compute() gathers the state of every
+rank (torchmetrics syncs itself on compute). Accuracy sums its correct predictions and the
+positions it counted (`<name>#counted`), so that a pass's accuracy is correct / counted over
+every batch: per token for a language model, whose batches hold different numbers of real tokens.
 """
 
 from __future__ import annotations
@@ -14,6 +16,61 @@ import sys
 import torch
 
 from gpunb.errors import GpunbError
+
+
+IGNORE_INDEX = -100  # the label losses skip (CrossEntropyLoss's default; Hugging Face's padding)
+COUNTED = "#counted"  # a sum's own denominator: `val_acc` is divided by `val_acc#counted`, not the samples
+
+# Hugging Face causal LMs whose loss does not shift the labels (it scores logits[t] against labels[t])
+_UNSHIFTED_LM_HEADS = ("XLNetLMHeadModel", "XLMWithLMHeadModel")
+
+
+def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Top-1 accuracy of class scores (..., C) against integer labels (...), positions labelled
+    -100 left out (nan when every position is)."""
+    correct, counted = accuracy_counts(output, target)
+    return correct / counted
+
+
+def accuracy_counts(output: torch.Tensor, target: torch.Tensor,
+                    ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+    """(correct predictions, positions counted), on the device: labels of `ignore_index` are not counted."""
+    counted = target != ignore_index
+    correct = (output.argmax(dim=-1) == target) & counted
+    return correct.sum().float(), counted.sum().float()
+
+
+def divide_counted(means: dict) -> dict:
+    """The metrics that carry their own denominator (`<name>#counted`) as the ratio of the two."""
+    counts = {name: value for name, value in means.items() if name.endswith(COUNTED)}
+    values = {name: value for name, value in means.items() if name not in counts}
+    for name, counted in counts.items():
+        metric = name.removesuffix(COUNTED)
+        values[metric] = values[metric] / counted if counted else float("nan")
+    return values
+
+
+def shifts_labels(model) -> bool:
+    """Whether the model's own loss scores logits[:, t] against labels[:, t + 1]: a Hugging Face
+    causal LM (`*ForCausalLM`, `GPT2LMHeadModel`, ...), which is given its inputs as labels and
+    shifts them inside. Its metrics must then compare the same pairs."""
+    for attribute in ("_orig_mod", "module", "_orig_mod"):  # torch.compile, DDP, in either order
+        model = getattr(model, attribute, model)
+    if not hasattr(getattr(model, "config", None), "model_type"):
+        return False
+    names = {cls.__name__ for cls in type(model).__mro__}  # FSDP and user subclasses keep the class as a base
+    if names & set(_UNSHIFTED_LM_HEADS):
+        return False
+    if any(name.endswith("ForCausalLM") for name in names):
+        return True
+    if "transformers" not in sys.modules:  # a model of one's own with a Hugging Face-like config
+        return False
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    for heads in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        if names & ({heads} if isinstance(heads, str) else set(heads)):
+            return True
+    return False
 
 
 def is_stateful(value) -> bool:

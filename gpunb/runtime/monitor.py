@@ -69,6 +69,9 @@ def validation_names(objective, has_val: bool) -> tuple | None:
         return None
     if objective.val_names is not None:
         return objective.val_names
+    if objective.step_fn is not None:  # the metrics of what step returns (a warning if it cannot be scored)
+        return ("val_loss", *(f"val_{name}" for name in objective.metrics),
+                *(objective.stateful.names() if objective.stateful is not None else ()))
     if objective.loss_fn is None:
         return ("val_loss",)
     extra = objective.metrics or {"acc": None}

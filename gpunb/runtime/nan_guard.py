@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -92,31 +93,66 @@ def _agree(dist, local: int) -> int | None:
 
 def fail(state, dist, model, optimizer, loss: float, bad_step: int) -> None:
     """Raise the NaN error, after giving the model its last good weights back."""
-    restored = restore_last_good(state, dist, model, optimizer)
-    where = (f"The model holds the weights of the last good checkpoint, step {restored[0]} "
-             f"({restored[1]})." if restored else
-             "No good checkpoint exists, so the model holds the weights of the last step, "
-             "which may be NaN; set `checkpoint_dir` to get the last good weights back.")
+    restored, unreadable = restore_last_good(state, dist, model, optimizer)
     raise GpunbError(
         f"The training loss became {loss} at step {bad_step} (found at step {state.step}, "
-        f"epoch {state.epoch}). {where}",
+        f"epoch {state.epoch}). {_where_the_weights_are(state, restored, unreadable)}",
         "lower the learning rate (`lr=`), clip gradients (`clip_grad_norm=1.0`), check the "
         "data for NaN/inf values, or use bf16 instead of fp16 (`precision='bf16-mixed'`). "
         "Set `detect_nan=False` to train on regardless.")
 
 
-def restore_last_good(state, dist, model, optimizer) -> tuple[int, str] | None:
-    """Load the newest checkpoint this run wrote (or resumed from) into the model and optimizer."""
+def _where_the_weights_are(state, restored: tuple[int, str] | None, unreadable: list[str]) -> str:
+    skipped = (f" ({', '.join(unreadable)} could not be read, so an older one was taken)"
+               if unreadable and restored else "")
+    if restored:
+        return f"The model holds the weights of the last good checkpoint, step {restored[0]} ({restored[1]}){skipped}."
+    last_step = "the weights of the last step, which may be NaN"
+    if unreadable:
+        return (f"No checkpoint of this run could be read ({', '.join(unreadable)}), so the model holds "
+                f"{last_step}.")
+    config = state.config
+    if not config.checkpoint_dir:
+        return (f"No good checkpoint exists, so the model holds {last_step}; set `checkpoint_dir` to get "
+                "the last good weights back.")
+    due = (f"every {config.checkpoint_every} steps" if config.checkpoint_every
+           else "at the end of each epoch")
+    return (f"No good checkpoint exists yet (they are written {due}), so the model holds {last_step}; "
+            "save more often with `checkpoint_every=N` to get good weights back from earlier steps.")
+
+
+def restore_last_good(state, dist, model, optimizer) -> tuple[tuple[int, str] | None, list[str]]:
+    """Load the newest readable checkpoint of this run (or the one it resumed from) into the model
+    and optimizer. Returns (its step and path, or None) and the newer ones that could not be read."""
     from gpunb.runtime.checkpoint import load_checkpoint
 
-    path = state.checkpoint_path or (state.resumed or {}).get("path")
-    if path is None or state.rank != 0 or getattr(dist, "strategy", "ddp") == "fsdp":
-        return None  # FSDP would need every rank to take part; rank 0's weights are what is returned
-    payload = load_checkpoint(path)
-    with torch.no_grad():
-        model.load_state_dict(payload["model"])
-    try:
-        optimizer.load_state_dict(payload["optimizer"])
-    except (ValueError, KeyError):  # an optimizer state saved by index under another layout
-        pass
-    return payload["step"], path
+    if state.rank != 0 or getattr(dist, "strategy", "ddp") == "fsdp":
+        return None, []  # FSDP would need every rank to take part; rank 0's weights are what is returned
+    unreadable = []
+    for path in _good_checkpoints(state):
+        try:
+            payload = load_checkpoint(path)
+        except GpunbError:  # removed or damaged since it was written: take the one before
+            unreadable.append(Path(path).name)
+            continue
+        with torch.no_grad():
+            model.load_state_dict(payload["model"])
+        try:
+            optimizer.load_state_dict(payload["optimizer"])
+        except (ValueError, KeyError):  # an optimizer state saved by index under another layout
+            pass
+        return (payload["step"], str(path)), unreadable
+    return None, unreadable
+
+
+def _good_checkpoints(state) -> list[str]:
+    """This run's checkpoints, newest first (none is written after a bad loss), then the one it resumed."""
+    from gpunb.runtime.checkpoint import list_checkpoints, run_directory
+
+    found = [state.checkpoint_path] if state.checkpoint_path else []
+    if state.checkpoint_run is not None and state.config.checkpoint_dir:
+        own = run_directory(state.config.checkpoint_dir, state.checkpoint_run)
+        found += [str(p) for p in reversed(list_checkpoints(own)) if p.name.startswith("step-")]
+    if state.resumed:
+        found.append(state.resumed["path"])
+    return list(dict.fromkeys(found))  # each once, in order

@@ -64,7 +64,7 @@ def check_optimizer(optimizer, model: torch.nn.Module) -> None:
                       UserWarning, stacklevel=2)
 
 
-def make_scheduler(optimizer, kind: str, total_steps: int | None, warmup_steps: int):
+def make_scheduler(optimizer, kind: str, total_steps: int | None, warmup_steps: int, min_lr_ratio: float = 0.0):
     """A per-optimizer-step schedule, or None for a constant learning rate."""
     if kind == "none":
         return None
@@ -74,17 +74,19 @@ def make_scheduler(optimizer, kind: str, total_steps: int | None, warmup_steps: 
     if kind == "one-cycle":
         max_lrs = [group["lr"] for group in optimizer.param_groups]
         return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=max_lrs, total_steps=total_steps)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup_steps, total_steps))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup_steps, total_steps, min_lr_ratio))
 
 
 class WarmupCosine:
-    """Linear warmup to the base rate, then cosine decay to zero at `total_steps`."""
+    """Linear warmup to the base rate, then cosine decay to `min_lr_ratio` of it at `total_steps`
+    (HF's cosine_with_min_lr, timm's lr_min as a ratio; 0 is torch's CosineAnnealingLR)."""
 
-    def __init__(self, warmup_steps: int, total_steps: int):
-        self.warmup_steps, self.total_steps = warmup_steps, total_steps
+    def __init__(self, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0):
+        self.warmup_steps, self.total_steps, self.min_lr_ratio = warmup_steps, total_steps, min_lr_ratio
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
         progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine

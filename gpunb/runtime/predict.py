@@ -23,7 +23,8 @@ from gpunb.runtime import device as devices
 from gpunb.runtime.context import LocalContext
 from gpunb.runtime.data import build_feed, closing, rebuilt_loader
 from gpunb.runtime.evaluation import validation_sums
-from gpunb.runtime.inputs import adapt_data, data_length, map_tensors
+from gpunb.runtime.inputs import adapt_data, data_length, is_mapping, map_tensors
+from gpunb.runtime.metrics import divide_counted
 from gpunb.runtime.objective import Objective, model_inputs
 from gpunb.runtime.precision import Precision, resolve_precision
 from gpunb.runtime.preflight import cast_floats, model_dtype
@@ -73,7 +74,7 @@ def evaluate(model, data, *, metrics=None, loss_fn=None, step=None, batch_size: 
     with _eval_mode(model), closing(job.feed.epoch(0)) as batches:
         sums, count = validation_sums(model, batches, objective, job.precision)
     sums, count = job.gather_sums(sums, count)
-    metrics = LocalContext().reduce_sums(sums, count)
+    metrics = divide_counted(LocalContext().reduce_sums(sums, count))
     if objective.stateful is not None:
         metrics.update(objective.stateful.compute())  # over every rank's share under a process group
     return metrics
@@ -180,8 +181,8 @@ class _eval_mode:
 
 
 def _plain(output):
-    """Hugging Face ModelOutput and other dict subclasses as a plain dict."""
-    return dict(output) if isinstance(output, dict) else output
+    """Hugging Face ModelOutput and other mappings as a plain dict."""
+    return dict(output) if is_mapping(output) else output
 
 
 def concatenate(outputs: list):
@@ -191,7 +192,7 @@ def concatenate(outputs: list):
     first = outputs[0]
     if isinstance(first, torch.Tensor):
         return torch.stack(outputs) if first.ndim == 0 else torch.cat(outputs)
-    if isinstance(first, dict):
+    if is_mapping(first):
         return {key: concatenate([o[key] for o in outputs]) for key in first}
     if isinstance(first, (list, tuple)):
         return type(first)(concatenate(list(items)) for items in zip(*outputs))
@@ -208,7 +209,7 @@ def _interleave(parts: list, n: int):
         for rank, part in enumerate(parts):
             whole[rank::len(parts)] = part
         return whole
-    if isinstance(first, dict):
+    if is_mapping(first):
         return {key: _interleave([p[key] for p in parts], n) for key in first}
     if isinstance(first, (list, tuple)):
         return type(first)(_interleave(list(items), n) for items in zip(*parts))

@@ -21,8 +21,9 @@ from torch.utils.data import DataLoader
 
 from gpunb.errors import GpunbError
 from gpunb.runtime import device as devices
+from gpunb.runtime import explain
 from gpunb.runtime.augment import apply_transforms
-from gpunb.runtime.inputs import data_length, first_batch
+from gpunb.runtime.inputs import data_length, first_batch, is_mapping
 
 AUTO_PROBE = 8  # samples in the checked batch under batch_size="auto" (the probe's first size)
 
@@ -36,6 +37,8 @@ def preflight(model, train, val, objective, precision, device, config):
     warn_if_unbounded(train, config)
     dtype = model_dtype(model)
     train, val = cast_floats(train, dtype, "train_data"), cast_floats(val, dtype, "val_data")
+    loss_fn = objective.loss_fn
+    train, val = cast_class_labels(train, loss_fn, "train_data"), cast_class_labels(val, loss_fn, "val_data")
     if objective.step_fn is None and dtype is not None and next(model.parameters()).device.type != "meta":
         with Untouched(model, device):
             _check_batch(model, objective, precision, train, device, config, "train_data", training=True)
@@ -87,39 +90,91 @@ def cast_floats(data, dtype, what: str):
     return tuple(t.to(dtype) if i in wide else t for i, t in enumerate(data))
 
 
+def cast_class_labels(data, loss_fn, what: str):
+    """Integer labels narrower than int64 (int32 from NumPy on Windows or from a pandas column),
+    which CrossEntropyLoss and NLLLoss refuse, are cast to int64 (a copy of the labels), said once."""
+    if not isinstance(data, tuple) or len(data) < 2 or not _is_class_loss(loss_fn):
+        return data
+    labels = data[-1]
+    if labels.is_floating_point() or labels.dtype in (torch.int64, torch.uint8, torch.bool):
+        return data
+    warnings.warn(f"The labels of {what} are {_name(labels.dtype)}, and {_loss_name(loss_fn)} takes int64: "
+                  "gpunb casts them (a copy). Pass int64 labels (`y.long()`) to skip the copy.",
+                  UserWarning, stacklevel=2)
+    return (*data[:-1], labels.long())
+
+
+def _loss_name(loss_fn) -> str:
+    return getattr(loss_fn, "__name__", None) or type(loss_fn).__name__
+
+
 def _check_batch(model, objective, precision, data, device, config, what, training: bool) -> None:
     __tracebackhide__ = True  # noqa: F841
-    batch = first_batch(data, config.batch_size if isinstance(config.batch_size, int) else AUTO_PROBE, device)
+    try:
+        batch = first_batch(data, config.batch_size if isinstance(config.batch_size, int) else AUTO_PROBE, device)
+    except RuntimeError as error:
+        problem = explain.ragged(error, data, what, config.batch_size)
+        if problem is None:
+            raise
+        raise problem from error
     transforms = [t for t in config.transforms if training or not getattr(t, "train_only", False)]
     if transforms:  # as the feed applies them (build_feed): the model sees transformed batches
         batch = apply_transforms(batch, transforms)
     model.train(training)
+    trace = explain.LayerTrace(model)
     try:
-        with torch.no_grad(), precision.autocast():
+        with torch.no_grad(), precision.autocast(), trace:
             if training:
                 objective.loss(model, batch)
             else:
                 objective.evaluate(model, batch)
                 if objective.stateful is not None:
                     objective.stateful.reset()  # a check: this batch counts in no validation
-    except GpunbError:
-        raise  # already says what and how to fix it
+    except GpunbError as error:
+        raise _name_the_data(error, batch, model, objective, what) from error.__cause__
     except torch.OutOfMemoryError:
         return  # training's own OOM handling (smaller micro-batches) takes it from here
     except Exception as error:
-        hint = diagnose(error, batch, model, objective.loss_fn)
-        found = f"The batch: {describe_batch(batch)}. The model expects: {describe_model(model)}."
-        if hint is None:
-            error.add_note(f"gpunb ran one batch of {what} through the model and loss before "
-                           f"training, and it failed. {found}")
-            raise
-        raise GpunbError(f"One batch of {what} failed in the model or the loss before training "
-                         f"started: {type(error).__name__}: {_first_line(error)}\n{found}", hint) from error
+        _explain_failure(error, batch, model, objective, what, trace.failed_in_torch_layer(error))
+
+
+def _name_the_data(error: GpunbError, batch, model, objective, what) -> GpunbError:
+    """gpunb's own refusal of the batch, saying which data it came from (an earlier cell's
+    val_data is otherwise a mystery), with the better fix where one is known."""
+    missing = explain.missing_labels(error, batch, model, objective, what)
+    if missing is not None:
+        return missing
+    hint = explain.own_loss_instead(model, batch, objective.loss_fn) or error.hint
+    return GpunbError(f"One batch of {what} failed before training: {error.what}", hint)
+
+
+def _explain_failure(error, batch, model, objective, what, layer) -> None:
+    """Raises one GpunbError that leads with the fix (the torch error chained), or, when the cause
+    is unknown and inside the user's own code, the error itself with what the batch held."""
+    __tracebackhide__ = True  # noqa: F841
+    hint = diagnose(error, batch, model, objective.loss_fn)
+    found = (f"{explain.how_batch_was_read(batch, objective.loss_fn)}\n"
+             f"The batch: {describe_batch(batch)}. The model expects: {describe_model(model)}.")
+    if layer is not None:
+        name, module, args = layer
+        found = f"It failed in `{name}` ({type(module).__name__}), given {explain.describe_args(args)}.\n{found}"
+        hint = hint or explain.reorder_hint(batch, objective.loss_fn) or explain.layer_hint(name, module, args)
+    else:
+        hint = hint or explain.reorder_hint(batch, objective.loss_fn)
+    if hint is None:
+        error.add_note(f"gpunb ran one batch of {what} through the model and loss before "
+                       f"training, and it failed. {found}")
+        raise error
+    raise GpunbError(f"One batch of {what} failed in the model or the loss before training "
+                     f"started: {type(error).__name__}: {_first_line(error)}\n{found}", hint) from error
 
 
 def diagnose(error: Exception, batch, model, loss_fn) -> str | None:
     """The fix for the everyday causes of `error`, or None when it is none of them."""
     text = str(error)
+    own_loss = explain.own_loss_instead(model, batch, loss_fn)
+    if own_loss is not None:
+        return own_loss
     inputs, target = _inputs_and_target(batch, loss_fn)
     dtype = model_dtype(model)
     floats = [t for t in inputs if t.is_floating_point()]
@@ -137,6 +192,10 @@ def diagnose(error: Exception, batch, model, loss_fn) -> str | None:
         if target.ndim == 2 and target.shape[1] == 1:
             return (f"{type(loss_fn).__name__} takes labels of shape (N,), and these are "
                     f"{tuple(target.shape)}: use `y.squeeze(1)` (or `y.view(-1)`).")
+        if not target.is_floating_point() and target.dtype not in (torch.int64, torch.uint8, torch.bool):
+            return (f"{type(loss_fn).__name__} takes int64 class labels, and the labels are "
+                    f"{_name(target.dtype)}: use `y.long()` (e.g. return `torch.tensor(label)` or "
+                    "`label.long()` from the Dataset).")
     return _shape_hint(model, inputs)
 
 
@@ -145,8 +204,9 @@ def _shape_hint(model, inputs) -> str | None:
     if first is None or not inputs:
         return None
     x = inputs[0]
-    if isinstance(first, torch.nn.Embedding) and x.is_floating_point():
-        return f"the model starts with an Embedding, which takes integer indices, and the inputs are {_name(x.dtype)}: use `x.long()`."
+    if isinstance(first, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and x.is_floating_point():
+        return (f"the model starts with an {type(first).__name__}, which takes integer indices, and the "
+                f"inputs are {_name(x.dtype)}: use `x.long()`.")
     if isinstance(first, torch.nn.Linear):
         per_sample = x[0].numel() if x.ndim > 1 else 1
         if x.ndim and x.shape[-1] != first.in_features and per_sample != first.in_features:
@@ -166,7 +226,7 @@ def _shape_hint(model, inputs) -> str | None:
     return None
 
 
-_FIRST_LAYERS = (torch.nn.Linear, torch.nn.modules.conv._ConvNd, torch.nn.Embedding)
+_FIRST_LAYERS = (torch.nn.Linear, torch.nn.modules.conv._ConvNd, torch.nn.Embedding, torch.nn.EmbeddingBag)
 
 
 def _is_class_loss(loss_fn) -> bool:
@@ -177,7 +237,7 @@ def _is_class_loss(loss_fn) -> bool:
 def _inputs_and_target(batch, loss_fn):
     if isinstance(batch, torch.Tensor):
         return [batch], None
-    if isinstance(batch, dict):
+    if is_mapping(batch):
         return [v for v in batch.values() if isinstance(v, torch.Tensor)], None
     tensors = [t for t in batch if isinstance(t, torch.Tensor)] if isinstance(batch, (list, tuple)) else []
     if loss_fn is not None and len(tensors) >= 2:
@@ -189,7 +249,7 @@ def describe_batch(batch) -> str:
     """`x float32 (8, 5), y int64 (8,)`-style: what each tensor of the batch is."""
     if isinstance(batch, torch.Tensor):
         return f"{_name(batch.dtype)} {tuple(batch.shape)}"
-    if isinstance(batch, dict):
+    if is_mapping(batch):
         return "{" + ", ".join(f"{k!r}: {describe_batch(v)}" for k, v in batch.items()) + "}"
     if isinstance(batch, (list, tuple)):
         return "(" + ", ".join(describe_batch(v) for v in batch) + ")"
@@ -204,8 +264,9 @@ def describe_model(model) -> str:
         return f"first layer Linear(in_features={first.in_features}), {weights}"
     if isinstance(first, torch.nn.modules.conv._ConvNd):
         return f"first layer {type(first).__name__}(in_channels={first.in_channels}), {weights}"
-    if isinstance(first, torch.nn.Embedding):
-        return f"first layer Embedding({first.num_embeddings}, {first.embedding_dim}) (integer inputs), {weights}"
+    if isinstance(first, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+        return (f"first layer {type(first).__name__}({first.num_embeddings}, {first.embedding_dim}) "
+                f"(integer inputs), {weights}")
     return weights
 
 

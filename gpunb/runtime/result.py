@@ -24,8 +24,9 @@ class TrainResult:
     steps: int = 0
     start_step: int = 0  # the step this fit began at (> 0 when it resumed or continued a run)
     total_steps: int | None = None  # optimizer steps the run was set to take, when known
-    samples: int = 0
-    wall_time_s: float = 0.0
+    samples: int = 0  # over the whole run, a resumed or continued one's earlier fits included
+    start_samples: int = 0  # of those, seen before this fit began
+    wall_time_s: float = 0.0  # this fit's
     data_wait_s: float = 0.0  # host time spent waiting for the next batch
     compute_s: float = 0.0  # the rest of the training loop (steps, logging)
     validation_s: float = 0.0
@@ -62,7 +63,8 @@ class TrainResult:
 
     @property
     def samples_per_s(self) -> float:
-        return self.samples / self.wall_time_s if self.wall_time_s else 0.0
+        """This fit's samples over this fit's wall time."""
+        return (self.samples - self.start_samples) / self.wall_time_s if self.wall_time_s else 0.0
 
     @property
     def train_s(self) -> float:

@@ -1,13 +1,18 @@
 """Whether a checkpoint fits the run that wants to resume from it, checked before anything loads.
 
-Loading is all or nothing: the model, the optimizer and the run's settings are
-compared with the checkpoint first, and every mismatch is named (keys, shapes,
-optimizer type and groups, batch settings), so a failed resume leaves the user's
-objects exactly as they were.
+Loading is all or nothing: the model, the optimizer, the scheduler, the weight average,
+the random number generators and the run's settings are compared with the checkpoint
+first, and every mismatch is named (keys, shapes, optimizer and scheduler types, groups,
+batch settings, RNG states), so a failed resume leaves the user's objects exactly as they were.
 """
 
 from __future__ import annotations
 
+import random
+import warnings
+from pathlib import Path
+
+import numpy as np
 import torch
 
 from gpunb.errors import GpunbError
@@ -32,6 +37,13 @@ def check_fits(run, payload: dict, path) -> None:
         raise GpunbError(f"The optimizer state in {path!s} does not fit this optimizer:\n" + _bullets(problems),
                          "resume with the same optimizer type and parameter groups it was saved "
                          "with, or start fresh without `resume`.")
+    problems = state_problems(run, payload)
+    if problems:
+        raise GpunbError(f"The checkpoint {path!s} is damaged: the run's state beside the weights cannot be "
+                         "restored:\n" + _bullets(problems),
+                         "resume from an earlier checkpoint of the run (`resume=<path to a step-*.pt>`), or "
+                         "start a fresh run without `resume` (load the weights alone with "
+                         "`model.load_state_dict(torch.load(path)['model'])`).")
     problems = config_problems(run.config, payload.get("config", {}), payload, run.state.world_size)
     if problems:
         raise GpunbError(f"The checkpoint {path!s} was written by a run with other batch settings, so "
@@ -89,6 +101,57 @@ def optimizer_problems(optimizer: torch.optim.Optimizer, payload: dict) -> list[
     return problems[:_LISTED]
 
 
+def state_problems(run, payload: dict) -> list[str]:
+    """What would fail to load after the weights: the RNG states, the weight average (the entries
+    themselves are there: checkpoint.load_checkpoint checks)."""
+    problems = rng_problems(payload["rng"], run.state.device)
+    ema = payload.get("ema")
+    if run.stepper.ema is not None and ema is not None and getattr(run.dist, "strategy", None) != "fsdp":
+        weights = ema.get("weights") if isinstance(ema, dict) else None
+        if not isinstance(weights, dict) or not isinstance(ema.get("updates"), int):
+            problems.append("the weight average ('ema') lacks its weights or update count")
+        else:
+            problems += [f"weight average: {line}" for line in model_problems(run.model, weights)]
+    return problems
+
+
+def rng_problems(saved, device: torch.device) -> list[str]:
+    """Each saved RNG state is set into a scratch generator of its kind: the libraries' own checks."""
+    if not isinstance(saved, dict):
+        return [f"the RNG state is a {type(saved).__name__}, not a dict of states"]
+    checks = {"torch": lambda: torch.Generator().set_state(saved["torch"]),
+              "python": lambda: random.Random().setstate(
+                  (saved["python_meta"][0], tuple(saved["python"].tolist()), saved["python_meta"][1])),
+              "numpy": lambda: np.random.RandomState().set_state(
+                  (saved["numpy_meta"][0], saved["numpy"].numpy().astype(np.uint32), *saved["numpy_meta"][1:]))}
+    if device.type == "cuda" and "cuda" in saved:
+        checks["cuda"] = lambda: torch.Generator(device=device).set_state(saved["cuda"])
+    problems = []
+    for name, check in checks.items():
+        try:
+            check()
+        except Exception as error:  # noqa: BLE001 - any failure means the state cannot be set
+            problems.append(f"the {name} RNG state cannot be set ({type(error).__name__}: {error})")
+    return problems
+
+
+def data_layout_note(run, payload: dict, path) -> str | None:
+    """A warning when the data now gives another number of batches an epoch than when saved."""
+    saved, now = payload.get("batches_per_epoch"), run.feed.num_batches
+    if saved is None or now is None or saved == now:
+        return None
+    position = payload["batch_in_epoch"]
+    where = (f"epoch {payload['epoch']} goes on after batch {position} of {now}" if position < now else
+             f"the saved position (batch {position}) is past the end of the new epoch {payload['epoch']}, "
+             "which therefore ends at once")
+    total = run.state.total_steps
+    end = f" and this run ends at step {total}" if total is not None else ""
+    return (f"The checkpoint {Path(path).name} was saved with {saved} batches an epoch and the data now gives "
+            f"{now}: {where}, so epochs no longer line up with the saved run's (the step count goes on from "
+            f"{payload['step']}{end}). Resume with the data it was saved with for an exact continuation, or "
+            "start a fresh run without `resume`.")
+
+
 def config_problems(config, saved: dict, payload: dict, world_size: int) -> list[str]:
     problems = [f"{name}={saved[name]!r} in the checkpoint, {getattr(config, name)!r} now"
                 for name in _POSITION_SETTINGS if name in saved and saved[name] != getattr(config, name)]
@@ -116,17 +179,48 @@ def saved_total_steps(payload: dict) -> int | None:
 
 
 def check_schedule(run, payload: dict, path) -> None:
-    """A one-cycle schedule cannot be stretched to a new run length: refuse, saying how."""
-    old, new = saved_total_steps(payload), run.state.total_steps
-    if run.stepper.schedule is None or payload.get("scheduler") is None or old in (None, new):
+    """Refuse, before anything loads, a scheduler state that cannot drive this run's scheduler."""
+    schedule, saved = run.stepper.schedule, payload.get("scheduler")
+    if schedule is None or saved is None:
         return
-    if run.config.lr_schedule == "one-cycle":
+    current = type(schedule.scheduler).__name__
+    saved_type = payload.get("scheduler_type")
+    if saved_type != current if saved_type is not None else _public(saved) != _public(schedule.state_dict()):
+        raise GpunbError(f"The checkpoint {path!s} holds the state of {saved_type or 'another scheduler class'}, "
+                         f"and this run's scheduler is {current}: its settings would drive the other "
+                         "class's formula.",
+                         "resume with the scheduler the run was saved with (the same `scheduler=` or "
+                         "`lr_schedule=`), or start a fresh run without `resume` (`model` can load the "
+                         "checkpoint's weights).")
+    old, new = saved_total_steps(payload), run.state.total_steps
+    if run.config.lr_schedule == "one-cycle" and old not in (None, new):
         raise GpunbError(f"The checkpoint {path!s} is {old} steps into a one-cycle schedule planned for "
                          f"{old} steps in all; this run is {new} steps long, and a one-cycle schedule "
                          "cannot be stretched part-way.",
                          "resume with the `epochs`/`max_steps` it was saved with, or train the extra "
                          "epochs with `lr_schedule='cosine'` or `'none'` in a fresh run "
                          "(`model` keeps the trained weights).")
+    _check_fixed_length(run, saved, path)
+
+
+def _public(state: dict) -> set:
+    """A scheduler state's setting names (older files name no class: these tell it)."""
+    return {key for key in state if not key.startswith("_") and key != "verbose"}
+
+
+def _check_fixed_length(run, saved: dict, path) -> None:
+    """A OneCycleLR's `total_steps` is fixed when it is built: past it, torch raises mid-run."""
+    length, schedule = saved.get("total_steps"), run.stepper.schedule
+    if not isinstance(length, int) or schedule.plateau:
+        return
+    needed = run.state.total_steps if schedule.interval == "step" else run.config.epoch_limit
+    unit = "steps" if schedule.interval == "step" else "epochs"
+    if needed is not None and needed > length:
+        raise GpunbError(f"The checkpoint {path!s} holds a {type(schedule.scheduler).__name__} built for "
+                         f"{length} {unit} (its `total_steps`, fixed when it is built), and this run has "
+                         f"{needed}: torch would raise once the schedule passes its end.",
+                         "resume with the `epochs`/`max_steps` it was saved with; to train longer, start "
+                         "a fresh run from the trained weights (`model` keeps them) with a new schedule.")
 
 
 def stretch_schedule(run, payload: dict) -> str | None:
@@ -140,3 +234,59 @@ def stretch_schedule(run, payload: dict) -> str | None:
     return (f"The checkpoint's cosine schedule was planned for {old} steps and this run has {new}: "
             f"it now decays to zero at step {new} (learning rate {before:.3g} -> {after:.3g} "
             f"at step {payload['step']}).")
+
+
+_PLAIN = (int, float, str, bool, list, tuple, type(None))  # settings compared; tensors and objects are not
+_PROGRESS = {"last_epoch", "base_lrs", "lr_lambdas", "best", "num_bad_epochs", "cooldown_counter", "verbose"}
+
+
+def load_schedule(run, payload: dict, path) -> str | None:
+    """Load the saved schedule into the run's; returns a warning to show (rank 0), or None.
+
+    A built-in cosine planned for another length decays over the new one; a schedule the
+    checkpoint lacks is moved on to the saved step (it ends where it was planned); a saved
+    one this run lacks is named, since the learning rate then stays where it was.
+    """
+    schedule, saved = run.stepper.schedule, payload.get("scheduler")
+    if schedule is None:
+        if saved is None:
+            return None
+        lr = run.stepper.optimizer.param_groups[0]["lr"]
+        return (f"The checkpoint {Path(path).name} holds a learning-rate schedule "
+                f"({payload.get('scheduler_type') or 'a scheduler'}) and this run has none: the learning rate "
+                f"stays at {lr:.3g}, the one saved at step {payload['step']}. Pass the same `scheduler=` or "
+                "`lr_schedule=` to follow the schedule on.")
+    if saved is None:
+        return fast_forward(schedule, payload, path)
+    built = schedule.state_dict()
+    schedule.load_state_dict(saved)
+    if schedule.builtin is not None:
+        return stretch_schedule(run, payload)
+    changed = [f"{key}={saved[key]!r} (this run built {built[key]!r})" for key in sorted(saved)
+               if key in built and key not in _PROGRESS and not key.startswith("_")
+               and isinstance(saved[key], _PLAIN) and saved[key] != built[key]]
+    if not changed:
+        return None
+    return (f"The checkpoint's {type(schedule.scheduler).__name__} was saved with " + ", ".join(changed) +
+            ": a resumed scheduler goes on with its saved settings. Start a fresh run from the trained "
+            "weights to follow the new ones.")
+
+
+def fast_forward(schedule, payload: dict, path) -> str | None:
+    """Step a schedule the checkpoint lacks on to the saved position, as if it had run from the start."""
+    if schedule.plateau:
+        return None  # it steps with the validation metric: it starts watching from here
+    scheduler = schedule.scheduler
+    count = payload["step"] if schedule.interval == "step" else payload["epoch"]
+    groups = scheduler.optimizer.param_groups
+    for group, lr in zip(groups, scheduler.get_last_lr()):  # loading the optimizer set the saved, constant rate
+        group["lr"] = lr
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": on purpose here
+        for _ in range(count):
+            scheduler.step()
+    unit = "step" if schedule.interval == "step" else "epoch"
+    return (f"The checkpoint {Path(path).name} was saved without a learning-rate schedule, and this run has "
+            f"one ({type(scheduler).__name__}): it was moved on to {unit} {count}, as if it had run from the "
+            f"start (learning rate now {groups[0]['lr']:.3g}), so it ends where it was planned; the "
+            f"{payload['step']} steps before trained at a constant rate.")

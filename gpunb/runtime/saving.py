@@ -9,15 +9,19 @@ from pathlib import Path
 from gpunb.errors import GpunbError
 from gpunb.runtime import checkpoint as ckpt
 from gpunb.runtime import device as devices
-from gpunb.runtime import resume_check
+from gpunb.runtime import resume_check, resume_target
+from gpunb.runtime.best import entry_path
 from gpunb.runtime.nan_guard import fail
+from gpunb.runtime.run_lock import RunLock
 
 
 class Checkpointer:
     """Saves every `checkpoint_every` steps (or at each epoch end), and when a run stops early.
 
     The directory is checked writable when the run is set up, before any training. A
-    save that still fails later (a full disk) warns once and training goes on. What it
+    save that still fails later (a full disk) warns once and training goes on. The run
+    holds its directory's lock (run_lock.py) from its first save, or from resuming into
+    it, to the end of the fit, so that no other run adopts it meanwhile. What it
     saves comes from its collaborators: the user's `model`, the `stepper` (optimizer,
     schedule, weight average, splits), `precision` (the scaler), the run's `losses` (no checkpoint after
     a non-finite one), `dist` (state dicts, gathered across ranks) and `events`, which
@@ -32,6 +36,7 @@ class Checkpointer:
         self.batches_per_epoch = batches_per_epoch
         self.saved_step = None
         self.failed = False
+        self.lock: RunLock | None = None  # on the run's own directory (rank 0)
         if rank == 0:
             ckpt.check_writable(config.checkpoint_dir)
 
@@ -57,10 +62,7 @@ class Checkpointer:
             return
         payload = self._payload(state, model_state, optimizer_state, best=kept)
         try:
-            directory = self._directory(state)
-            path = ckpt.write_atomic(directory, kept_file(kept, state.step),
-                                     {"format": ckpt.FORMAT, "version": ckpt.VERSION, **payload})
-            self.best.commit(kept, directory)
+            path = self.best.write(self._directory(state), kept, state.step, payload)
         except (OSError, RuntimeError) as error:
             self._warn_failed(state, error)
             return
@@ -72,6 +74,16 @@ class Checkpointer:
             state.result.checkpoint_path = state.checkpoint_path
         if self.best is not None:
             finish_best(self, state)
+        self.release()
+
+    def on_exception(self, state, error) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Let other runs adopt the directory (the lock also goes when the process ends)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def save(self, state) -> None:
         if state.step == self.saved_step:
@@ -96,7 +108,10 @@ class Checkpointer:
         """The run's own directory (rank 0 names the run at its first save)."""
         if state.checkpoint_run is None:
             state.checkpoint_run = ckpt.new_run_id()
-        return ckpt.run_directory(self.config.checkpoint_dir, state.checkpoint_run)
+        directory = ckpt.run_directory(self.config.checkpoint_dir, state.checkpoint_run)
+        if self.lock is None:  # a new directory: its id is unique, so the lock is free
+            self.lock = RunLock.acquire(directory, {"run_name": state.run_name})
+        return directory
 
     def _loss_finite(self, state) -> bool:
         """No checkpoint after a non-finite loss: the newest on disk stays the last good one."""
@@ -118,6 +133,7 @@ class Checkpointer:
             "optimizer": optimizer_state,
             "optimizer_type": type(stepper.optimizer).__name__,
             "scheduler": stepper.schedule.state_dict() if stepper.schedule else None,
+            "scheduler_type": type(stepper.schedule.scheduler).__name__ if stepper.schedule else None,
             "ema": ({"weights": stepper.ema.state_dict(), "updates": stepper.ema.updates}
                     if stepper.ema is not None else None),
             "total_steps": state.total_steps,
@@ -126,11 +142,13 @@ class Checkpointer:
             # Where to continue: the next epoch, or this one after the batches already used.
             "epoch": state.epoch + 1 if epoch_complete else state.epoch,
             "batch_in_epoch": 0 if epoch_complete else state.batch_in_epoch,
+            "batches_per_epoch": self.batches_per_epoch,  # a resume with other data is told its epochs differ
             "step": state.step, "samples_seen": state.samples_seen, "splits": stepper.splits,
             "history": state.history, "epochs": state.epochs, "validations": state.validations,
             "best": best,
             "config": ckpt.config_json(self.config), "run_name": state.run_name,
             "run_id": state.checkpoint_run, "saved_at": time.time(), "world_size": state.world_size,
+            "origin": (state.resumed or {}).get("origin"),  # the run directory this one was resumed from
         }
 
     def _warn_failed(self, state, error: BaseException) -> None:
@@ -145,10 +163,6 @@ class Checkpointer:
                       RuntimeWarning, stacklevel=2)
 
 
-def kept_file(kept: list, step: int) -> str:
-    return next(e["file"] for e in kept if e["step"] == step)
-
-
 def finish_best(checkpointer, state) -> None:
     """The result names the best checkpoint; with restore_best its weights go into the model.
 
@@ -160,7 +174,8 @@ def finish_best(checkpointer, state) -> None:
     result.best_monitor, result.best_value, result.best_step = (checkpointer.best.monitor.name,
                                                                 best["value"], best["step"])
     if state.checkpoint_run is not None:
-        result.best_checkpoint = str(ckpt.run_directory(config.checkpoint_dir, state.checkpoint_run) / best["file"])
+        directory = ckpt.run_directory(config.checkpoint_dir, state.checkpoint_run)
+        result.best_checkpoint = str(entry_path(directory, best))
     sharded = getattr(checkpointer.dist, "strategy", None) == "fsdp"
     if not config.restore_best or not (state.rank == 0 or sharded):
         return
@@ -186,6 +201,8 @@ def resume(run, path) -> None:
     payload = ckpt.load_checkpoint(path)
     resume_check.check_fits(run, payload, path)
     resume_check.check_schedule(run, payload, path)
+    if run.state.rank == 0:
+        resume_target.refuse_live_pick(run.config, Path(path))
     state, stepper = run.state, run.stepper
     try:
         run.dist.load_model_state(run.model, payload["model"])
@@ -198,11 +215,9 @@ def resume(run, path) -> None:
     except (ValueError, KeyError) as error:
         raise GpunbError(f"The optimizer state in {path!s} does not fit this optimizer: {error}",
                          "resume with the same optimizer type and parameter groups.") from error
-    if stepper.schedule is not None and payload["scheduler"] is not None:
-        stepper.schedule.load_state_dict(payload["scheduler"])
-        stretched = resume_check.stretch_schedule(run, payload)
-        if stretched and state.rank == 0:
-            warnings.warn(stretched, RuntimeWarning, stacklevel=2)
+    for note in (resume_check.load_schedule(run, payload, path), resume_check.data_layout_note(run, payload, path)):
+        if note and state.rank == 0:
+            warnings.warn(note, RuntimeWarning, stacklevel=2)
     _load_ema(stepper.ema, payload.get("ema"))
     run.precision.load_state_dict(payload["precision"])
     devices.set_rng_state(payload["rng"], state.device)
@@ -231,18 +246,22 @@ def _load_ema(ema, saved: dict | None) -> None:
 
 
 def _adopt_run(run, payload: dict, path: Path) -> None:
-    """The resumed run goes on in the run directory it came from, and says what it resumed."""
+    """Where the resumed run writes (resume_target.py), and what it says about what it resumed."""
     state = run.state
-    run_id = payload.get("run_id")
-    if run_id is None and path.parent.name.startswith("run-"):
-        run_id = path.parent.name[len("run-"):]
-    if run_id is not None:
-        state.checkpoint_run = run_id
-        if state.rank == 0:
-            ckpt.remove_leftovers(path.parent)
+    run_id = payload.get("run_id") or ckpt.run_id_of(path.parent)
     state.resumed = {"path": str(path), "run": run_id, "run_name": payload.get("run_name"),
                      "step": payload["step"], "epoch": payload["epoch"], "saved_at": payload.get("saved_at")}
-    if state.rank == 0:
-        # Deterministic text (tutorials show it): the time and run id are in result.resumed_from.
-        print(f"Resuming run {payload.get('run_name')!r} at step {payload['step']} (epoch {payload['epoch']}) "
-              f"from {path.name} (result.resumed_from says which run and when it was saved).", flush=True)
+    if state.rank != 0:
+        return
+    if run.checkpointer is not None:  # last: a fit that fails from here on releases the lock
+        run.checkpointer.lock, target = resume_target.claim(run.config, state, path, payload)
+        state.resumed.update(target)
+        if run.checkpointer.lock is not None:
+            ckpt.remove_leftovers(path.parent)  # a killed save's temp files, now that the directory is ours
+        elif run.best is not None:
+            run.best.kept_in(path.parent, run.config.checkpoint_dir)  # the best ones so far stay there
+    # Deterministic text (tutorials show it): the time and run id are in result.resumed_from.
+    print(f"Resuming run {payload.get('run_name')!r} at step {payload['step']} (epoch {payload['epoch']}) "
+          f"from {path.name} (result.resumed_from says which run and when it was saved).", flush=True)
+    if state.resumed.get("note"):
+        print(state.resumed["note"], flush=True)

@@ -58,7 +58,8 @@ class Schedule:
 def build_schedule(spec, optimizer, config, total_steps: int | None, val_names: tuple | None) -> Schedule | None:
     """The fit's Schedule from `fit(scheduler=spec)` or `config.lr_schedule`; None: constant rate."""
     if spec is None:
-        scheduler = make_scheduler(optimizer, config.lr_schedule, total_steps, config.warmup_steps)
+        scheduler = make_scheduler(optimizer, config.lr_schedule, total_steps, config.warmup_steps,
+                                   config.min_lr_ratio)
         return None if scheduler is None else Schedule(scheduler, builtin=config.lr_schedule)
     if config.lr_schedule != "none":
         raise GpunbError(f"Both `scheduler` and `lr_schedule={config.lr_schedule!r}` were given: a run "

@@ -17,7 +17,7 @@ import contextlib
 import torch
 
 from gpunb.errors import GpunbError
-from gpunb.runtime.inputs import batch_size_of, split_batch
+from gpunb.runtime.inputs import split_batch
 from gpunb.runtime.step_graph import CaptureError, StepGraph
 
 
@@ -213,11 +213,11 @@ class Stepper:
         if self.splits == 1:  # the common case, kept free of per-piece bookkeeping
             self._piece(batch, self.weight, sync)
             return
-        size = batch_size_of(batch)
-        pieces = split_batch(batch, self.splits)
+        size = self.objective.samples(batch)
+        pieces = split_batch(batch, self.splits, size)
         for i, piece in enumerate(pieces):
             # Weight = the piece's share of the optimizer step, so sums of pieces equal the mean.
-            self._piece(piece, batch_size_of(piece) / size / self.config.grad_accum,
+            self._piece(piece, self.objective.samples(piece) / size / self.config.grad_accum,
                         sync and i == len(pieces) - 1)
 
     def _piece(self, piece, weight: float, sync: bool) -> None:
@@ -251,7 +251,7 @@ class Stepper:
     def _recover_from_oom(self, batch) -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        size = batch_size_of(batch)
+        size = self.objective.samples(batch)
         if self.micro_batch_size(size) <= 1:
             raise GpunbError("Out of memory even with a micro-batch of 1 sample.",
                              "the model itself does not fit: try `precision='bf16-mixed'`, "

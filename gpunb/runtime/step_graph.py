@@ -35,6 +35,8 @@ import warnings
 import torch
 from torch.utils import _pytree as pytree
 
+from gpunb.runtime.inputs import is_mapping
+
 WARMUP_PASSES = 2
 
 
@@ -65,7 +67,9 @@ class StepGraph:
 
     def __init__(self, stepper, batch):
         self.stepper = stepper
-        leaves, self.spec = pytree.tree_flatten(batch)
+        # A mapping other than a dict (a BatchEncoding): the graph's batch is rebuilt as one.
+        self.mapping = type(batch) if is_mapping(batch) and type(batch) is not dict else None
+        leaves, self.spec = _flatten(batch)
         if not leaves or not all(isinstance(t, torch.Tensor) and t.is_cuda for t in leaves):
             raise CaptureError("the batch holds more than CUDA tensors")
         self.inputs = [t.clone() for t in leaves]  # the graph reads the batch from these
@@ -81,7 +85,7 @@ class StepGraph:
             for group, lr in zip(self.groups, self.lr_tensors):
                 group["lr"] = lr
             with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
-                self.loss = self._step(pytree.tree_unflatten(self.inputs, self.spec))
+                self.loss = self._step(self._static_batch())
         except Exception as error:
             _close_rng_capture(leaves[0].device)
             raise CaptureError(f"{type(error).__name__}: {error}") from error
@@ -96,7 +100,7 @@ class StepGraph:
         when an optimizer setting the graph holds has changed."""
         if changed := self._settings_changed():
             raise CaptureError(f"the optimizer's {changed!r} changed, and the graph holds the old value")
-        leaves, spec = pytree.tree_flatten(batch)
+        leaves, spec = _flatten(batch)
         if spec != self.spec or any(t.shape != s.shape or t.dtype != s.dtype for t, s in zip(leaves, self.inputs)):
             return None
         for i, group in enumerate(self.groups):
@@ -128,10 +132,15 @@ class StepGraph:
         loss.backward()
         return loss
 
+    def _static_batch(self):
+        """The batch made of the graph's input buffers, of the captured batch's kind."""
+        batch = pytree.tree_unflatten(self.inputs, self.spec)
+        return self.mapping(batch) if self.mapping is not None else batch
+
     def _warm_up(self, stream) -> None:
         model = self.stepper.model
         buffers = [b.clone() for b in model.buffers()]  # batch-norm statistics: the passes don't count
-        batch = pytree.tree_unflatten(self.inputs, self.spec)
+        batch = self._static_batch()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_PASSES):
@@ -141,6 +150,12 @@ class StepGraph:
                 for b, saved in zip(model.buffers(), buffers):
                     b.copy_(saved)
         torch.cuda.current_stream().wait_stream(stream)
+
+
+def _flatten(batch) -> tuple[list, object]:
+    """The batch's leaves and layout. pytree knows dicts, not other mappings: a collator's
+    `BatchEncoding` is flattened as the dict it holds (else it would be one opaque leaf)."""
+    return pytree.tree_flatten(dict(batch) if is_mapping(batch) and type(batch) is not dict else batch)
 
 
 def _settings(group: dict) -> dict:

@@ -7,7 +7,8 @@ One forward + backward of one micro-batch, at the batch size training will use, 
 Weights and gradients are counted from the parameters; the optimizer's state from its
 tensors when it has some (a run that continues), else from its type (AdamW keeps two
 tensors the size of each parameter). Nothing is stepped: gradients, buffers, each
-module's mode and the RNGs are put back as they were (preflight's Untouched).
+module's mode and the RNGs (drawing the batch included) are put back as they were
+(preflight's Untouched).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from gpunb.runtime.augment import apply_transforms
 from gpunb.runtime.batch_size import count_flops
-from gpunb.runtime.inputs import batch_size_of, first_batch, map_tensors
+from gpunb.runtime.inputs import batch_size_of, first_batch, is_mapping, map_tensors
 from gpunb.runtime.preflight import Untouched
 
 # Tensors of a parameter's size each optimizer keeps per parameter (None: it depends).
@@ -173,10 +174,6 @@ def free_memory(device) -> tuple[int | None, str]:
 
 def _measure(summary, model, objective, precision, data, device, batch_size, config) -> None:
     """One forward + backward of a training micro-batch: FLOPs and activations. Nothing stays changed."""
-    # a batch of its own (not a view into the data), so that saved storages are the batch's
-    batch = map_tensors(first_batch(data, batch_size, device), torch.clone)
-    if config.transforms:  # as the feed applies them: the model sees transformed batches
-        batch = apply_transforms(batch, config.transforms)
     grads = [(p, p.grad) for p in model.parameters()]
     saved = _SavedTensors(model)
     held = {}
@@ -185,7 +182,13 @@ def _measure(summary, model, objective, precision, data, device, batch_size, con
         with saved, precision.autocast():
             held["loss"] = objective.loss(model, batch)
 
+    # the batch is drawn inside too: a collate function or stream that draws random numbers
+    # (masking, random windows) would otherwise start training one batch ahead
     with Untouched(model, device):
+        # a batch of its own (not a view into the data), so that saved storages are the batch's
+        batch = map_tensors(first_batch(data, batch_size, device), torch.clone)
+        if config.transforms:  # as the feed applies them: the model sees transformed batches
+            batch = apply_transforms(batch, config.transforms)
         try:
             model.train()
             base = _start_peak(device)
@@ -217,7 +220,7 @@ def _measure(summary, model, objective, precision, data, device, batch_size, con
 def tokens_per_sample(batch) -> int | None:
     """T when the model's input is integer token ids of shape (B, T): a tensor, the first part of a
     tuple, or a dict's `input_ids`; None otherwise (class labels of shape (B,) are not tokens)."""
-    if isinstance(batch, dict):
+    if is_mapping(batch):
         inputs = batch.get("input_ids")
     elif isinstance(batch, (list, tuple)) and batch:
         inputs = batch[0]

@@ -1,0 +1,44 @@
+"""`%gputrain --continue` as a line magic: no cell to write, the same run going on."""
+
+import pytest
+from IPython.core.error import UsageError
+
+CELL = "model = mlp()\ntrain_data = (x, y)\nloss_fn = nn.CrossEntropyLoss()\n"
+OPTIONS = "--batch-size 16 --log-every 2 --quiet --no-track"
+
+
+def test_the_line_magic_continues_the_last_fit(ip):
+    ip.run_cell_magic("gputrain", f"--epochs 2 {OPTIONS}", CELL)
+    first = ip.user_ns["gputrain_result"]
+    ip.run_line_magic("gputrain", f"--continue --epochs 1 {OPTIONS}")
+    more = ip.user_ns["gputrain_result"]
+    assert more.steps == 18 and [row["epoch"] for row in more.epochs] == [0, 1, 2]
+    assert more.history[:len(first.history)] == first.history
+
+
+def test_an_empty_cell_magic_names_the_line_magic(ip):
+    # IPython refuses a cell magic without a body; its message points to the line magic.
+    ip.run_cell_magic("gputrain", f"--epochs 1 {OPTIONS}", CELL)
+    with pytest.raises(UsageError, match="Did you mean the line magic %gputrain"):
+        ip.run_cell_magic("gputrain", f"--continue --epochs 1 {OPTIONS}", "")
+
+
+def test_the_line_magic_cannot_export_a_cell_it_does_not_have(ip):
+    with pytest.raises(UsageError, match="a line magic has no cell"):
+        ip.run_line_magic("gputrain", "--export train.py")
+
+
+def test_a_continued_fit_goes_on_under_its_name_and_counts_its_own_samples(ip):
+    ip.run_cell_magic("gputrain", f"--epochs 2 --name digits {OPTIONS}", CELL)
+    first = ip.user_ns["gputrain_result"]
+    ip.run_line_magic("gputrain", f"--continue --epochs 1 {OPTIONS}")
+    more = ip.user_ns["gputrain_result"]
+    assert more.run_name == "digits"  # not the model's class, "Sequential"
+    # the summary's rate is this fit's samples over this fit's time, not the run's total over it
+    assert (more.samples, more.start_samples) == (3 * 96, 2 * 96)
+    assert more.samples_per_s == pytest.approx(96 / more.wall_time_s)
+    from gpunb.render import summary_rows
+
+    wall = dict(summary_rows(more))["wall time"]
+    assert "(96 samples in this fit of 288, " in wall, wall
+    assert "(192 samples, " in dict(summary_rows(first))["wall time"]
