@@ -5,6 +5,7 @@ failures, interrupts, the torchrun export; and after every test, no child proces
 """
 
 import gc
+import json
 import os
 import shutil
 import signal
@@ -402,19 +403,98 @@ def _slow(model, batch):
     return nn.functional.cross_entropy(model(batch[0]), batch[1])
 
 
+class InterruptOnceTraining:
+    """Presses the kernel's stop button (SIGINT to this process) `delay` s after rank 0 began to train."""
+
+    def __init__(self, delay):
+        self.delay, self.sent = delay, None
+
+    def on_fit_start(self, state):
+        threading.Timer(self.delay, self._press).start()
+
+    def _press(self):
+        self.sent = time.monotonic()
+        os.kill(os.getpid(), signal.SIGINT)
+
+
 def test_ranks_that_do_not_reach_a_log_interval_are_terminated_after_the_interrupt():
     x, y = classification_data(n=4096)  # 128 steps of 0.2 s: no log interval, no epoch end
-    model = mlp()
+    model, interrupt = mlp(), InterruptOnceTraining(delay=0.5)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    begin = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = Trainer(batch_size=16, log_every=1000, **CPU2).fit(model, (x, y), step=_slow)
-    assert time.monotonic() - begin < 1.0 + 5
+        result = Trainer(batch_size=16, log_every=1000, **CPU2).fit(model, (x, y), step=_slow,
+                                                                    callbacks=[interrupt])
+    took = time.monotonic() - interrupt.sent
     assert result.interrupted and any("did not stop within" in str(w.message) for w in caught)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # The ranks had their grace period, and were terminated right after it (a hang-type bound,
+    # from the interrupt on, so that a slow start of the ranks does not count).
+    assert launch.INTERRUPT_GRACE_S <= took < launch.INTERRUPT_GRACE_S + launch.FAILURE_GRACE_S + 5
+
+
+SPAWN_INTERRUPTED_WHILE_STARTING = """
+import json, os, signal, threading, time, warnings
+import psutil, torch
+from torch import nn
+from conftest import classification_data, mlp
+from gpunb import Trainer
+from gpunb.distributed import launch
+
+torch.cuda.is_initialized = lambda: True  # as after any CUDA use in the kernel: the ranks are spawned
+sent = []
+real_start = launch.mp.start_processes
+
+def press_stop():  # the kernel's stop button signals the kernel's whole process group
+    sent.append(time.monotonic())
+    os.killpg(os.getpgrp(), signal.SIGINT)
+
+def start_then_interrupt(*args, **kwargs):
+    threading.Timer(0.5, press_stop).start()  # the ranks are still starting (importing torch)
+    return real_start(*args, **kwargs)
+
+def slow_step(model, batch):
+    time.sleep(0.2)
+    return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+launch.mp.start_processes = start_then_interrupt
+x, y = classification_data(n=4096)
+model = mlp()
+before = [p.detach().clone() for p in model.parameters()]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    result = Trainer(batch_size=16, log_every=1000, devices=2, accelerator="cpu", track=False).fit(
+        model, (x, y), step=slow_step)
+took = time.monotonic() - sent[0]
+left = [p.pid for p in psutil.Process().children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())]
+print(json.dumps({"took": took, "interrupted": result.interrupted, "steps": result.steps, "left": left,
+                  "unchanged": all(torch.equal(a, b) for a, b in zip(before, model.parameters())),
+                  "warnings": [str(w.message) for w in caught]}))
+"""
+
+
+def test_an_interrupt_while_spawned_ranks_start_returns_at_once_and_leaves_no_process(tmp_path):
+    """The kernel's Ctrl-C reaches its whole process group, and so spawned ranks that have not yet
+    left it: they die while starting. The launch used to stay blocked writing the pickled
+    arguments into a dead rank's pipe until a second Ctrl-C. Run in a session of its own, so
+    that the SIGINT to the group reaches only that script and its ranks."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([os.path.dirname(tests), tests, os.environ.get("PYTHONPATH", "")])
+    script = subprocess.Popen([sys.executable, "-c", SPAWN_INTERRUPTED_WHILE_STARTING], cwd=tmp_path,
+                              env={**os.environ, "PYTHONPATH": path}, start_new_session=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = script.communicate(timeout=180)  # ample for a loaded machine; the hang never ended
+    finally:
+        if script.poll() is None:
+            os.killpg(script.pid, signal.SIGKILL)
+            script.wait()
+    assert script.returncode == 0, err[-3000:]
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["interrupted"] and report["steps"] == 0 and report["unchanged"] and report["left"] == []
+    assert any("while the ranks were starting, so they were stopped at once" in w for w in report["warnings"])
+    # It did not wait out the grace period meant for ranks that are training (a hang-type bound).
+    assert report["took"] < launch.INTERRUPT_GRACE_S
 
 
 # --------------------------------------------------------------------------- the launcher's entry

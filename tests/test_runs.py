@@ -10,6 +10,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from fractions import Fraction
 from pathlib import Path
@@ -21,12 +22,14 @@ from conftest import charts_in
 from gpunb.config import TrainConfig
 from gpunb.errors import GpunbError
 from gpunb.runs import Registry, RunRecorder, compare, default_path, prune, recorder, remove, runs
+from gpunb.runs import liveness
 from gpunb.runs import registry as registry_module
+from gpunb.runs import writer as writer_module
 from gpunb.runs.journal import enable_wal
 
 RUN_KEYS = {"id", "name", "notebook", "kernel_id", "pid", "host", "status", "config", "started_at",
             "ended_at", "updated_at", "progress", "step", "total_steps", "epoch", "eta_s", "latest",
-            "device", "energy_j", "error", "best", "stop_requested"}
+            "device", "energy_j", "error", "best", "heartbeat_at", "stop_requested"}
 
 
 @pytest.fixture
@@ -57,6 +60,8 @@ def test_switching_to_wal_retries_while_another_process_creates_the_file():
             self.failures, self.calls = failures, 0
 
         def execute(self, sql):
+            if "sqlite_master" in sql:
+                return SimpleNamespace(fetchone=lambda: None)  # being created: no tables yet
             self.calls += 1
             if self.calls <= self.failures:
                 raise sqlite3.OperationalError("database is locked")
@@ -536,6 +541,64 @@ def test_a_damaged_registry_is_named_with_the_way_to_recover(home, clock, caplog
     assert repr(runs()) == "No runs recorded yet."
 
 
+@pytest.mark.parametrize("foreign", [
+    "directory",
+    "CREATE TABLE runs (x INTEGER)",  # another program's table of the same name
+    "CREATE TABLE metrics (x INTEGER)",
+    "CREATE VIEW runs AS SELECT 1 AS id",
+])
+def test_a_registry_that_is_a_directory_or_another_programs_database_is_named_with_the_way_to_recover(
+        home, foreign):
+    from gpunb.runs import RegistryDamaged
+
+    path = home / "runs.sqlite"
+    if foreign == "directory":
+        path.mkdir(parents=True)
+    else:
+        home.mkdir()
+        with sqlite3.connect(path) as db:
+            db.execute(foreign)
+        tables_before = path.read_bytes()
+    for call in (lambda: runs(), lambda: Registry().start_run("x")):
+        with pytest.raises(RegistryDamaged, match=r"run registry .*runs.sqlite (is a directory|is not a run registry)"
+                                                  r"(.|\n)*HINT: move it aside") as error:
+            call()
+        assert error.value.path == path and f"mv '{path}' '{path}.damaged'" in str(error.value)
+    if foreign != "directory":
+        assert path.read_bytes() == tables_before  # another program's database is left as it was
+    path.rename(home / "runs.sqlite.damaged")  # the recovery the message gives
+    assert repr(runs()) == "No runs recorded yet."
+
+
+@pytest.mark.parametrize("journal", ["wal", "delete"])  # delete: where WAL cannot work (NFS, Lustre)
+def test_reading_runs_never_waits_for_another_process_holding_the_write_lock(home, journal):
+    registry = Registry()  # the default wait for a writer's lock (5 s)
+    dead = registry.start_run("orphan", pid=2**22 + 12345)  # no such process: a read marks it failed
+    registry.close()
+    with sqlite3.connect(registry.path) as db:
+        assert db.execute(f"PRAGMA journal_mode={journal}").fetchone() == (journal,)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sqlite3, sys, time\n"
+        f"db = sqlite3.connect({str(registry.path)!r}, isolation_level=None)\n"
+        "db.execute('BEGIN IMMEDIATE')\n"
+        "print('held', flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        started = time.perf_counter()
+        (run,) = runs()  # a fresh Registry, as `gpunb.runs()` makes
+        took = time.perf_counter() - started
+    finally:
+        holder.kill()
+        holder.wait()
+    assert took < 2.0  # hang-type bound: it used to wait out the 5 s busy timeout (to mark the dead run; to
+    # switch a rollback-journal file to WAL)
+    assert (run["id"], run["status"], run["error"]) == (dead, "failed", "process died")
+    runs()  # the lock is free: this read writes the verdict down
+    with sqlite3.connect(registry.path) as db:
+        assert db.execute("SELECT status FROM runs WHERE id = ?", (dead,)).fetchone() == ("failed",)
+
+
 def test_runs_read_under_a_held_write_lock_and_explain_a_lock_that_blocks_reads(home):
     from gpunb.runs import RegistryLocked
 
@@ -676,7 +739,8 @@ def test_an_older_registry_gains_the_new_column(home):
                    "error TEXT, metric_seq INTEGER NOT NULL DEFAULT 0, metric_stride INTEGER NOT NULL DEFAULT 1)")
         db.execute("INSERT INTO runs (id, name, status, started_at) VALUES ('a' , 'old', 'completed', 1.0)")
     (run,) = Registry().list_runs()
-    assert (run["name"], run["best"]) == ("old", {})
+    assert (run["name"], run["best"], run["heartbeat_at"]) == ("old", {}, None)
+    assert Registry().heartbeat("a") and Registry().get_run("a")["heartbeat_at"] == pytest.approx(time.time(), abs=60)
 
 
 def test_list_runs_can_carry_the_newest_losses_of_running_runs(registry, monkeypatch):
@@ -697,7 +761,8 @@ def test_remove_deletes_finished_runs_by_name_or_id(registry):
     registry.add_metrics(base, 1, {"loss": 1.0})
     registry.finish(base, "completed")
     live = registry.start_run("live")
-    with pytest.raises(GpunbError, match="Cannot remove 'live': still running.*\nHINT: stop it first"):
+    with pytest.raises(GpunbError, match=rf"Cannot remove 'live' \(process {os.getpid()} on this host\): still "
+                                         "running.*\nHINT: stop it first"):
         remove("live", registry=registry)
     with pytest.raises(GpunbError, match="No run named 'nope'"):
         remove("base", "nope", registry=registry)  # refused before anything is removed
@@ -718,9 +783,12 @@ def test_prune_keeps_the_newest_and_the_recent_finished_runs_and_every_running_o
         registry.finish(ids[name], "completed")
     ids["old-live"] = registry.start_run("old-live", started_at=time.time() - 50 * day)
     names = lambda: sorted(run["name"] for run in registry.list_runs())  # noqa: E731
-    assert prune(older_than_days=30, registry=registry) == 1 and names() == ["b", "c", "d", "old-live"]
+    with pytest.warns(UserWarning, match=rf"prune\(\) kept 'old-live' \(process {os.getpid()} on this host\): "
+                                         "still running.*HINT: stop it first"):
+        assert prune(older_than_days=30, registry=registry) == 1 and names() == ["b", "c", "d", "old-live"]
     assert prune(keep=2, registry=registry) == 1 and names() == ["c", "d", "old-live"]
-    assert prune(keep=5, older_than_days=5, registry=registry) == 1 and names() == ["d", "old-live"]
+    with pytest.warns(UserWarning, match="kept 'old-live'"):
+        assert prune(keep=5, older_than_days=5, registry=registry) == 1 and names() == ["d", "old-live"]
     with pytest.raises(GpunbError, match="needs `older_than_days`, `keep`, or both"):
         prune(registry=registry)
     with pytest.raises(GpunbError, match="must be >= 0"):
@@ -760,3 +828,81 @@ def test_the_stop_check_never_waits_for_a_registry_that_shuts_readers_out(home, 
     clock.now += 0.1
     rec.on_log(state, {"loss": 0.9})
     assert state.stop_reason == "stopped from the sidebar"
+
+
+# ---------------------------------------------------------------------- liveness across hosts
+@pytest.fixture
+def hostname(monkeypatch) -> list:
+    """The host name this process reports (item 0), switchable mid-test to play another host."""
+    name = ["gpu-a"]
+    monkeypatch.setattr(registry_module.socket, "gethostname", lambda: name[0])
+    return name
+
+
+def test_a_run_in_a_long_step_stays_alive_for_a_prune_from_another_host(registry, hostname, monkeypatch):
+    # A step longer than the staleness window; the run's own thread stamps its heartbeat meanwhile.
+    monkeypatch.setattr(liveness, "STALE_AFTER_S", 1.0)
+    monkeypatch.setattr(writer_module, "HEARTBEAT_EVERY_S", 0.1, raising=False)
+    state, rec = _state(), RunRecorder(registry)
+    rec.on_fit_start(state)
+    state.step = 1
+    rec.on_log(state, {"loss": 1.0})
+    assert rec.flush(10)
+    time.sleep(1.5)  # the long step: the training thread calls nothing
+    hostname[0] = "gpu-b"  # another host, sharing the registry (home on NFS)
+    with pytest.warns(UserWarning, match=r"prune\(\) kept 'demo' \(on host gpu-a, last heartbeat 0 s ago\): "
+                                         "still running"):
+        assert prune(older_than_days=0, keep=0, registry=Registry(registry.path)) == 0
+    assert registry.get_run(state.extras["run_id"])["status"] == "running"
+    with pytest.raises(GpunbError, match=r"Cannot remove 'demo' \(on host gpu-a, last heartbeat \d s ago\)"):
+        remove("demo", registry=Registry(registry.path))
+    state.step = 2  # training goes on, and its record with it
+    rec.on_log(state, {"loss": 0.5})
+    state.result = SimpleNamespace(interrupted=False, energy_j=None)
+    rec.on_fit_end(state)
+    assert rec.flush(10)
+    run = registry.get_run(state.extras["run_id"])
+    assert (run["status"], [p["step"] for p in run["history"]]) == ("completed", [1, 2])
+
+
+def test_the_heartbeat_is_stamped_by_the_writer_thread_only_while_nothing_else_is_written(registry, monkeypatch):
+    monkeypatch.setattr(writer_module, "HEARTBEAT_EVERY_S", 0.05, raising=False)
+    beats = []
+    real = registry.heartbeat
+    monkeypatch.setattr(registry, "heartbeat",
+                        lambda run_id: beats.append((run_id, threading.current_thread().name)) or real(run_id))
+    state, rec = _state(), RunRecorder(registry)
+    rec.on_fit_start(state)
+    assert rec.flush(10)
+    deadline = time.monotonic() + 10
+    while len(beats) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert set(beats) == {(rec.run_id, f"gpunb-run-{rec.run_id[:8]}")} and len(beats) >= 3  # the writer's thread
+    registry.request_stop(rec.run_id)  # a heartbeat also brings a stop request in
+    deadline = time.monotonic() + 10
+    while not rec.writer.stop_requested and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rec.writer.stop_requested
+    state.result = SimpleNamespace(interrupted=False, energy_j=None)
+    rec.on_fit_end(state)
+    assert rec.flush(10) and rec.writer.finished.is_set()
+    count = len(beats)
+    time.sleep(0.3)
+    assert len(beats) == count  # a finished run's thread has ended: no more heartbeats
+
+
+def test_remove_keeps_a_run_taken_for_dead_whose_heartbeat_is_fresh_and_says_why(registry, hostname):
+    run_id = registry.start_run("slow", host="gpu-a")
+    with sqlite3.connect(registry.path) as db:  # judged dead by a host whose clock runs ahead
+        db.execute("UPDATE runs SET status = 'failed', error = 'process died', heartbeat_at = ? WHERE id = ?",
+                   (time.time(), run_id))
+    hostname[0] = "gpu-b"
+    assert registry.remove([run_id]) == []  # judged again in the deleting transaction
+    with pytest.warns(UserWarning, match=r"remove\(\) kept 'slow' \(on host gpu-a, last heartbeat 0 s ago\)"):
+        assert remove("slow", registry=registry) == 0
+    assert registry.heartbeat(run_id) and registry.get_run(run_id)["status"] == "running"  # it was alive
+    assert registry.heartbeat("0" * 32) is False  # no such run
+    with sqlite3.connect(registry.path) as db:  # silent for longer than the window: now it goes
+        db.execute("UPDATE runs SET updated_at = 0, heartbeat_at = 0 WHERE id = ?", (run_id,))
+    assert registry.get_run(run_id)["status"] == "failed"
+    assert registry.remove([run_id]) == [run_id] and registry.get_run(run_id) is None

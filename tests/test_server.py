@@ -262,8 +262,38 @@ async def test_delete_removes_a_finished_run_and_its_metrics(jp_fetch, registry)
 
 async def test_delete_refuses_a_running_run(jp_fetch, registry, running_run):
     error = await expect_error(jp_fetch, 409, "DELETE", "runs", running_run)
-    assert "stop it before removing it" in json.loads(error.response.body)["message"]
+    message = json.loads(error.response.body)["message"]
+    assert "stop it before removing it" in message and "on this host" in message
     assert registry.get_run(running_run)["status"] == "running"
+
+
+async def test_a_delete_that_loses_the_race_to_another_delete_answers_404(jp_fetch, registry, monkeypatch):
+    run_id = registry.start_run("done")
+    registry.finish(run_id, "completed")
+    real_remove = Registry.remove
+
+    def remove_after_a_concurrent_request(self, run_ids):
+        monkeypatch.setattr(Registry, "remove", real_remove)
+        real_remove(Registry(self.path), run_ids)  # the other request gets in between our read and delete
+        return real_remove(self, run_ids)
+
+    monkeypatch.setattr(Registry, "remove", remove_after_a_concurrent_request)
+    error = await expect_error(jp_fetch, 404, "DELETE", "runs", run_id)
+    assert f"No run with id {run_id}" in json.loads(error.response.body)["message"]
+
+
+async def test_concurrent_deletes_of_a_finished_run_answer_204_once_and_404_after(jp_fetch, registry):
+    run_id = registry.start_run("done")
+    registry.finish(run_id, "completed")
+
+    async def delete():
+        try:
+            return (await fetch(jp_fetch, "DELETE", "runs", run_id)).code
+        except HTTPClientError as error:
+            return error.code
+
+    codes = await asyncio.gather(*(delete() for _ in range(20)))
+    assert sorted(codes) == [204] + [404] * 19
 
 
 # --------------------------------------------------------------------- bad input and auth

@@ -20,8 +20,10 @@ The launcher knows nothing of Trainer.
   loaded into the caller's objects; TrainResult.per_rank holds each rank's timings.
 - A rank that raises: the others are terminated and the call raises RankFailed with
   that rank's traceback. An interrupt: the ranks stop at their next log interval and
-  send their weights; any still running after INTERRUPT_GRACE_S are terminated. No
-  process outlives the call.
+  send their weights; any still running after INTERRUPT_GRACE_S are terminated. An
+  interrupt before rank 0 has begun to train (spawned ranks take seconds to start)
+  finds no weights to wait for: the ranks are terminated at once. No process outlives
+  the call.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 from gpunb.distributed import worker
 from gpunb.distributed.context import backend_for, check_config
 from gpunb.distributed.loopback import loopback_store
-from gpunb.distributed.shipping import FitArgs, ship
+from gpunb.distributed.shipping import Couriers, FitArgs, ship
 from gpunb.errors import GpunbError
 from gpunb.runtime.events import Callbacks, FitState
 from gpunb.runtime.interrupt import InterruptFlag
@@ -136,10 +138,12 @@ class _Launch:
         self.fork_unusable = False  # a forked rank found CUDA unusable: start again with spawn
         self.forwarded = worker.RUN
         self.abandoned = None  # why the ranks were terminated before they could report, if they were
+        self.training = False  # rank 0 has begun to train (its on_fit_start arrived)
 
     def run(self, method: str) -> TrainResult:
-        payload = self.args if method == "fork" else ship(self.args)  # names what does not pickle
         context = mp.get_context(method)
+        # Forked ranks inherit the arguments; spawned ones read theirs from a pipe each.
+        couriers = None if method == "fork" else Couriers(ship(self.args), self.count, context)
         queue, stop = context.Queue(), context.Value("i", worker.RUN, lock=False)
         store = loopback_store()
         scratch = tempfile.TemporaryDirectory(prefix="gpunb-launch-")
@@ -149,11 +153,13 @@ class _Launch:
                            weights_path=os.path.join(scratch.name, "weights.pt"),
                            return_optimizer=self.args.optimizer is not None)
         try:
-            self._drive(plan, payload, queue, stop)
+            self._drive(plan, couriers or self.args, queue, stop)
             if self.fork_unusable:
                 raise _ForkUnusable
             return self._finish(plan)
         finally:
+            if couriers is not None:
+                couriers.close(timeout=FAILURE_GRACE_S)
             queue.close()
             del store
             scratch.cleanup()
@@ -164,6 +170,8 @@ class _Launch:
         try:
             with InterruptFlag() as interrupt:
                 processes = _start(plan, payload, queue, stop)
+                if isinstance(payload, Couriers):
+                    payload.send()
                 self._watch(processes, queue, stop, interrupt)
         except KeyboardInterrupt:  # a second Ctrl-C: stop the ranks now, keep the weights as they are
             self.state.request_stop("interrupted")
@@ -182,6 +190,9 @@ class _Launch:
             self._drain(queue, timeout=POLL_S)
             if interrupt.raised and deadline is None:
                 self.state.request_stop("interrupted")
+                if not self.training:  # no weights to wait for; a spawned rank may already be dead of it
+                    self.abandoned = "the interrupt came while the ranks were starting, so they were stopped at once"
+                    break
                 deadline = time.monotonic() + INTERRUPT_GRACE_S
             if self.state.should_stop and self.forwarded == worker.RUN:
                 self.forwarded = worker.INTERRUPT if self.state.stop_reason == "interrupted" else worker.STOP
@@ -191,6 +202,8 @@ class _Launch:
                     break
             except ProcessException as error:
                 self._drain(queue, timeout=0)
+                if interrupt.raised and not self.training:
+                    continue  # the interrupt killed a starting rank: the check above ends the launch
                 raise self._failure(error, processes) from None
             if deadline is not None and time.monotonic() > deadline:
                 self.abandoned = (f"the ranks did not stop within {INTERRUPT_GRACE_S:.0f} s of the interrupt "
@@ -219,6 +232,7 @@ class _Launch:
     def _dispatch(self, event: str, snapshot: dict, args) -> None:
         """Bring the mirror up to date with rank 0, then call the callbacks here."""
         state = self.state
+        self.training = self.training or event == "on_fit_start"
         state.history.extend(snapshot.pop("rows"))
         state.latest.update(snapshot.pop("latest"))
         state.extras.update(snapshot.pop("extras"))
@@ -352,7 +366,7 @@ def _load_into(model, optimizer, final: dict) -> None:
         optimizer.load_state_dict(optimizer_state_by_index(final["optimizer"], model, optimizer))
 
 
-def _start(plan: worker.Plan, payload, queue, stop):
+def _start(plan: worker.Plan, payload: FitArgs | Couriers, queue, stop):
     if plan.method == "fork":
         # The forked ranks must never collect this process's garbage: finalising a copy of an
         # object that owned a thread here (a store, a loader from an earlier cell) hangs there.
@@ -363,7 +377,7 @@ def _start(plan: worker.Plan, payload, queue, stop):
         finally:
             gc.unfreeze()
     with _main_module_hidden():
-        return mp.start_processes(worker.run_rank, args=(plan, payload, queue, stop),
+        return mp.start_processes(worker.run_rank, args=(plan, payload.readers, queue, stop),
                                   nprocs=plan.world_size, join=False, start_method="spawn")
 
 

@@ -5,6 +5,8 @@ loss are pickled here and rebuilt there. cloudpickle carries classes and functio
 of the notebook (`__main__`, or any module made at run time) by value, so a class
 defined in an earlier cell works. Tensors on a GPU travel as CPU tensors (each rank
 moves them to its own device), so the ranks never crowd onto this process's GPU.
+The bytes travel down a pipe per rank, written by a thread of their own (`Couriers`),
+never by the thread that starts the ranks and answers Ctrl-C.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import io
 import pickle
 import re
 import sys
+import threading
 import types
 from dataclasses import field, fields, make_dataclass
 from typing import Any
@@ -52,6 +55,63 @@ def unship(payload: bytes) -> FitArgs:
                          "objects from installed modules travel by name and are imported again in "
                          "the new process: check that the module imports there (same working "
                          "directory and sys.path), or define the class in the notebook.") from error
+
+
+class Couriers:
+    """The shipped arguments on their way to the spawned ranks: a pipe per rank, each written
+    by a daemon thread.
+
+    multiprocessing would write them into the pipe that starts each process, from the thread
+    that starts it, while keeping that pipe's read end open itself: a rank that dies before
+    reading them all (a Ctrl-C reaches the kernel's whole process group, which a rank still
+    starting has not left yet) leaves that write blocked for good. Here the kernel's thread
+    never writes, and once the ranks have started only they hold the read ends, so a dead
+    rank breaks its pipe and its thread ends.
+    """
+
+    def __init__(self, payload: bytes, count: int, context):
+        pipes = [context.Pipe(duplex=False) for _ in range(count)]
+        self.readers = [reader for reader, _ in pipes]  # each rank gets all and keeps its own (`receive`)
+        self._writers = [writer for _, writer in pipes]
+        self._payload = payload
+        self._threads: list[threading.Thread] = []
+
+    def send(self) -> None:
+        """Once the ranks have started (holding their copies of the read ends): send each its bytes."""
+        for reader in self.readers:
+            reader.close()
+        for rank, writer in enumerate(self._writers):
+            thread = threading.Thread(target=self._send, args=(writer,), name=f"gpunb-ship-{rank}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _send(self, writer) -> None:
+        try:
+            writer.send_bytes(self._payload)
+        except OSError:
+            pass  # the rank died before reading; the launcher reports how it ended
+        finally:
+            writer.close()
+
+    def close(self, timeout: float) -> None:
+        """After the ranks have ended (their pipes are then broken): wait for the threads."""
+        for reader in self.readers:
+            reader.close()
+        for thread in self._threads:
+            thread.join(timeout)
+        if not self._threads:
+            for writer in self._writers:
+                writer.close()
+
+
+def receive(readers: list, rank: int) -> FitArgs:
+    """In a spawned rank: its arguments, from the pipe `Couriers` writes for it."""
+    try:
+        payload = readers[rank].recv_bytes()
+    finally:
+        for reader in readers:
+            reader.close()
+    return unship(payload)
 
 
 class _Pickler(cloudpickle.Pickler):

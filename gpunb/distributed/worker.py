@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from gpunb.distributed.loopback import HOST, keep_sockets_on_loopback
-from gpunb.distributed.shipping import FitArgs, unship
+from gpunb.distributed.shipping import FitArgs, receive
 from gpunb.errors import GpunbError
 
 RUN, STOP, INTERRUPT = 0, 1, 2  # values of the shared stop flag
@@ -55,7 +55,7 @@ def run_rank(rank: int, plan: Plan, payload, queue, stop) -> None:
             # a forked process cannot use it. The parent starts again with spawn.
             queue.put(("fork-unusable", rank, None))
             return
-        args = payload if isinstance(payload, FitArgs) else unship(payload)
+        args = payload if isinstance(payload, FitArgs) else receive(payload, rank)
         _join_group(rank, plan)
         queue.put(("done", rank, _fit(rank, plan, args, queue, stop)))
     except BaseException as error:

@@ -6,6 +6,9 @@
     gpunb.runs.prune(keep=20)               keep the 20 newest finished runs
     gpunb.runs.prune(older_than_days=30)    delete finished runs started over 30 days ago
 
+Neither ever deletes a live run: its process runs on this host, or (a registry shared
+between hosts) its heartbeat, stamped every few seconds by the run itself, is fresh.
+
 A registry file that another process keeps locked raises `RegistryLocked`; one
 that is damaged raises `RegistryDamaged`, whose message says how to start afresh.
 

@@ -20,11 +20,15 @@ class RegistryLocked(GpunbError):
 
 
 class RegistryDamaged(GpunbError):
-    """The registry file is not a readable SQLite database."""
+    """The registry file is not a readable SQLite database, or not one gpunb can use.
 
-    def __init__(self, path: Path, error: BaseException):
+    `error` is the SQLite error that showed it, or what is wrong in words ("is a directory ...").
+    """
+
+    def __init__(self, path: Path, error: BaseException | str):
         self.path = path
-        super().__init__(f"The run registry {path} is damaged and cannot be read ({error}).",
+        problem = error if isinstance(error, str) else f"is damaged and cannot be read ({error})"
+        super().__init__(f"The run registry {path} {problem}.",
                          f"move it aside, e.g. `mv '{path}' '{path}.damaged'`; gpunb starts a fresh "
                          "registry on next use. Training does not need it.")
 

@@ -14,7 +14,9 @@ def enable_wal(db: sqlite3.Connection, timeout: float, path: Path | None = None)
 
     The switch needs a moment alone with the file and, unlike other statements, answers
     "database is locked" at once instead of waiting on busy_timeout when another
-    process is creating the file too, so it is retried here. WAL needs shared memory
+    process is creating the file too, so it is retried here; but a registry that already
+    has its tables had its journal chosen when it was made, so while another process
+    writes to it, it is used as it is (a read must not wait for a writer). WAL needs shared memory
     that network file systems (NFS, Lustre, where clusters keep home directories) do not
     give: SQLite then keeps its old mode or fails with an I/O or locking error, and the
     registry falls back to a rollback journal, with one warning.
@@ -30,6 +32,8 @@ def enable_wal(db: sqlite3.Connection, timeout: float, path: Path | None = None)
                 return _rollback_journal(db, path, f"{type(error).__name__}: {error}")
             if "locked" not in message or time.monotonic() > deadline:
                 raise
+            if db.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchone() is not None:
+                return str(db.execute("PRAGMA journal_mode").fetchone()[0]).lower()
             time.sleep(0.01)
     if mode != "wal":
         return _rollback_journal(db, path, f"SQLite kept journal_mode={mode}")

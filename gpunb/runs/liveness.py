@@ -1,4 +1,10 @@
-"""Which process and kernel a run belongs to, and whether that process still lives."""
+"""Which process and kernel a run belongs to, and whether that process still lives.
+
+On the run's own host its process answers (pid and start time). From another host
+(a registry on a shared file system) only the row can: a running run's recorder
+stamps `heartbeat_at` every few seconds from a thread of its own, even while one
+step runs for minutes, so a run is dead there only after STALE_AFTER_S of silence.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ from pathlib import Path
 import psutil
 
 STALE_AFTER_S = 300.0  # a run on another host that has not written for this long is dead
+PROCESS_DIED = "process died"  # the error of a running run that a reader found dead
 
 
 def kernel_id() -> str | None:
@@ -33,9 +40,26 @@ def process_start(pid: int) -> float | None:
         return None
 
 
+def last_sign(run: dict) -> float:
+    """When the run last wrote anything: its newest heartbeat or update."""
+    return max(run["updated_at"] or 0.0, run.get("heartbeat_at") or 0.0)
+
+
+def judged_dead(run: dict) -> bool:
+    """A running run that a reader marked failed for want of a sign of life (it may have been wrong)."""
+    return run["status"] == "failed" and run["error"] == PROCESS_DIED
+
+
+def whereabouts(run: dict, this_host: str, now: float) -> str:
+    """Where a live run lives, for messages: its process here, or its host and last heartbeat."""
+    if run["host"] == this_host:
+        return f"process {run['pid']} on this host"
+    return f"on host {run['host']}, last heartbeat {max(0.0, now - last_sign(run)):.0f} s ago"
+
+
 def alive(run: dict, this_host: str, now: float) -> bool:
     if run["host"] != this_host:
-        return now - (run["updated_at"] or 0.0) < STALE_AFTER_S
+        return now - last_sign(run) < STALE_AFTER_S
     pid = run["pid"]
     if pid is None or not psutil.pid_exists(pid):
         return False

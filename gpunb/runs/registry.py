@@ -8,13 +8,16 @@ requests must not queue behind each other). A connection never crosses a fork.
 WAL lets readers go on while a writer holds the lock; busy_timeout (`timeout`)
 makes writers queue, and a wait longer than that is a `RegistryLocked` error that
 says so; write transactions start with BEGIN IMMEDIATE so a read-then-write never
-deadlocks on a lock upgrade. A file that is not a readable SQLite database is a
-`RegistryDamaged` error that says how to recover.
+deadlocks on a lock upgrade. A reader never waits for a writer: the one write a read
+may make (marking a dead run failed) is skipped when the lock is taken. A file that is
+not a readable SQLite database, or not a registry (another program's tables, a
+directory), is a `RegistryDamaged` error that says how to recover.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -30,13 +33,13 @@ from typing import Any
 from gpunb.errors import GpunbError
 from gpunb.runs.errors import RegistryDamaged, RegistryLocked, registry_error
 from gpunb.runs.journal import enable_wal
-from gpunb.runs.liveness import STALE_AFTER_S, alive, process_start  # noqa: F401 (STALE_AFTER_S re-exported)
+from gpunb.runs.liveness import (PROCESS_DIED, STALE_AFTER_S, alive, judged_dead, last_sign,  # noqa: F401
+                                 process_start)
 from gpunb.runs.liveness import kernel_id as current_kernel_id
 from gpunb.runs.paths import default_path
 
 STATUSES = ("running", "completed", "stopped", "interrupted", "failed")
 MAX_POINTS = 500  # metric points kept per run; older ones are thinned evenly
-PROCESS_DIED = "process died"
 SERIES_POINTS = 60  # the newest points of a running run's loss that `list_runs` includes
 _LOWER_IS_BETTER = ("loss", "err", "mse", "mae", "perplexity", "ppl")
 
@@ -48,6 +51,7 @@ CREATE TABLE IF NOT EXISTS runs (
     progress REAL, step INTEGER, total_steps INTEGER, epoch INTEGER, eta_s REAL,
     latest TEXT, device TEXT, energy_j REAL, error TEXT,
     best TEXT,                                 -- each validation metric's best value, set at the end
+    heartbeat_at REAL,                         -- stamped every few seconds by the running run's own thread
     metric_seq INTEGER NOT NULL DEFAULT 0,     -- add_metrics calls so far
     metric_stride INTEGER NOT NULL DEFAULT 1   -- keep every stride-th point (doubles when full)
 );
@@ -60,8 +64,9 @@ CREATE TABLE IF NOT EXISTS stop_requests (run_id TEXT PRIMARY KEY, requested_at 
 """
 _RUN_COLUMNS = ("id", "name", "notebook", "kernel_id", "pid", "host", "status", "config",
                 "started_at", "ended_at", "updated_at", "progress", "step", "total_steps",
-                "epoch", "eta_s", "latest", "device", "energy_j", "error", "best")
+                "epoch", "eta_s", "latest", "device", "energy_j", "error", "best", "heartbeat_at")
 _UPDATABLE = ("progress", "step", "total_steps", "epoch", "eta_s", "latest", "device", "energy_j")
+_ADDED_COLUMNS = {"best": "TEXT", "heartbeat_at": "REAL"}  # columns newer than the first registries
 
 
 def json_safe(value: Any, _depth: int = 0) -> Any:
@@ -132,9 +137,15 @@ class Registry:
         assignments = ", ".join(f"{key} = ?" for key in values)
         with self._write() as db:
             db.execute(f"UPDATE runs SET {assignments} WHERE id = ?", (*values.values(), run_id))
-            # A run wrongly declared dead (a long silence on another host) comes back to life.
-            db.execute("UPDATE runs SET status = 'running', error = NULL, ended_at = NULL "
-                       "WHERE id = ? AND status = 'failed' AND error = ?", (run_id, PROCESS_DIED))
+            _revive(db, run_id)
+
+    def heartbeat(self, run_id: str) -> bool:
+        """Stamp the run as alive now (its recorder's thread does, every few seconds); False if
+        there is no such run."""
+        with self._write() as db:
+            found = db.execute("UPDATE runs SET heartbeat_at = ? WHERE id = ?", (time.time(), run_id)).rowcount
+            _revive(db, run_id)
+        return found == 1
 
     def add_metrics(self, run_id: str, step: int, metrics: dict) -> None:
         """Append a metric point; at most ~MAX_POINTS are kept, evenly spread, plus the newest."""
@@ -180,12 +191,24 @@ class Registry:
         return inserted == 1
 
     def remove(self, run_ids: list[str]) -> list[str]:
-        """Delete these runs and their metrics, except running ones; returns the ids removed."""
+        """Delete these runs and their metrics, except live ones; returns the ids removed.
+
+        Live: running, or marked dead by a reader but sending signs of life again (a
+        heartbeat from another host fresher than STALE_AFTER_S). Judged in the deleting
+        transaction, so no heartbeat can slip in between the judgement and the delete.
+        """
+        host, now, removed = socket.gethostname(), time.time(), []
         with self._write() as db:
-            removed = [run_id for run_id in run_ids if db.execute(
-                "DELETE FROM runs WHERE id = ? AND status != 'running'", (run_id,)).rowcount]
-            for run_id in removed:
+            for run_id in run_ids:
+                row = db.execute(f"SELECT {self._select()} FROM runs WHERE id = ?", (run_id,)).fetchone()
+                if row is None:
+                    continue
+                run = self._run_dict(row)
+                if run["status"] == "running" or (judged_dead(run) and alive(run, host, now)):
+                    continue
+                db.execute("DELETE FROM runs WHERE id = ?", (run_id,))
                 db.execute("DELETE FROM metrics WHERE run_id = ?", (run_id,))
+                removed.append(run_id)
         return removed
 
     # ------------------------------------------------------------------ reads
@@ -244,29 +267,32 @@ class Registry:
         dead = [run for run in runs if run["status"] == "running" and not alive(run, host, now)]
         if dead:
             try:
-                with self._write() as db:
+                with self._write(wait=False) as db:  # a reader never waits on another process's lock
                     for run in dead:
                         db.execute("UPDATE runs SET status = 'failed', error = ?, ended_at = ? "
                                    "WHERE id = ? AND status = 'running'",
-                                   (PROCESS_DIED, run["updated_at"], run["id"]))
+                                   (PROCESS_DIED, last_sign(run), run["id"]))
             except RegistryLocked:
                 pass  # a reader must not fail for this; the next read records it
             for run in dead:
-                run.update(status="failed", error=PROCESS_DIED, ended_at=run["updated_at"], eta_s=None)
+                run.update(status="failed", error=PROCESS_DIED, ended_at=last_sign(run), eta_s=None)
         for run in runs:
             del run["_pid_started"]
         return runs
 
-    def _write(self):
-        return self._transaction(write=True)
+    def _write(self, wait: bool = True):
+        return self._transaction(write=True, wait=wait)
 
     def _read(self):
         return self._transaction(write=False)
 
     @contextlib.contextmanager
-    def _transaction(self, write: bool) -> Iterator[sqlite3.Connection]:
+    def _transaction(self, write: bool, wait: bool = True) -> Iterator[sqlite3.Connection]:
+        """A transaction; with `wait=False` a held lock fails at once instead of after `timeout`."""
         try:
             db = self._connection()
+            if not wait:
+                db.execute("PRAGMA busy_timeout = 0")
             try:
                 db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
                 try:
@@ -279,6 +305,8 @@ class Registry:
             finally:
                 if not self.keep_open:
                     db.close()
+                elif not wait:
+                    db.execute(f"PRAGMA busy_timeout = {int(self.timeout * 1000)}")
         except sqlite3.DatabaseError as error:
             translated = registry_error(error, self.path, self.timeout)
             if translated is None:
@@ -310,9 +338,14 @@ class Registry:
             owner[1].close()
 
     def _create(self) -> None:
+        if self.path.is_dir():  # SQLite would only say "unable to open database file"
+            raise RegistryDamaged(self.path, "is a directory, not an SQLite file")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None)
         try:
+            problem = _schema_problem(db)  # first: another program's database is left as it is
+            if problem:
+                raise RegistryDamaged(self.path, problem)
             enable_wal(db, self.timeout, self.path)
             db.executescript(_SCHEMA)
             _add_missing_columns(db)
@@ -321,14 +354,53 @@ class Registry:
         self._ready = True
 
 
+def _revive(db: sqlite3.Connection, run_id: str) -> None:
+    """A run wrongly declared dead (a long silence on another host) comes back to life."""
+    db.execute("UPDATE runs SET status = 'running', error = NULL, ended_at = NULL "
+               "WHERE id = ? AND status = 'failed' AND error = ?", (run_id, PROCESS_DIED))
+
+
 def _add_missing_columns(db: sqlite3.Connection) -> None:
     """Bring a registry written by an older gpunb up to this schema (columns only ever get added)."""
-    if "best" not in {row[1] for row in db.execute("PRAGMA table_info(runs)")}:
+    present = {row[1] for row in db.execute("PRAGMA table_info(runs)")}
+    for column, kind in _ADDED_COLUMNS.items():
+        if column in present:
+            continue
         try:
-            db.execute("ALTER TABLE runs ADD COLUMN best TEXT")
+            db.execute(f"ALTER TABLE runs ADD COLUMN {column} {kind}")
         except sqlite3.OperationalError as error:
             if "duplicate column" not in str(error):  # another process added it meanwhile
                 raise
+
+
+def _schema_problem(db: sqlite3.Connection) -> str | None:
+    """What keeps this file's tables from being a run registry, or None when they are one (tables
+    not there yet, and the columns that `_add_missing_columns` adds, may be missing)."""
+    kinds = dict(db.execute("SELECT name, type FROM sqlite_master"))
+    for table, columns in _expected_columns().items():
+        if table not in kinds:
+            continue  # created with the rest of the schema
+        if kinds[table] != "table":
+            return f"is not a run registry gpunb can use: `{table}` is a {kinds[table]}, not a table"
+        present = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+        missing = [c for c in columns if c not in present and not (table == "runs" and c in _ADDED_COLUMNS)]
+        if missing:
+            listed = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            return (f"is not a run registry gpunb can use: table `{table}` lacks column(s) {listed} "
+                    "(another program's database, or a damaged one)")
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _expected_columns() -> dict[str, list[str]]:
+    """Each table's columns as _SCHEMA makes them (read back from a database in memory)."""
+    db = sqlite3.connect(":memory:")
+    try:
+        db.executescript(_SCHEMA)
+        tables = [name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        return {table: [row[1] for row in db.execute(f"PRAGMA table_info({table})")] for table in tables}
+    finally:
+        db.close()
 
 
 def best_values(points) -> dict:

@@ -8,11 +8,14 @@ only on the stored data, so it is stable under nbval.
 from __future__ import annotations
 
 import html
+import socket
 import time
+import warnings
 
 from gpunb.charts import as_image, line_chart
 from gpunb.errors import GpunbError
 from gpunb.render import html_table
+from gpunb.runs.liveness import whereabouts
 from gpunb.runs.registry import Registry
 from gpunb.units import format_duration
 
@@ -40,23 +43,29 @@ def remove(*names_or_ids: str, registry: Registry | None = None) -> int:
     """Delete finished runs (by name, newest first, or by id) and their metrics; returns how many.
 
     A running run is refused: stop it first (the sidebar's Stop button, or interrupt its cell).
+    A run that another host's reader took for dead but whose heartbeat is fresh again is kept,
+    with a warning that says so.
     """
     registry = registry or Registry()
     if not names_or_ids:
         raise GpunbError("remove() needs at least one run name or id.",
                          "pass names, e.g. `gpunb.runs.remove('baseline')`; `gpunb.runs()` lists them.")
     found = [_resolve(registry, key, with_history=False) for key in names_or_ids]
-    running = [run["name"] or run["id"] for run in found if run["status"] == "running"]
+    running = [run for run in found if run["status"] == "running"]
     if running:
-        raise GpunbError(f"Cannot remove {', '.join(map(repr, running))}: still running.",
+        host, now = socket.gethostname(), time.time()
+        listed = "; ".join(f"{_label(run)} ({whereabouts(run, host, now)})" for run in running)
+        raise GpunbError(f"Cannot remove {listed}: still running.",
                          "stop it first (the sidebar's Stop button, or interrupt its cell), then remove it.")
-    return len(registry.remove([run["id"] for run in found]))
+    return _remove(registry, found, "remove")
 
 
 def prune(*, older_than_days: float | None = None, keep: int | None = None,
           registry: Registry | None = None) -> int:
     """Delete finished runs that started more than `older_than_days` ago, and/or all but the
-    newest `keep` finished runs; returns how many were removed. Running runs always stay.
+    newest `keep` finished runs; returns how many were removed. Running runs always stay (a run
+    on another host sharing the registry runs while its heartbeat is fresh); a warning names
+    those that started before the cutoff.
 
         gpunb.runs.prune(keep=20)              # the 20 newest finished runs stay
         gpunb.runs.prune(older_than_days=30)   # a month of history stays
@@ -68,12 +77,37 @@ def prune(*, older_than_days: float | None = None, keep: int | None = None,
         raise GpunbError(f"prune() got older_than_days={older_than_days!r}, keep={keep!r}; both must be >= 0.",
                          "e.g. `gpunb.runs.prune(older_than_days=30)`.")
     registry = registry or Registry()
-    finished = [run for run in registry.list_runs(limit=1_000_000) if run["status"] != "running"]
+    every = registry.list_runs(limit=1_000_000)
+    finished = [run for run in every if run["status"] != "running"]
     cutoff = None if older_than_days is None else time.time() - older_than_days * 86400
-    doomed = [run["id"] for index, run in enumerate(finished)  # newest first
+    doomed = [run for index, run in enumerate(finished)  # newest first
               if (keep is not None and index >= keep)
               or (cutoff is not None and (run["started_at"] or 0) < cutoff)]
-    return len(registry.remove(doomed)) if doomed else 0
+    if cutoff is not None:
+        _warn_kept([run for run in every if run["status"] == "running" and (run["started_at"] or 0) < cutoff],
+                   "prune")
+    return _remove(registry, doomed, "prune") if doomed else 0
+
+
+def _remove(registry: Registry, runs: list[dict], action: str) -> int:
+    """Remove `runs`; the registry keeps any that turned out to be alive, and the user hears why."""
+    removed = set(registry.remove([run["id"] for run in runs]))
+    kept = [registry.get_run(run["id"], with_history=False) for run in runs if run["id"] not in removed]
+    _warn_kept([run for run in kept if run is not None], action)  # None: removed by someone else
+    return len(removed)
+
+
+def _warn_kept(runs: list[dict], action: str) -> None:
+    if not runs:
+        return
+    host, now = socket.gethostname(), time.time()
+    listed = "; ".join(f"{_label(run)} ({whereabouts(run, host, now)})" for run in runs)
+    warnings.warn(f"gpunb.runs.{action}() kept {listed}: still running. HINT: stop it first (the sidebar's "
+                  f"Stop button, or interrupt its cell), then {action} again.", UserWarning, stacklevel=3)
+
+
+def _label(run: dict) -> str:
+    return repr(run["name"] or run["id"])
 
 
 def _resolve(registry: Registry, key: str, with_history: bool = True) -> dict:

@@ -5,6 +5,11 @@ microseconds; every SQLite call, and every wait on another process's lock, happe
 here. What could not be written yet stays pending and is merged with newer data
 (newest fields win, metric rows accumulate, thinned when many), so a run that could
 not be recorded at start is recorded in full once the lock clears.
+
+With nothing to write for HEARTBEAT_EVERY_S, the thread stamps the run's heartbeat: a
+step that runs for minutes still shows, to a host that shares the registry, that the
+run lives (the training thread does nothing for it, and a locked registry only delays
+the stamp).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from gpunb.runs.registry import Registry, RegistryLocked
 LOCKED_RETRY_S = 0.25  # pause between tries while another process holds the lock
 RETRY_AFTER_S = 30.0  # after any other failure (disk full, damaged file), leave the registry alone this long
 MAX_PENDING_ROWS = 1000  # metric rows kept while the registry is unavailable (thinned evenly beyond)
+HEARTBEAT_EVERY_S = 5.0  # idle this long, the thread stamps the run's heartbeat (liveness.STALE_AFTER_S is far longer)
 
 
 class RunWriter:
@@ -66,11 +72,14 @@ class RunWriter:
     def _loop(self) -> None:
         while not self.finished.is_set():
             with self._changed:
-                self._changed.wait_for(self._pending)
+                beat = not self._changed.wait_for(self._pending, HEARTBEAT_EVERY_S)  # idle: a heartbeat is due
                 self._busy = True
             error = None
             try:
-                self._write_pending()
+                if beat:
+                    self._beat()
+                else:
+                    self._write_pending()
             except Exception as caught:  # kept pending; training matters more than the record
                 error = caught
                 self._warn(error)
@@ -83,6 +92,10 @@ class RunWriter:
                 time.sleep(LOCKED_RETRY_S)
             elif error is not None:
                 self._ending.wait(RETRY_AFTER_S)  # the run's end is worth one more try at once
+
+    def _beat(self) -> None:
+        if self.registry.heartbeat(self.run_id):
+            self.stop_requested = self.registry.stop_requested(self.run_id)
 
     def _write_pending(self) -> None:
         registry = self.registry

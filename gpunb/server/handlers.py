@@ -13,11 +13,14 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from gpunb import telemetry
 from gpunb.errors import GpunbError
 from gpunb.runs import Registry, RegistryDamaged, RegistryLocked, default_path
+from gpunb.runs.liveness import whereabouts
 
 from . import LAB_HINT
 
@@ -103,7 +106,7 @@ class RunHandler(GpunbHandler):
         elif run is None:
             raise web.HTTPError(404, f"No run with id {run_id}.")
         else:
-            raise web.HTTPError(409, f"Run {run_id} is running; stop it before removing it.")
+            raise web.HTTPError(409, f"Run {run_id} is running ({run['where']}); stop it before removing it.")
 
 
 def _list_runs(registry: Registry) -> list[dict]:
@@ -111,8 +114,16 @@ def _list_runs(registry: Registry) -> list[dict]:
 
 
 def _remove(registry: Registry, run_id: str) -> tuple[bool, dict | None]:
-    run = registry.get_run(run_id, with_history=False)  # first marks it failed if its process died
-    return run is not None and bool(registry.remove([run_id])), run
+    """(removed, the run when it was kept because it lives). Read again after a refused delete:
+    the run read before it may have been removed by a concurrent request meanwhile (then 404)."""
+    if registry.get_run(run_id, with_history=False) is None:  # first marks it failed if its process died
+        return False, None
+    if registry.remove([run_id]):
+        return True, None
+    run = registry.get_run(run_id, with_history=False)
+    if run is not None:
+        run["where"] = whereabouts(run, socket.gethostname(), time.time())
+    return False, run
 
 
 def _request_stop(registry: Registry, run_id: str) -> tuple[bool, dict | None]:
