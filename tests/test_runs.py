@@ -906,3 +906,20 @@ def test_remove_keeps_a_run_taken_for_dead_whose_heartbeat_is_fresh_and_says_why
         db.execute("UPDATE runs SET updated_at = 0, heartbeat_at = 0 WHERE id = ?", (run_id,))
     assert registry.get_run(run_id)["status"] == "failed"
     assert registry.remove([run_id]) == [run_id] and registry.get_run(run_id) is None
+
+
+def test_a_stop_request_lands_at_the_next_step_however_long_the_log_interval(registry, clock):
+    # The writer's thread reads the request within STOP_POLL_S; the step only reads an attribute.
+    state, rec = _state(), RunRecorder(registry)
+    rec.on_fit_start(state)
+    state.step = 1
+    rec.on_log(state, {"loss": 1.0})
+    assert rec.flush(10)
+    registry.request_stop(state.extras["run_id"])
+    deadline = time.monotonic() + 10
+    while state.stop_reason is None and time.monotonic() < deadline:
+        state.step += 1  # steps without a log, within the same second of the fake clock
+        rec.on_step_end(state)
+        time.sleep(0.01)
+    assert state.stop_reason == "stopped from the sidebar"
+    assert time.monotonic() < deadline - 10 + 3.0  # a few polls, even on a loaded machine

@@ -1,10 +1,11 @@
 """RunRecorder: the callback that keeps a run's row in the registry up to date.
 
 A plain callback (see gpunb/runtime/events.py). It hands data to a `RunWriter`
-(a daemon thread) at most once a second (always on the first log), and at every log
-interval looks for a stop request from the sidebar with one read that never waits
-(WAL readers do not wait for writers, and busy_timeout is 0 for it): a locked, full
-or damaged registry can neither slow nor break the training loop.
+(a daemon thread) at most once a second (always on the first log). A stop request from
+the sidebar is read by that thread every quarter second, and at every log interval with
+one read here that never waits (WAL readers do not wait for writers, and busy_timeout is
+0 for it); each step looks at the thread's answer, an attribute: a locked, full or
+damaged registry can neither slow nor break the training loop.
 The first problem is logged once; a locked registry is written once it is free.
 Fit start waits START_WAIT_S at most for the run's row, fit end FINISH_WAIT_S at
 most for the final status; what is not written by then is left to the thread.
@@ -71,8 +72,13 @@ class RunRecorder:
         self._last_write = _now()
 
     def on_step_end(self, state) -> None:
-        # Only a clock read per step; a long log interval still gets a heartbeat and stop checks.
-        if self.run_id is not None and _now() - self._last_write >= HEARTBEAT_S:
+        # Only attribute and clock reads per step: the writer's thread reads stop requests from
+        # the registry; a long log interval still gets its row touched every HEARTBEAT_S.
+        if self.run_id is None:
+            return
+        if self.writer.stop_requested:
+            state.request_stop("stopped from the sidebar")
+        elif _now() - self._last_write >= HEARTBEAT_S:
             self._write(state, force=True)
 
     def on_log(self, state, metrics: dict) -> None:

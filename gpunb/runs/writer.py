@@ -9,7 +9,9 @@ not be recorded at start is recorded in full once the lock clears.
 With nothing to write for HEARTBEAT_EVERY_S, the thread stamps the run's heartbeat: a
 step that runs for minutes still shows, to a host that shares the registry, that the
 run lives (the training thread does nothing for it, and a locked registry only delays
-the stamp).
+the stamp). In between, every STOP_POLL_S it reads whether the sidebar asked the run to
+stop: the training thread reads `stop_requested` at each step, so a stop lands at the
+next step boundary, however long the log interval.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ LOCKED_RETRY_S = 0.25  # pause between tries while another process holds the loc
 RETRY_AFTER_S = 30.0  # after any other failure (disk full, damaged file), leave the registry alone this long
 MAX_PENDING_ROWS = 1000  # metric rows kept while the registry is unavailable (thinned evenly beyond)
 HEARTBEAT_EVERY_S = 5.0  # idle this long, the thread stamps the run's heartbeat (liveness.STALE_AFTER_S is far longer)
+STOP_POLL_S = 0.25  # idle, the thread reads the run's stop request this often (one WAL read, no waiting)
 
 
 class RunWriter:
@@ -70,16 +73,21 @@ class RunWriter:
         return bool(self._start or self._fields or self._rows or self._finish)
 
     def _loop(self) -> None:
+        last_beat = time.monotonic()
         while not self.finished.is_set():
             with self._changed:
-                beat = not self._changed.wait_for(self._pending, HEARTBEAT_EVERY_S)  # idle: a heartbeat is due
+                idle = not self._changed.wait_for(self._pending, min(STOP_POLL_S, HEARTBEAT_EVERY_S))
                 self._busy = True
             error = None
             try:
-                if beat:
-                    self._beat()
-                else:
+                if not idle:
                     self._write_pending()
+                    last_beat = time.monotonic()  # a write touches the row as a heartbeat does
+                elif time.monotonic() - last_beat >= HEARTBEAT_EVERY_S:
+                    self._beat()
+                    last_beat = time.monotonic()
+                elif self.recorded.is_set():
+                    self.stop_requested = self.registry.stop_requested(self.run_id)
             except Exception as caught:  # kept pending; training matters more than the record
                 error = caught
                 self._warn(error)
