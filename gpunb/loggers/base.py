@@ -22,13 +22,11 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import os
-import tempfile
 import warnings
 from pathlib import Path
 
 from gpunb.errors import GpunbError
-from gpunb.runtime.checkpoint import is_disk_full
+from gpunb.runtime.checkpoint import is_disk_full, probe_writable
 
 LOG_DIR_KEY = "log_dir"  # state.extras: the fit's run directory, shared by its loggers
 _NOT_METRICS = {"step", "steps", "epoch"}  # a log row's counters, not measurements
@@ -206,10 +204,7 @@ def check_destinations(loggers, config) -> None:
         if directory is None:
             continue
         try:
-            Path(directory).mkdir(parents=True, exist_ok=True)
-            handle, probe = tempfile.mkstemp(prefix=".probe-", dir=directory)
-            os.close(handle)
-            os.unlink(probe)
+            probe_writable(directory)
         except OSError as error:
             raise GpunbError(f"{type(logger).__name__} cannot write its logs to {directory}: "
                              f"{type(error).__name__}: {error.strerror or error}.",

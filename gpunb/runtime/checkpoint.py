@@ -43,14 +43,18 @@ def run_directory(checkpoint_dir: str | os.PathLike, run_id: str) -> Path:
     return Path(checkpoint_dir) / f"{_RUN_DIR}{run_id}"
 
 
+def probe_writable(directory: str | os.PathLike) -> None:
+    """Create `directory` and write (then remove) a probe file there; OSError when it cannot."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    fd, probe = tempfile.mkstemp(prefix=".probe-", dir=directory)
+    os.close(fd)
+    os.unlink(probe)
+
+
 def check_writable(directory: str | os.PathLike) -> None:
-    """Create `directory` and write a probe file there, before any training is done."""
-    directory = Path(directory)
+    """Checkpoints can be written in `directory`, checked before any training is done."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=directory)
-        os.close(fd)
-        os.unlink(probe)
+        probe_writable(directory)
     except OSError as error:
         raise GpunbError(f"Cannot write checkpoints to {directory!s}: "
                          f"{type(error).__name__}: {error.strerror or error}.",
