@@ -38,6 +38,19 @@ def mlp(features=10, classes=3, hidden=32, seed=0):
     return nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, classes))
 
 
+class TinyGPT(nn.Module):
+    """nanoGPT's interface: forward(idx, targets) -> (logits, loss), the targets already shifted."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        torch.manual_seed(3)
+        self.embed, self.head = nn.Embedding(vocab, 16), nn.Linear(16, vocab)
+
+    def forward(self, idx, targets=None):
+        logits = self.head(torch.relu(self.embed(idx)))
+        return logits, nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+
+
 def charts_in(markup: str) -> list[str]:
     """The SVG of each chart image in `markup`: stored HTML holds charts as <img> of their SVG."""
     return [base64.b64decode(data).decode()

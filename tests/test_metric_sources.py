@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import classification_data, mlp
+from conftest import TinyGPT, classification_data, mlp
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -98,24 +98,12 @@ def test_a_masked_lm_is_scored_where_labelled_without_a_shift():
     assert result.final_metrics["val_acc"] == pytest.approx(expected, abs=1e-6)
 
 
-class TinyGPT(nn.Module):
-    """nanoGPT's interface: forward(idx, targets) -> (logits, loss), targets already shifted."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(3)
-        self.embed, self.head = nn.Embedding(VOCAB, 16), nn.Linear(16, VOCAB)
-
-    def forward(self, idx, targets=None):
-        logits = self.head(torch.relu(self.embed(idx)))
-        return logits, nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
-
 
 def test_a_model_returning_logits_and_loss_is_scored_on_its_logits():
     tokens = (torch.arange(400) * 7) % VOCAB
     x = torch.stack([tokens[i:i + LENGTH] for i in range(0, 380, 5)])
     y = torch.stack([tokens[i + 1:i + 1 + LENGTH] for i in range(0, 380, 5)])
-    model = TinyGPT()
+    model = TinyGPT(VOCAB)
     seen = []
 
     def shapes(output, target):
@@ -224,7 +212,7 @@ def test_causal_lms_are_told_from_other_hugging_face_heads_through_wrappers_and_
     assert shifts_labels(transformers.BertLMHeadModel(bert.__class__(**{**bert.to_dict(), "is_decoder": True})))
     assert not shifts_labels(transformers.BertForMaskedLM(bert))
     assert not shifts_labels(transformers.BertForTokenClassification(bert))
-    assert not shifts_labels(TinyGPT())  # a model of one's own: its targets as given
+    assert not shifts_labels(TinyGPT(VOCAB))  # a model of one's own: its targets as given
 
 
 def test_accuracy_leaves_out_the_label_the_loss_ignores():

@@ -4,7 +4,7 @@ import io
 
 import pytest
 import torch
-from conftest import classification_data, mlp
+from conftest import TinyGPT, classification_data, mlp
 from torch import nn
 
 from gpunb import Trainer
@@ -237,19 +237,6 @@ class TinyMaskedLM(nn.Module):
         return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
-class TinyGPT(nn.Module):
-    """nanoGPT's interface: forward(idx, targets) -> (logits, loss)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(3)
-        self.embed, self.head = nn.Embedding(VOCAB, 16), nn.Linear(16, VOCAB)
-
-    def forward(self, idx, targets=None):
-        logits = self.head(torch.relu(self.embed(idx)))
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
-        return logits, loss
-
 
 class GetBatch(torch.utils.data.IterableDataset):
     """nanoGPT's `get_batch`: random windows of a token stream, drawn with torch.randint, forever."""
@@ -296,7 +283,7 @@ def test_a_collate_that_draws_random_numbers_trains_as_the_plain_loop_bit_for_bi
 def test_a_get_batch_stream_on_the_global_rng_trains_as_the_plain_loop_bit_for_bit():
     tokens = torch.randint(0, VOCAB, (2000,), generator=torch.Generator().manual_seed(1))
     loader = torch.utils.data.DataLoader(GetBatch(tokens), batch_size=None)
-    ours, plain = TinyGPT(), TinyGPT()
+    ours, plain = TinyGPT(VOCAB), TinyGPT(VOCAB)
     _gpunb(ours, loader, steps=6)
     _plain_loop(plain, loader, 6, lambda model, batch: model(*batch)[1])
     for name, value in plain.state_dict().items():
