@@ -313,12 +313,18 @@ def test_the_side_stream_waits_for_what_the_consumer_stream_made_before_preparin
 def test_a_prefetch_thread_waits_for_what_the_consumer_stream_made_for_the_epoch():
     from gpunb.runtime.prefetch import CudaPrefetcher
 
-    prefetch = CudaPrefetcher(torch.device("cuda"))
-    rows = torch.full((6, SIZE), -1.0, device="cuda")  # as the epoch's order, made on the consumer stream
-    torch.cuda._sleep(SLEEP_CYCLES)
-    rows.copy_(torch.arange(6.0, device="cuda")[:, None].expand(6, SIZE))
-    prepared = [batch.clone() for batch in prefetch.in_thread(range(6), prepare=lambda i: rows[i] + 0)]
-    assert filled_with(prepared) == [float(i) for i in range(6)]
+    def epoch() -> list:
+        prefetch = CudaPrefetcher(torch.device("cuda"))
+        rows = torch.full((6, SIZE), -1.0, device="cuda")  # as the epoch's order, made on the consumer stream
+        torch.cuda._sleep(SLEEP_CYCLES)
+        rows.copy_(torch.arange(6.0, device="cuda")[:, None].expand(6, SIZE))
+        return filled_with([batch.clone() for batch in prefetch.in_thread(range(6), prepare=lambda i: rows[i] + 0)])
+
+    # CUDA loads a kernel at its first launch (lazy loading), and the load waits for the work in
+    # flight: the thread's first `+ 0` would wait for the sleep and hide a missing wait. Load them all.
+    epoch()
+    torch.cuda.synchronize()
+    assert epoch() == [float(i) for i in range(6)]
 
 
 @pytest.mark.parametrize("ahead", ["in the loop's thread", "in a thread"])
