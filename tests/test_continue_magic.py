@@ -42,3 +42,23 @@ def test_a_continued_fit_goes_on_under_its_name_and_counts_its_own_samples(ip):
     wall = dict(summary_rows(more))["wall time"]
     assert "(96 samples in this fit of 288, " in wall, wall
     assert "(192 samples, " in dict(summary_rows(first))["wall time"]
+
+
+def test_a_tracked_continuation_goes_on_in_the_same_run_of_the_registry():
+    from conftest import classification_data, mlp
+    from torch import nn
+
+    from gpunb import Trainer
+    from gpunb.runs import Registry
+
+    trainer = Trainer(epochs=1, batch_size=16, log_every=2)
+    model, data = mlp(), classification_data(n=96)
+    # the recorder writes to the default registry: GPUNB_HOME, a temp dir in the tests
+    first = trainer.fit(model, data, loss_fn=nn.CrossEntropyLoss())
+    more = trainer.fit(model, data, loss_fn=nn.CrossEntropyLoss(), continue_from=first)
+    runs = Registry().list_runs()
+    assert len(runs) == 1, [(run["name"], run["status"]) for run in runs]
+    (run,) = runs
+    assert (run["status"], run["step"]) == ("completed", more.steps) and more.steps == 2 * first.steps
+    history = Registry().get_run(run["id"])["history"]
+    assert [point["step"] for point in history] == [row["step"] for row in more.history]

@@ -61,9 +61,11 @@ class RunRecorder:
         config = state.config.to_dict() if hasattr(state.config, "to_dict") else state.config
         if self.registry is None:
             self.registry = Registry()  # only a path: no disk access here
-        self.run_id = uuid.uuid4().hex
+        # A continued fit goes on in the row of the run it continues: one run, its curve unbroken.
+        continues = getattr(state, "continues_run", None)
+        self.run_id = continues or uuid.uuid4().hex
         start = {"name": state.run_name, "config": json_safe(config), "device": str(state.device),
-                 "total_steps": state.total_steps, "started_at": time.time()}
+                 "total_steps": state.total_steps, "started_at": time.time(), "reopen": continues is not None}
         self.writer = RunWriter(self.registry, self.run_id, start, self._warn_once)
         self._reader = Registry(self.registry.path, timeout=0.0)
         # Usually a few ms: then the run is listed, and can be stopped, from its first step on.

@@ -66,6 +66,8 @@ _RUN_COLUMNS = ("id", "name", "notebook", "kernel_id", "pid", "host", "status", 
                 "started_at", "ended_at", "updated_at", "progress", "step", "total_steps",
                 "epoch", "eta_s", "latest", "device", "energy_j", "error", "best", "heartbeat_at")
 _UPDATABLE = ("progress", "step", "total_steps", "epoch", "eta_s", "latest", "device", "energy_j")
+# what a reopened run takes from the process that goes on with it (the rest is the run's own)
+_REOPENED = ("notebook", "kernel_id", "pid", "pid_started", "host", "config", "updated_at", "total_steps", "device")
 _ADDED_COLUMNS = {"best": "TEXT", "heartbeat_at": "REAL"}  # columns newer than the first registries
 
 
@@ -107,10 +109,12 @@ class Registry:
     def start_run(self, name: str, *, config: dict | None = None, device: str | None = None,
                   total_steps: int | None = None, pid: int | None = None, host: str | None = None,
                   notebook: str | None = None, kernel_id: str | None = None, run_id: str | None = None,
-                  started_at: float | None = None) -> str:
+                  started_at: float | None = None, reopen: bool = False) -> str:
         """Record a new running run; returns its id (`run_id`, else a new one).
 
-        pid/host/notebook/kernel_id default to this process's; `started_at` to now.
+        pid/host/notebook/kernel_id default to this process's; `started_at` to now. `reopen`:
+        the run `run_id` goes on (a continued fit): running again in this process, its start,
+        history and counters kept; recorded anew if it was removed meanwhile.
         """
         run_id = run_id or uuid.uuid4().hex
         now = started_at or time.time()
@@ -120,9 +124,12 @@ class Registry:
                "host": host or socket.gethostname(), "status": "running", "config": _dumps(config or {}),
                "started_at": now, "updated_at": now, "total_steps": total_steps, "device": device,
                "latest": "{}", "step": 0}
+        insert = f"INSERT INTO runs ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})"
+        if reopen:
+            insert += (" ON CONFLICT(id) DO UPDATE SET status = 'running', ended_at = NULL, error = NULL, "
+                       "eta_s = NULL, " + ", ".join(f"{key} = excluded.{key}" for key in _REOPENED))
         with self._write() as db:
-            db.execute(f"INSERT INTO runs ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
-                       tuple(row.values()))
+            db.execute(insert, tuple(row.values()))
         return run_id
 
     def update(self, run_id: str, **fields: Any) -> None:

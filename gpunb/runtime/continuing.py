@@ -46,6 +46,7 @@ class ContinueState:
     rng: dict | None = None  # every RNG as the fit left it: dropout and shuffling go on, not start over
     continued_by: str | None = None  # the fit that went on from this state (its objects have moved on)
     run_name: str | None = None  # the fit's name: a continuation goes on under it
+    run_id: str | None = None  # the fit's row in the run registry (tracked fits): a continuation goes on in it
 
     def __repr__(self) -> str:
         return f"ContinueState(step={self.step}, next_epoch={self.next_epoch})"
@@ -163,6 +164,7 @@ def restore(run, state: ContinueState) -> None:
     fit.history[:] = state.history
     fit.epochs[:] = state.epochs
     fit.validations[:] = state.validations
+    fit.continues_run = state.run_id
     run.precision.load_state_dict(state.precision)
     if state.rng is not None:
         devices.set_rng_state(state.rng, fit.device)
@@ -183,7 +185,7 @@ def capture(run, carried: ContinueState | None = None) -> ContinueState | None:
     return ContinueState(weakref.ref(run.model), run.stepper.optimizer, run.stepper.schedule, run.stepper.ema,
                          run.precision.state_dict(), fit.step, next_epoch, fit.samples_seen, unfinished,
                          list(fit.history), list(fit.epochs), list(fit.validations),
-                         devices.rng_state(fit.device), run_name=fit.run_name)
+                         devices.rng_state(fit.device), run_name=fit.run_name, run_id=fit.extras.get("run_id"))
 
 
 class Rollback:

@@ -67,6 +67,7 @@ class FitState:
     val_names: tuple | None = None  # the metrics validation produces (None: no validation data)
     checkpoint_path: str | None = None  # the newest checkpoint this run wrote
     checkpoint_run: str | None = None  # the id of the run directory checkpoints go to
+    continues_run: str | None = None  # a continued fit: the run registry's id of the run it goes on with
     resumed: dict | None = None  # what the run resumed from: path, run, run_name, step, epoch, saved_at
     profile: bool = False  # set by a profiler: the loop marks its phases with named ranges
     extras: dict = field(default_factory=dict)  # callbacks' own notes (e.g. energy_j, run_id)
