@@ -88,6 +88,24 @@ def test_ragged_tuples_in_a_dataloader_name_pad_sequence():
     assert "torch.nn.utils.rnn.pad_sequence" in text
 
 
+def test_a_ragged_stream_names_the_padding_fix_too():
+    class Stream(torch.utils.data.IterableDataset):  # inherits a __getitem__ that raises
+        def __iter__(self):
+            for i in range(32):
+                yield torch.arange(3 + i % 4), i % 2
+
+    with pytest.raises(GpunbError) as error:
+        fit(nn.Linear(4, 2), DataLoader(Stream(), batch_size=8), loss_fn=nn.CrossEntropyLoss(), max_steps=2)
+    assert "differ in length (ragged)" in str(error.value) and "pad_sequence" in str(error.value)
+
+
+def test_a_layer_given_a_scalar_is_explained():
+    from gpunb.runtime.explain import layer_hint
+
+    hint = layer_hint("0", nn.Linear(4, 2), (torch.tensor(1.0),))
+    assert "`0` (Linear) cannot take" in hint
+
+
 # -- (c) Hugging Face labels under another key, or none ---------------------------------------------
 
 def _bert():

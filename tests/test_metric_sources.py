@@ -183,6 +183,18 @@ def test_metrics_that_cannot_be_computed_are_named_once(step, model, missing):
     assert len(result.validations) == 3
 
 
+def test_a_torchmetric_that_cannot_be_computed_is_left_out_not_zero():
+    torchmetrics = pytest.importorskip("torchmetrics")
+    x, y = classification_data(n=64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = trainer(epochs=2, batch_size=32).fit(
+            OwnLoss(), (x, y), (x, y), metrics={"acc3": torchmetrics.classification.MulticlassAccuracy(3)})
+    assert [name for name in result.final_metrics if name.startswith("val_")] == ["val_loss"]
+    assert all("val_acc3" not in row for row in result.epochs)  # never a made-up 0.0
+    assert not [w for w in caught if "compute" in str(w.message) and "update" in str(w.message)]
+
+
 def test_without_metrics_nothing_is_said():
     x, y = classification_data(n=64)
     with warnings.catch_warnings():

@@ -271,3 +271,55 @@ def test_a_forked_child_does_not_keep_a_released_run_directory_locked(tmp_path):
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
+
+
+# --- a fit that fails at its end, or is stopped before its first step ------------------------------
+
+class DamageBest:
+    """Overwrites each best checkpoint as it is written: restore_best then fails at the fit's end."""
+
+    def on_checkpoint(self, state, path):
+        if Path(path).name.startswith("best-"):
+            Path(path).write_bytes(b"not a checkpoint")
+
+
+def test_a_fit_that_fails_at_its_end_lets_go_of_its_directory(tmp_path):
+    with pytest.raises(GpunbError):
+        fit(tmp_path, epochs=2, val=True, save_top_k=1, restore_best=True, callbacks=[DamageBest()])
+    # the same kernel goes on: its own earlier fit holds no lock on the directory any more
+    assert fit(tmp_path, epochs=3, resume="last").steps == 39
+
+
+class StopBeforeTheFirstStep:
+    """What a Ctrl-C during set-up does: the run stops before its first step."""
+
+    def on_fit_start(self, state):
+        state.request_stop("interrupted")
+
+
+def test_a_resumed_run_stopped_before_its_first_step_keeps_its_place_in_the_epoch(tmp_path):
+    first = fit(tmp_path, epochs=1, max_steps=5)  # 13 batches an epoch: stopped 5 in
+    path = Path(first.checkpoint_path)
+    assert load_checkpoint(path)["batch_in_epoch"] == 5
+    fit(tmp_path, epochs=1, resume="last", callbacks=[StopBeforeTheFirstStep()])
+    newest = sorted(list_checkpoints(tmp_path), key=lambda p: p.name)[-1]
+    assert load_checkpoint(newest)["step"] == 5 and load_checkpoint(newest)["batch_in_epoch"] == 5
+
+
+def test_a_best_file_the_abandoned_run_pruned_ranks_nothing_after_the_resume(tmp_path):
+    first = fit(tmp_path, epochs=4, val=True, save_top_k=1, keep_last=4)  # the best moves on past step 13
+    old_dir = Path(first.checkpoint_path).parent
+    assert not (old_dir / "best-step-000000013.pt").exists() and first.best_step != 13
+    resumed = fit(tmp_path, epochs=5, val=True, save_top_k=1, resume=str(old_dir / "step-000000013.pt"),
+                  callbacks=[Scramble()])  # validates worse than step 13 did
+    assert resumed.best_checkpoint is not None and Path(resumed.best_checkpoint).is_file()
+
+
+class Scramble:
+    """Noise on the resumed weights: every later validation is worse than the resumed run's."""
+
+    def on_fit_start(self, state):
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for parameter in state.model.parameters():
+                parameter.add_(torch.randn_like(parameter) * 3)

@@ -200,9 +200,10 @@ class Registry:
     def remove(self, run_ids: list[str]) -> list[str]:
         """Delete these runs and their metrics, except live ones; returns the ids removed.
 
-        Live: running, or marked dead by a reader but sending signs of life again (a
-        heartbeat from another host fresher than STALE_AFTER_S). Judged in the deleting
-        transaction, so no heartbeat can slip in between the judgement and the delete.
+        Live: running (or marked dead by a reader) and sending signs of life (its process on
+        this host, or a heartbeat from another host fresher than STALE_AFTER_S); a row still
+        marked running whose process is gone is removed. Judged in the deleting transaction,
+        so no heartbeat can slip in between the judgement and the delete.
         """
         host, now, removed = socket.gethostname(), time.time(), []
         with self._write() as db:
@@ -211,7 +212,7 @@ class Registry:
                 if row is None:
                     continue
                 run = self._run_dict(row)
-                if run["status"] == "running" or (judged_dead(run) and alive(run, host, now)):
+                if (run["status"] == "running" or judged_dead(run)) and alive(run, host, now):
                     continue
                 db.execute("DELETE FROM runs WHERE id = ?", (run_id,))
                 db.execute("DELETE FROM metrics WHERE run_id = ?", (run_id,))

@@ -83,7 +83,8 @@ class BestCheckpoints:
             except ValueError:  # another drive (Windows)
                 return str(directory.resolve())
 
-        self.kept = [{**e, "dir": where(e)} for e in self.kept]
+        # the entries whose file the abandoned run pruned since are gone: they rank nothing
+        self.kept = [{**e, "dir": where(e)} for e in self.kept if entry_path(source, e).is_file()]
 
     @property
     def best(self) -> dict | None:
@@ -202,7 +203,13 @@ def _best_files(run: Path) -> list[Path]:
 
 
 def _last_change(run: Path) -> int:
-    return max(p.stat().st_mtime_ns for p in [*_best_files(run), run / INDEX] if p.exists())
+    times = []
+    for path in [*_best_files(run), run / INDEX]:
+        try:
+            times.append(path.stat().st_mtime_ns)
+        except FileNotFoundError:  # pruned meanwhile by a run that lives in the same checkpoint_dir
+            pass
+    return max(times, default=0)
 
 
 def _ids(entries: list[dict]) -> list:

@@ -160,6 +160,7 @@ def restore(run, state: ContinueState) -> None:
     fit = run.state
     run.start_epoch = state.next_epoch - 1 if state.unfinished else state.next_epoch
     run.skip_batches = state.unfinished  # the stopped epoch's batches already used
+    fit.batch_in_epoch = state.unfinished  # a stop before the first step keeps that place
     fit.step, fit.samples_seen, fit.epoch = state.step, state.samples_seen, run.start_epoch
     fit.history[:] = state.history
     fit.epochs[:] = state.epochs

@@ -65,8 +65,7 @@ def ragged(error: RuntimeError, data, what: str, batch_size) -> GpunbError | Non
     """Samples of different lengths that default collation cannot stack: name the padding fix."""
     if RAGGED not in str(error):
         return None
-    dataset = getattr(data, "dataset", data)
-    first = dataset[0] if hasattr(dataset, "__getitem__") else None
+    first = _first_sample(getattr(data, "dataset", data))
     size = getattr(data, "batch_size", None) or (batch_size if isinstance(batch_size, int) else 32)
     name = "ds" if what == "train_data" else "val_ds"
     if isinstance(first, Mapping):
@@ -80,6 +79,17 @@ def ragged(error: RuntimeError, data, what: str, batch_size) -> GpunbError | Non
            f"batch_size={size}{shuffle}, collate_fn={collator})`;{also}")
     return GpunbError(f"The samples of {what} differ in length (ragged), so gpunb cannot stack them into "
                       f"one batch: {str(error).strip().splitlines()[0]}.", fix)
+
+
+def _first_sample(dataset):
+    """The dataset's first sample, for the advice; None where it has none to give (a stream: torch's
+    IterableDataset inherits a `__getitem__` that raises)."""
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
+        return None
+    try:
+        return dataset[0]
+    except Exception:  # noqa: BLE001 - advice only: the error being explained is the one raised
+        return None
 
 
 def missing_labels(error: GpunbError, batch, model, objective, what: str) -> GpunbError | None:
@@ -142,7 +152,7 @@ def layer_hint(name: str, layer, args) -> str:
     """How to make the input a torch layer failed on fit it."""
     x = args[0] if args and isinstance(args[0], torch.Tensor) else None
     shape = tuple(x.shape) if x is not None else None
-    if isinstance(layer, torch.nn.Linear) and x is not None:
+    if isinstance(layer, torch.nn.Linear) and x is not None and x.ndim > 0:
         if x.ndim > 2 and x[0].numel() == layer.in_features:
             return (f"flatten the inputs: put `nn.Flatten()` before `{name}` (Linear takes (N, features), "
                     f"and gets {shape}), or `x.flatten(1)`.")

@@ -69,7 +69,9 @@ def run(config: TrainConfig, context, model, train_data, val_data=None, *, optim
             prepared.state.request_stop("interrupted")
         result = _train(prepared)
     except BaseException:
-        teardown(failed=True, trained=prepared is not None and prepared.state.step > 0)
+        # trained: this fit took a step (a resumed or continued fit starts above 0)
+        trained = prepared is not None and prepared.state.step > prepared.state.extras.get("start_step", 1 << 62)
+        teardown(failed=True, trained=trained)
         raise  # the teardown never replaces this error (or KeyboardInterrupt)
     teardown(failed=False)
     return result

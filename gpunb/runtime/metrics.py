@@ -89,16 +89,19 @@ class StatefulMetrics:
 
     def __init__(self, metrics: dict):
         self.metrics = metrics
+        self.updated = False  # since the last reset: a pass that scored nothing computes nothing
 
     def to(self, device) -> None:
         for metric in self.metrics.values():
             metric.to(device)
 
     def reset(self) -> None:
+        self.updated = False
         for metric in self.metrics.values():
             metric.reset()
 
     def update(self, output, target) -> None:
+        self.updated = True
         for metric in self.metrics.values():
             metric.update(output, target)
 
@@ -113,7 +116,11 @@ class StatefulMetrics:
         return tuple(names)
 
     def compute(self) -> dict:
-        """`val_<name>` -> float for each metric, then reset (one host sync for all)."""
+        """`val_<name>` -> float for each metric, then reset (one host sync for all); {} when no
+        batch was scored (the outputs could not be found: a warning said why), not torchmetrics' 0."""
+        if not self.updated:
+            return {}
+        self.updated = False
         values = {}
         for name, metric in self.metrics.items():
             computed = metric.compute()  # gathers every rank's state when a process group is up

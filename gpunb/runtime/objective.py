@@ -78,7 +78,8 @@ class Objective:
             sums.update(self._metric_sums(output, target, n))
         if score:
             named = tuple(name for name in sums if not name.endswith(COUNTED))
-            self.val_names = named + (self.stateful.names() if self.stateful is not None else ())
+            scored = self.stateful is not None and self.stateful.updated
+            self.val_names = named + (self.stateful.names() if scored else ())
         return sums
 
     def _own_loss_sums(self, model, batch, n: int, score: bool) -> dict[str, torch.Tensor]:

@@ -45,12 +45,16 @@ class RunLock:
         if not _try_lock(handle):
             handle.close()
             return None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(json.dumps({**owner, "pid": os.getpid(), "host": socket.gethostname(),
-                                 "locked_at": time.strftime("%Y-%m-%d %H:%M:%S")}))
-        handle.flush()
         lock = cls(directory, handle)
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(json.dumps({**owner, "pid": os.getpid(), "host": socket.gethostname(),
+                                     "locked_at": time.strftime("%Y-%m-%d %H:%M:%S")}))
+            handle.flush()
+        except OSError:  # a full disk: no lock held by an unreachable handle
+            lock.release()
+            raise
         _close_in_forked_children(lock)
         return lock
 

@@ -69,12 +69,14 @@ class Checkpointer:
         self.events.call("on_checkpoint", state, path)
 
     def on_fit_end(self, state) -> None:
-        if state.should_stop:  # interrupted or stopped: keep the latest weights on disk too
-            self.save(state)
-            state.result.checkpoint_path = state.checkpoint_path
-        if self.best is not None:
-            finish_best(self, state)
-        self.release()
+        try:
+            if state.should_stop:  # interrupted or stopped: keep the latest weights on disk too
+                self.save(state)
+                state.result.checkpoint_path = state.checkpoint_path
+            if self.best is not None:
+                finish_best(self, state)
+        finally:  # a failed save or best restore must not leave this kernel holding the directory
+            self.release()
 
     def on_exception(self, state, error) -> None:
         self.release()
@@ -222,6 +224,7 @@ def resume(run, path) -> None:
     run.precision.load_state_dict(payload["precision"])
     devices.set_rng_state(payload["rng"], state.device)
     run.start_epoch, run.skip_batches = payload["epoch"], payload["batch_in_epoch"]
+    state.batch_in_epoch = payload["batch_in_epoch"]  # so a stop before the first step saves the same place
     state.epoch, state.step, state.samples_seen = payload["epoch"], payload["step"], payload["samples_seen"]
     stepper.splits = payload["splits"]
     state.history[:] = payload["history"]
