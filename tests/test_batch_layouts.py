@@ -237,3 +237,11 @@ def test_a_mapping_batch_reaches_the_gpu_eagerly_and_in_a_step_graph():
         else:
             eager = [row["loss"] for row in result.history]
     torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=1e-3, atol=1e-4)
+
+
+def test_a_batch_size_fn_that_would_read_the_device_each_step_is_refused():
+    from gpunb.runtime.objective import _checked_count
+
+    count = _checked_count(lambda batch: torch.tensor(8, device="meta"))
+    with pytest.raises(GpunbError, match="reading it waits for the device at every step"):
+        count(None)

@@ -62,3 +62,23 @@ def test_a_tracked_continuation_goes_on_in_the_same_run_of_the_registry():
     assert (run["status"], run["step"]) == ("completed", more.steps) and more.steps == 2 * first.steps
     history = Registry().get_run(run["id"])["history"]
     assert [point["step"] for point in history] == [row["step"] for row in more.history]
+
+
+def test_a_continuation_keeps_the_objective_of_the_fit_it_continues(ip):
+    # A forward that could take the target would make an earlier cell's loss_fn a leftover to drop
+    # in a new cell; a continuation trains on what the last fit trained with.
+    ip.run_cell("class Net(nn.Module):\n"
+                "    def __init__(self):\n"
+                "        super().__init__()\n"
+                "        self.layer = nn.Linear(10, 3)\n"
+                "    def forward(self, x, y=None):\n"
+                "        return self.layer(x)\n")
+    ip.run_cell_magic("gputrain", f"--epochs 1 {OPTIONS}",
+                      "model = Net()\ntrain_data = (x, y)\nloss_fn = nn.CrossEntropyLoss()\n")
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ip.run_line_magic("gputrain", f"--continue --epochs 1 {OPTIONS}")
+    assert not [w for w in caught if "loss_fn" in str(w.message)]
+    assert ip.user_ns["gputrain_result"].steps == 12

@@ -326,3 +326,15 @@ def test_wandb_writing_somewhere_else_than_asked_is_said(tmp_path, monkeypatch):
     [message] = [str(w.message) for w in caught if "WandbLogger: W&B writes" in str(w.message)]
     assert str(tmp_path / "temp") in message and f"not in {asked} as asked" in message
     assert result.steps == 20
+
+
+def test_a_logger_that_keeps_a_path_under_the_name_directory_is_not_called(tmp_path):
+    from gpunb.config import TrainConfig
+    from gpunb.loggers import CSVLogger, check_destinations
+
+    class Mine(CSVLogger):
+        def __init__(self):
+            super().__init__(log_dir=tmp_path)
+            self.directory = tmp_path / "mine"  # a path, not the method
+
+    check_destinations([Mine()], TrainConfig())  # no TypeError: a path is no method to call

@@ -397,6 +397,7 @@ def test_stop_request_round_trip(registry, clock):
     rec.on_log(state, {"loss": 1.0})
     assert rec.flush(10) and state.stop_reason is None
     assert registry.request_stop(state.extras["run_id"]) is True
+    _until(lambda: rec.writer.stop_requested)  # the writer's thread reads it: the training thread never does
     clock.now += 1.5
     state.step = 2
     rec.on_log(state, {"loss": 0.9})
@@ -413,13 +414,66 @@ def test_a_long_log_interval_still_gets_heartbeats_and_stop_checks(registry, clo
     rec.on_fit_start(state)
     assert rec.flush(10)
     registry.request_stop(state.extras["run_id"])
-    rec.on_step_end(state)
-    assert rec.flush(10) and state.stop_reason is None  # no registry call per step
+    _until(lambda: rec.writer.stop_requested)
     clock.now += recorder.HEARTBEAT_S
     state.step = 7
     rec.on_step_end(state)
     assert rec.flush(10)
     assert state.stop_reason == "stopped from the sidebar" and _recorded(registry, state)["step"] == 7
+
+
+def _until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_the_training_thread_never_touches_the_registry(registry, clock, monkeypatch):
+    calls = []
+    for name in ("stop_requested", "update", "add_metrics", "heartbeat", "start_run"):
+        real = getattr(Registry, name)
+        monkeypatch.setattr(Registry, name, lambda self, *a, _real=real, _name=name, **k: (
+            calls.append((_name, threading.current_thread() is threading.main_thread())), _real(self, *a, **k))[1])
+    state, rec = _state(), RunRecorder(registry)
+    rec.on_fit_start(state)
+    for step in range(1, 30):
+        state.step = step
+        rec.on_step_end(state)
+        rec.on_log(state, {"loss": 1.0 / step})
+        clock.now += 0.5
+    state.result = SimpleNamespace(interrupted=False, energy_j=None)
+    rec.on_fit_end(state)
+    assert rec.flush(10) and calls and not [call for call in calls if call[1]]
+
+
+def test_a_writer_whose_fit_never_reported_its_end_ends_the_run_as_failed(registry, clock):
+    import gc
+
+    state, rec = _state(), RunRecorder(registry)
+    rec.on_fit_start(state)
+    writer, run_id = rec.writer, state.extras["run_id"]
+    assert writer.flush(10)
+    del rec  # the fit raised past its callbacks: the recorder is gone, its on_fit_end never ran
+    gc.collect()
+    assert writer.finished.wait(10)
+    run = registry.get_run(run_id)
+    assert (run["status"], run["error"]) == ("failed", writer_module.ABANDONED)
+
+
+def test_a_live_run_removed_by_another_host_is_recorded_again(registry, clock, monkeypatch):
+    monkeypatch.setattr(writer_module, "HEARTBEAT_EVERY_S", 0.1)
+    state, rec = _state(), RunRecorder(registry)
+    rec.on_fit_start(state)
+    assert rec.flush(10)
+    run_id = rec.run_id
+    with sqlite3.connect(registry.path) as db:  # a host that took it for dead removed it
+        db.execute("DELETE FROM runs WHERE id = ?", (run_id,))
+    assert registry.get_run(run_id, with_history=False) is None
+    _until(lambda: registry.get_run(run_id, with_history=False) is not None)
+    state.result = SimpleNamespace(interrupted=False, energy_j=None)
+    rec.on_fit_end(state)
+    assert rec.flush(10) and registry.get_run(run_id)["status"] == "completed"
 
 
 @pytest.mark.parametrize("interrupted, reason, status", [
@@ -711,6 +765,7 @@ def test_a_stop_request_is_seen_at_the_next_log_interval_even_between_writes(reg
     rec.on_log(state, {"loss": 1.0})  # the first log: written
     assert rec.flush(10)
     registry.request_stop(rec.run_id)
+    _until(lambda: rec.writer.stop_requested)
     clock.now += 0.1  # well inside the one-second write throttle
     state.step = 2
     rec.on_log(state, {"loss": 0.9})

@@ -215,16 +215,26 @@ def test_gputrain_takes_min_lr_ratio(ip):
 
 
 class SidebarStopAt:
-    """Asks the run registry to stop this run at a step, as the sidebar's stop button does."""
+    """Asks the run registry to stop this run at `step`, as the sidebar's stop button does, and waits
+    until the run's writer thread has read the request: the stop lands at that step's log."""
 
     def __init__(self, step):
         self.step = step
 
     def on_step_end(self, state):
         if state.step == self.step:
-            from gpunb.runs.registry import Registry
+            import gc
+            import time
 
-            assert Registry().request_stop(state.extras["run_id"])
+            from gpunb.runs.registry import Registry
+            from gpunb.runs.writer import RunWriter
+
+            run_id = state.extras["run_id"]
+            assert Registry().request_stop(run_id)
+            writer = next(o for o in gc.get_objects() if isinstance(o, RunWriter) and o.run_id == run_id)
+            deadline = time.monotonic() + 10
+            while not writer.stop_requested and time.monotonic() < deadline:
+                time.sleep(0.01)
 
 
 @pytest.mark.parametrize("stopper", [SidebarStopAt, StopAt])

@@ -156,7 +156,11 @@ class _Launch:
             self._drive(plan, couriers or self.args, queue, stop)
             if self.fork_unusable:
                 raise _ForkUnusable
-            return self._finish(plan)
+            try:
+                return self._finish(plan)
+            except BaseException as error:  # callbacks that heard the start hear the end (the run registry)
+                self.callbacks.call("on_exception", self.state, error)
+                raise
         finally:
             if couriers is not None:
                 couriers.close(timeout=FAILURE_GRACE_S)

@@ -200,7 +200,8 @@ def _short(class_name: str) -> str:
 def check_destinations(loggers, config) -> None:
     """Every logger's directory can be created and written in, before any work is done."""
     for logger in loggers:
-        directory = getattr(logger, "directory", lambda config: None)(config)
+        where = getattr(logger, "directory", None)
+        directory = where(config) if callable(where) else None  # a subclass may use the name for a path
         if directory is None:
             continue
         try:

@@ -111,8 +111,10 @@ class GpuMagics(Magics):
         before = {name: id(value) for name, value in self.shell.user_ns.items()}
         if cell is not None and not self.shell.run_cell(cell, store_history=False).success:
             return None  # the user's own traceback has been shown; nothing to train
-        found = collect(self.shell.user_ns, args, before, named_options(line),
-                         required=("model",) if args.eval else REQUIRED)
+        # a line magic or --continue trains what the namespace holds, as the last fit did: every
+        # role is the user's choice there, none a leftover to judge (notebook/leftovers.py)
+        named = set(NAMES) if cell is None or args.continue_fit else named_options(line)
+        found = collect(self.shell.user_ns, args, before, named, required=("model",) if args.eval else REQUIRED)
         if args.eval:
             return _evaluate(self.shell, found, config, args)
         if args.dry_run:

@@ -2,9 +2,8 @@
 
 A plain callback (see gpunb/runtime/events.py). It hands data to a `RunWriter`
 (a daemon thread) at most once a second (always on the first log). A stop request from
-the sidebar is read by that thread every quarter second, and at every log interval with
-one read here that never waits (WAL readers do not wait for writers, and busy_timeout is
-0 for it); each step looks at the thread's answer, an attribute: a locked, full or
+the sidebar is read by that thread (writer.STOP_POLL_S); each step looks at the thread's
+answer, an attribute. The training thread never touches SQLite: a locked, full or
 damaged registry can neither slow nor break the training loop.
 The first problem is logged once; a locked registry is written once it is free.
 Fit start waits START_WAIT_S at most for the run's row, fit end FINISH_WAIT_S at
@@ -25,7 +24,7 @@ log = logging.getLogger(__name__)
 
 WRITE_EVERY_S = 1.0  # the registry's promise: at most one write per second per run
 POINTS_PER_WRITE = 25  # log rows kept per write (evenly thinned): curves survive short runs
-HEARTBEAT_S = 30.0  # without logs, still touch the row this often (others judge liveness by it)
+HEARTBEAT_S = 30.0  # without logs, still send step and progress this often (liveness: the writer's own stamp)
 START_WAIT_S = 0.05  # at fit start, give the writer this long at most to create the run's row
 FINISH_WAIT_S = 2.0  # at fit end, wait this long at most for the final status to be written
 RESULT_FIGURES = ("achieved_tflops", "mfu", "tokens_per_s")  # TrainResult properties kept in `latest`
@@ -38,7 +37,6 @@ class RunRecorder:
     def __init__(self, registry: Registry | None = None):
         self.registry = registry
         self.writer: RunWriter | None = None
-        self._reader: Registry | None = None  # the training thread's own, never waiting
         self._reset()
 
     def _reset(self) -> None:
@@ -66,8 +64,7 @@ class RunRecorder:
         self.run_id = continues or uuid.uuid4().hex
         start = {"name": state.run_name, "config": json_safe(config), "device": str(state.device),
                  "total_steps": state.total_steps, "started_at": time.time(), "reopen": continues is not None}
-        self.writer = RunWriter(self.registry, self.run_id, start, self._warn_once)
-        self._reader = Registry(self.registry.path, timeout=0.0)
+        self.writer = RunWriter(self.registry, self.run_id, start, self._warn_once, owner=self)
         # Usually a few ms: then the run is listed, and can be stopped, from its first step on.
         self.writer.recorded.wait(START_WAIT_S)
         state.extras["run_id"] = self.run_id
@@ -78,10 +75,10 @@ class RunRecorder:
         # the registry; a long log interval still gets its row touched every HEARTBEAT_S.
         if self.run_id is None:
             return
-        if self.writer.stop_requested:
+        if _now() - self._last_write >= HEARTBEAT_S:
+            self._write(state, force=True)  # looks at the stop answer too
+        elif self.writer.stop_requested:
             state.request_stop("stopped from the sidebar")
-        elif _now() - self._last_write >= HEARTBEAT_S:
-            self._write(state, force=True)
 
     def on_log(self, state, metrics: dict) -> None:
         if self.run_id is None:
@@ -146,16 +143,8 @@ class RunRecorder:
             fields = {"step": state.step, "epoch": state.epoch, "progress": state.progress,
                       "eta_s": eta_left(state), "latest": dict(self._latest)}
             self.writer.submit(fields, self._take_rows(POINTS_PER_WRITE))
-        if self.writer.stop_requested or self._stop_requested_now():
+        if self.writer.stop_requested:
             state.request_stop("stopped from the sidebar")
-
-    def _stop_requested_now(self) -> bool:
-        if not self.writer.recorded.is_set():
-            return False  # no row yet, so no request either
-        try:
-            return self._reader.stop_requested(self.run_id)
-        except Exception:  # locked out or damaged: the writer thread reports it
-            return False
 
     def _finish(self, state, status: str, **fields) -> None:
         fields.update(step=state.step, epoch=state.epoch, progress=state.progress, latest=dict(self._latest))

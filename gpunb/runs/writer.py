@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 from gpunb.runs.registry import Registry, RegistryLocked
@@ -26,7 +27,8 @@ LOCKED_RETRY_S = 0.25  # pause between tries while another process holds the loc
 RETRY_AFTER_S = 30.0  # after any other failure (disk full, damaged file), leave the registry alone this long
 MAX_PENDING_ROWS = 1000  # metric rows kept while the registry is unavailable (thinned evenly beyond)
 HEARTBEAT_EVERY_S = 5.0  # idle this long, the thread stamps the run's heartbeat (liveness.STALE_AFTER_S is far longer)
-STOP_POLL_S = 0.25  # idle, the thread reads the run's stop request this often (one WAL read, no waiting)
+STOP_POLL_S = 0.5  # idle, the thread reads the run's stop request this often (one read, off the training thread)
+ABANDONED = "the fit ended without reporting its end to the run registry"
 
 
 class RunWriter:
@@ -36,13 +38,19 @@ class RunWriter:
     turns True once the registry holds a stop request for the run.
     """
 
-    def __init__(self, registry: Registry, run_id: str, start: dict, warn: Callable[[Exception], None]):
-        self.registry, self.run_id, self._warn = registry, run_id, warn
-        self.stop_requested = False  # as of this thread's last write
+    def __init__(self, registry: Registry, run_id: str, start: dict, warn: Callable[[Exception], None],
+                 owner: object = None):
+        self.registry, self.run_id = registry, run_id
+        # Weakly: a fit that ended without its end reaching the recorder drops the recorder, and
+        # the thread then ends the run as failed instead of stamping it alive for ever.
+        self._owner = weakref.ref(owner) if owner is not None else None
+        self._warn = weakref.WeakMethod(warn) if hasattr(warn, "__self__") else (lambda: warn)
+        self.stop_requested = False  # as of this thread's last read
         self.recorded = threading.Event()  # the run's row exists
         self.finished = threading.Event()  # the final status is written, or given up
         self._changed = threading.Condition()
         self._start: dict | None = start  # start_run's arguments until the row exists
+        self._start_args = dict(start)  # kept: a row another host removed is recorded again
         self._fields: dict = {}  # newest `Registry.update` fields not yet written
         self._rows: list = []  # (step, metrics) not yet written
         self._finish: dict | None = None  # `Registry.finish` arguments
@@ -83,6 +91,8 @@ class RunWriter:
                 if not idle:
                     self._write_pending()
                     last_beat = time.monotonic()  # a write touches the row as a heartbeat does
+                elif self._owner is not None and self._owner() is None:
+                    self._finish = {"status": "failed", "error": ABANDONED}  # written on the next turn
                 elif time.monotonic() - last_beat >= HEARTBEAT_EVERY_S:
                     self._beat()
                     last_beat = time.monotonic()
@@ -90,7 +100,9 @@ class RunWriter:
                     self.stop_requested = self.registry.stop_requested(self.run_id)
             except Exception as caught:  # kept pending; training matters more than the record
                 error = caught
-                self._warn(error)
+                warn = self._warn()
+                if warn is not None:
+                    warn(error)
                 if not isinstance(error, RegistryLocked) and self._finish is not None:
                     self.finished.set()  # the run is over and the registry is broken: give up
             with self._changed:
@@ -104,6 +116,8 @@ class RunWriter:
     def _beat(self) -> None:
         if self.registry.heartbeat(self.run_id):
             self.stop_requested = self.registry.stop_requested(self.run_id)
+        elif self.recorded.is_set():  # removed by a host that took the run for dead: it lives, record it again
+            self.registry.start_run(run_id=self.run_id, **{**self._start_args, "reopen": True})
 
     def _write_pending(self) -> None:
         registry = self.registry

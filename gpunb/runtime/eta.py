@@ -20,7 +20,7 @@ class EtaClock:
     def __init__(self):
         self._points: deque = deque()  # (elapsed_s, step) of recent logs, oldest first
         self._epoch_s = 0.0  # wall time of the last whole epoch, once one has ended
-        self._epoch_began: float | None = None
+        self._epoch_began = 0.0  # elapsed seconds are counted from the fit's start
 
     def at_log(self, step: int, elapsed_s: float, total_steps: int | None,
                interval_step_s: float) -> tuple[float, float] | None:
@@ -28,8 +28,6 @@ class EtaClock:
         the only measure there is at the first log."""
         if not total_steps:
             return None
-        if self._epoch_began is None:
-            self._epoch_began = elapsed_s
         self._points.append((elapsed_s, step))
         window = max(WINDOW_S, self._epoch_s)
         while len(self._points) > 2 and elapsed_s - self._points[1][0] >= window:
@@ -40,6 +38,4 @@ class EtaClock:
 
     def at_epoch_end(self, elapsed_s: float) -> None:
         """An epoch (and its validation) ended: the window spans one epoch from now on."""
-        if self._epoch_began is not None:
-            self._epoch_s = elapsed_s - self._epoch_began
-        self._epoch_began = elapsed_s
+        self._epoch_s, self._epoch_began = elapsed_s - self._epoch_began, elapsed_s

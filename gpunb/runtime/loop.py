@@ -258,8 +258,12 @@ def _train(run: _Run) -> TrainResult:
     except BaseException as error:
         callbacks.call("on_exception", state, error)
         raise
-    state.result = _result(run, timer)
-    callbacks.call("on_fit_end", state)
+    try:
+        state.result = _result(run, timer)
+        callbacks.call("on_fit_end", state)
+    except BaseException as error:  # the end failed (an unreadable best checkpoint): heard as any error
+        callbacks.call("on_exception", state, error)
+        raise
     if stepper.ema is not None and config.ema_apply and not state.result.restored_best:
         stepper.ema.copy_to_model()
     return state.result

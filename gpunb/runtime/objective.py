@@ -201,6 +201,10 @@ def _checked_count(batch_size_fn: Callable) -> Callable:
         answer = batch_size_fn(batch)
         if type(answer) is int and answer >= 0:  # the common answer, checked in one step
             return answer
+        if isinstance(answer, torch.Tensor) and answer.device.type != "cpu":
+            raise GpunbError(f"batch_size_fn(batch) returned a tensor on {answer.device}: reading it waits for "
+                             "the device at every step.",
+                             "return an int the host knows, e.g. `batch_size_fn=lambda batch: len(batch[-1])`.")
         try:
             n = operator.index(answer)  # a NumPy integer, a 0-d integer tensor on the host
         except TypeError:
