@@ -94,7 +94,7 @@ class RunHandler(GpunbHandler):
         run = await self.registry_call(Registry.get_run, run_id)
         if run is None:
             raise web.HTTPError(404, f"No run with id {run_id}.")
-        self.reply(run)
+        self.reply(_eta_now(run))
 
     @web.authenticated
     async def delete(self, run_id: str):
@@ -110,7 +110,18 @@ class RunHandler(GpunbHandler):
 
 
 def _list_runs(registry: Registry) -> list[dict]:
-    return registry.list_runs(series=True)  # running runs carry their newest losses: one request a poll
+    runs = registry.list_runs(series=True)  # running runs carry their newest losses: one request a poll
+    for run in runs:
+        _eta_now(run)
+    return runs
+
+
+def _eta_now(run: dict) -> dict:
+    """The ETA counted down from the row's last write to now, by this machine's clock (the run's, or
+    one that shares its registry), not the browser's, which may be set otherwise."""
+    if run.get("eta_s") is not None and run.get("updated_at"):
+        run["eta_s"] = max(0.0, run["eta_s"] - max(0.0, time.time() - run["updated_at"]))
+    return run
 
 
 def _remove(registry: Registry, run_id: str) -> tuple[bool, dict | None]:

@@ -39,15 +39,6 @@ export function finishedSummary(run: IRun): string {
   return parts.join(' · ');
 }
 
-/**
- * The run's ETA as the dashboard shows it: the runtime's estimate, written with the row,
- * counted down since that write (a long log interval writes it rarely).
- */
-export function etaLeft(run: IRun, now = Date.now() / 1000): number {
-  const since = run.updated_at ? Math.max(0, now - run.updated_at) : 0;
-  return Math.max(0, (run.eta_s ?? 0) - since);
-}
-
 function RunRow(props: {
   run: IRun;
   losses: number[];
@@ -110,7 +101,7 @@ function RunRow(props: {
             run.progress === null || run.progress === undefined
               ? ''
               : `${Math.round(run.progress * 100)} %` +
-                (typeof run.eta_s === 'number' ? ` · ETA ${duration(etaLeft(run))}` : '')
+                (run.eta_s ? ` · ETA ${duration(run.eta_s)}` : '')
           }
         />
       ) : (
