@@ -500,3 +500,12 @@ def test_a_sync_in_a_step_is_caught_by_the_check():
     with pytest.raises(RuntimeError, match="synchronizing CUDA operation"):
         fit_without_syncs(mlp(), classification_data(n=512), callbacks=[ReadsTheLoss()])
     assert torch.cuda.get_sync_debug_mode() == 0
+
+
+@pytest.mark.cuda
+def test_tensors_already_on_the_gpu_train_and_validate():
+    """(x.cuda(), y.cuda()): the batch checked before training is gathered where the tensors are."""
+    x, y = classification_data(n=64)
+    result = Trainer(epochs=1, batch_size=16, track=False, compile=False).fit(
+        mlp(), (x.cuda(), y.cuda()), (x[:32].cuda(), y[:32].cuda()), loss_fn=nn.CrossEntropyLoss())
+    assert result.steps == 4 and result.device.startswith("cuda") and "val_loss" in result.final_metrics

@@ -76,7 +76,8 @@ def layout(batch, exact: bool) -> tuple:
 
 
 def target_of(batch):
-    """The target a batch holds as gpunb reads it: "labels" of a dict, the last of a tuple."""
+    """The target a batch holds as gpunb reads it (metrics, leftovers): "labels" of a mapping, the
+    last item of a tuple."""
     if isinstance(batch, Mapping):
         return batch.get("labels")
     if isinstance(batch, (list, tuple)) and len(batch) >= 2:

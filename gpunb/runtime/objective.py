@@ -27,6 +27,7 @@ import torch
 
 from gpunb.errors import GpunbError
 from gpunb.runtime.inputs import batch_size_of, is_mapping
+from gpunb.runtime.matching import target_of
 from gpunb.runtime.metrics import (COUNTED, IGNORE_INDEX, StatefulMetrics, accuracy, accuracy_counts,
                                    is_stateful, shifts_labels, stateful_name)
 
@@ -118,7 +119,7 @@ class Objective:
                               "(no `.logits`, nor one tensor besides the loss in a tuple)")
         if target is not None:  # the step's own pair: scored as given
             return (output, target), ""
-        target = _target_in(batch)
+        target = target_of(batch)
         if not isinstance(target, torch.Tensor) or not isinstance(output, torch.Tensor):
             return None, ("the batch holds no target: a dict batch needs a 'labels' tensor, a tuple batch "
                           "(inputs..., target)")
@@ -333,15 +334,6 @@ def _scores_in(output) -> torch.Tensor | None:
         scores = [v for v in output if isinstance(v, torch.Tensor) and v.ndim > 0]
         if len(scores) == 1:
             return scores[0]
-    return None
-
-
-def _target_in(batch):
-    """A batch's target, as metrics read it: a dict batch's "labels", a tuple batch's last item."""
-    if is_mapping(batch):
-        return batch.get("labels")
-    if isinstance(batch, (list, tuple)) and len(batch) >= 2:
-        return batch[-1]
     return None
 
 
