@@ -397,7 +397,6 @@ def test_stop_request_round_trip(registry, clock):
     rec.on_log(state, {"loss": 1.0})
     assert rec.flush(10) and state.stop_reason is None
     assert registry.request_stop(state.extras["run_id"]) is True
-    _until(lambda: rec.writer.stop_requested)  # the writer's thread reads it: the training thread never does
     clock.now += 1.5
     state.step = 2
     rec.on_log(state, {"loss": 0.9})
@@ -427,24 +426,6 @@ def _until(condition, timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.02)
-
-
-def test_the_training_thread_never_touches_the_registry(registry, clock, monkeypatch):
-    calls = []
-    for name in ("stop_requested", "update", "add_metrics", "heartbeat", "start_run"):
-        real = getattr(Registry, name)
-        monkeypatch.setattr(Registry, name, lambda self, *a, _real=real, _name=name, **k: (
-            calls.append((_name, threading.current_thread() is threading.main_thread())), _real(self, *a, **k))[1])
-    state, rec = _state(), RunRecorder(registry)
-    rec.on_fit_start(state)
-    for step in range(1, 30):
-        state.step = step
-        rec.on_step_end(state)
-        rec.on_log(state, {"loss": 1.0 / step})
-        clock.now += 0.5
-    state.result = SimpleNamespace(interrupted=False, energy_j=None)
-    rec.on_fit_end(state)
-    assert rec.flush(10) and calls and not [call for call in calls if call[1]]
 
 
 def test_a_writer_whose_fit_never_reported_its_end_ends_the_run_as_failed(registry, clock):
@@ -765,7 +746,6 @@ def test_a_stop_request_is_seen_at_the_next_log_interval_even_between_writes(reg
     rec.on_log(state, {"loss": 1.0})  # the first log: written
     assert rec.flush(10)
     registry.request_stop(rec.run_id)
-    _until(lambda: rec.writer.stop_requested)
     clock.now += 0.1  # well inside the one-second write throttle
     state.step = 2
     rec.on_log(state, {"loss": 0.9})

@@ -2,9 +2,11 @@
 
 A plain callback (see gpunb/runtime/events.py). It hands data to a `RunWriter`
 (a daemon thread) at most once a second (always on the first log). A stop request from
-the sidebar is read by that thread (writer.STOP_POLL_S); each step looks at the thread's
-answer, an attribute. The training thread never touches SQLite: a locked, full or
-damaged registry can neither slow nor break the training loop.
+the sidebar is read at every log interval with one read that never waits (WAL readers do
+not wait for writers, and busy_timeout is 0 for it), so a stop lands at the log it meets;
+between logs the writer's thread reads it (writer.STOP_POLL_S) and each step looks at its
+answer, an attribute. A locked, full or damaged registry can neither slow nor break the
+training loop.
 The first problem is logged once; a locked registry is written once it is free.
 Fit start waits START_WAIT_S at most for the run's row, fit end FINISH_WAIT_S at
 most for the final status; what is not written by then is left to the thread.
@@ -44,6 +46,7 @@ class RunRecorder:
         self._warned = False
         self._rows: list = []  # (step, metrics) logged since the last write
         self._latest: dict = {}  # every metric's newest value
+        self._reader: Registry | None = None  # the training thread's own, never waiting
         self._last_write = 0.0  # monotonic time of the last write
         self._logged = False  # the first log is always written
 
@@ -65,6 +68,7 @@ class RunRecorder:
         start = {"name": state.run_name, "config": json_safe(config), "device": str(state.device),
                  "total_steps": state.total_steps, "started_at": time.time(), "reopen": continues is not None}
         self.writer = RunWriter(self.registry, self.run_id, start, self._warn_once, owner=self)
+        self._reader = Registry(self.registry.path, timeout=0.0)
         # Usually a few ms: then the run is listed, and can be stopped, from its first step on.
         self.writer.recorded.wait(START_WAIT_S)
         state.extras["run_id"] = self.run_id
@@ -143,8 +147,16 @@ class RunRecorder:
             fields = {"step": state.step, "epoch": state.epoch, "progress": state.progress,
                       "eta_s": eta_left(state), "latest": dict(self._latest)}
             self.writer.submit(fields, self._take_rows(POINTS_PER_WRITE))
-        if self.writer.stop_requested:
+        if self.writer.stop_requested or self._stop_requested_now():
             state.request_stop("stopped from the sidebar")
+
+    def _stop_requested_now(self) -> bool:
+        if not self.writer.recorded.is_set():
+            return False  # no row yet, so no request either
+        try:
+            return self._reader.stop_requested(self.run_id)
+        except Exception:  # locked out or damaged: the writer thread reports it
+            return False
 
     def _finish(self, state, status: str, **fields) -> None:
         fields.update(step=state.step, epoch=state.epoch, progress=state.progress, latest=dict(self._latest))
