@@ -958,3 +958,10 @@ def test_a_stop_request_lands_at_the_next_step_however_long_the_log_interval(reg
         time.sleep(0.01)
     assert state.stop_reason == "stopped from the sidebar"
     assert time.monotonic() < deadline - 10 + 3.0  # a few polls, even on a loaded machine
+
+
+def test_remove_deletes_a_run_still_marked_running_whose_process_is_gone(registry):
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    run_id = registry.start_run("orphan", pid=child.pid)  # no reader marked it dead yet
+    assert registry.remove([run_id]) == [run_id]
