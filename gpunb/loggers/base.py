@@ -176,6 +176,16 @@ class Logger:
             pass
 
 
+class LocalLogger(Logger):
+    """A logger whose files go into its `log_dir`, else the fit's run directory (`self.dir` once started)."""
+
+    def directory(self, config) -> Path:
+        return self.log_dir or log_root(config)
+
+    def destination(self) -> str:
+        return str(getattr(self, "dir", None) or self.log_dir or "its run directory")
+
+
 def warn_failed(logger, state, error: Exception) -> None:
     """The one warning of a logger that failed: which, at which step, why, what is kept, the fix."""
     name = type(logger).__name__

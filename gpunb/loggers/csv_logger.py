@@ -7,12 +7,12 @@ import json
 import os
 from pathlib import Path
 
-from gpunb.loggers.base import Logger, final_metrics, log_root, run_dir
+from gpunb.loggers.base import LocalLogger, final_metrics, run_dir
 
 _FIRST = ["step", "epoch"]
 
 
-class CSVLogger(Logger):
+class CSVLogger(LocalLogger):
     """One row per log interval and per epoch, as `pandas.read_csv(<dir>/metrics.csv)` reads it.
 
     Columns are `step`, `epoch` and every metric seen so far; a row leaves the metrics it
@@ -47,12 +47,6 @@ class CSVLogger(Logger):
             _replace_csv(path, self.columns, self.rows)
         else:
             _append_csv(path, self.columns, row)
-
-    def directory(self, config) -> Path:
-        return self.log_dir or log_root(config)
-
-    def destination(self) -> str:
-        return str(getattr(self, "dir", None) or self.log_dir or "its run directory")
 
     def finish(self, state, status: str) -> None:
         result = {"status": status}

@@ -9,12 +9,12 @@ import socket
 import time
 from pathlib import Path
 
-from gpunb.loggers.base import Logger, final_metrics, flat_config, log_root, require, run_dir
+from gpunb.loggers.base import LocalLogger, final_metrics, flat_config, require, run_dir
 
 TRACE_KEY = "profile_trace"  # state.extras: the chrome trace a profiler wrote during the run
 
 
-class TensorBoardLogger(Logger):
+class TensorBoardLogger(LocalLogger):
     """Scalars by step (log rows and epoch rows), the config as text, and at the end the
     config with the final metrics on the HPARAMS tab (`hparam/<metric>`).
 
@@ -45,12 +45,6 @@ class TensorBoardLogger(Logger):
         # without append (S3, GCS) holds them until a flush, every 120 s by default: flush at each
         # row, so a killed process loses at most this interval, and a full disk is heard here.
         self.writer.flush()
-
-    def directory(self, config) -> Path:
-        return self.log_dir or log_root(config)
-
-    def destination(self) -> str:
-        return str(getattr(self, "dir", None) or self.log_dir or "its run directory")
 
     def abandon(self) -> None:
         if self.writer is not None:

@@ -56,7 +56,7 @@ class BestCheckpoints:
     def write(self, directory: Path, kept: list[dict], step: int, payload: dict) -> Path:
         """Rank 0: write the checkpoint of `step` (one of `kept`), then the index, then drop the rest."""
         name = next(e["file"] for e in kept if e["step"] == step and not e.get("dir"))
-        path = ckpt.write_atomic(directory, name, {"format": ckpt.FORMAT, "version": ckpt.VERSION, **payload})
+        path = ckpt.write_checkpoint(directory, name, payload)
         self.commit(kept, directory)
         return path
 

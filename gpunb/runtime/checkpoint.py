@@ -73,10 +73,15 @@ def remove_leftovers(directory: str | os.PathLike) -> None:
 def save_checkpoint(directory: str | os.PathLike, payload: dict, step: int, keep_last: int) -> Path:
     """Write `payload` as `step-<step>.pt` in `directory` (the run's own); keep its newest `keep_last`."""
     directory = Path(directory)
-    target = write_atomic(directory, f"step-{step:09d}.pt", {"format": FORMAT, "version": VERSION, **payload})
-    for old in _own_checkpoints(directory)[:-keep_last]:
+    target = write_checkpoint(directory, f"step-{step:09d}.pt", payload)
+    for old in run_checkpoints(directory)[:-keep_last]:
         old.unlink(missing_ok=True)
     return target
+
+
+def write_checkpoint(directory: Path, name: str, payload: dict) -> Path:
+    """A checkpoint file (gpunb's format header, then `payload`), written atomically."""
+    return write_atomic(directory, name, {"format": FORMAT, "version": VERSION, **payload})
 
 
 def write_atomic(directory: Path, name: str, payload) -> Path:
@@ -108,8 +113,8 @@ def is_disk_full(error: BaseException) -> bool:
     return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
-def _own_checkpoints(directory: Path) -> list[Path]:
-    """Checkpoints of one run (its directory), oldest step first."""
+def run_checkpoints(directory: Path) -> list[Path]:
+    """Checkpoints of one run (its directory `directory`), oldest step first."""
     return sorted(p for p in directory.iterdir() if _NAME.match(p.name))
 
 
@@ -132,10 +137,10 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = _own_checkpoints(directory)
+    found = run_checkpoints(directory)
     for sub in directory.iterdir():
         if sub.name.startswith(_RUN_DIR) and sub.is_dir():
-            found += _own_checkpoints(sub)
+            found += run_checkpoints(sub)
     return sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
 
 

@@ -147,12 +147,12 @@ def restore_last_good(state, dist, model, optimizer) -> tuple[tuple[int, str] | 
 
 def _good_checkpoints(state) -> list[str]:
     """This run's checkpoints, newest first (none is written after a bad loss), then the one it resumed."""
-    from gpunb.runtime.checkpoint import list_checkpoints, run_directory
+    from gpunb.runtime.checkpoint import run_checkpoints, run_directory
 
     found = [state.checkpoint_path] if state.checkpoint_path else []
     if state.checkpoint_run is not None and state.config.checkpoint_dir:
         own = run_directory(state.config.checkpoint_dir, state.checkpoint_run)
-        found += [str(p) for p in reversed(list_checkpoints(own)) if p.name.startswith("step-")]
+        found += [str(p) for p in reversed(run_checkpoints(own))] if own.is_dir() else []
     if state.resumed:
         found.append(state.resumed["path"])
     return list(dict.fromkeys(found))  # each once, in order
