@@ -106,11 +106,21 @@ def rng_state(device: torch.device) -> dict:
     return state
 
 
+def python_rng_state(state: dict) -> tuple:
+    """`random.setstate`'s argument, from the tensors a checkpoint keeps it as."""
+    version, gauss = state["python_meta"]
+    return version, tuple(state["python"].tolist()), gauss
+
+
+def numpy_rng_state(state: dict) -> tuple:
+    """`np.random.set_state`'s argument, from the tensors a checkpoint keeps it as."""
+    kind, pos, has_gauss, np_gauss = state["numpy_meta"]
+    return kind, state["numpy"].numpy().astype(np.uint32), pos, has_gauss, np_gauss
+
+
 def set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
-    version, gauss = state["python_meta"]
-    random.setstate((version, tuple(state["python"].tolist()), gauss))
-    kind, pos, has_gauss, np_gauss = state["numpy_meta"]
-    np.random.set_state((kind, state["numpy"].numpy().astype(np.uint32), pos, has_gauss, np_gauss))
+    random.setstate(python_rng_state(state))
+    np.random.set_state(numpy_rng_state(state))
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)

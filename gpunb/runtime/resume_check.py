@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from gpunb.errors import GpunbError
+from gpunb.runtime import device as devices
 
 _LISTED = 12  # names shown per kind of mismatch; the count says how many more there are
 
@@ -120,10 +121,8 @@ def rng_problems(saved, device: torch.device) -> list[str]:
     if not isinstance(saved, dict):
         return [f"the RNG state is a {type(saved).__name__}, not a dict of states"]
     checks = {"torch": lambda: torch.Generator().set_state(saved["torch"]),
-              "python": lambda: random.Random().setstate(
-                  (saved["python_meta"][0], tuple(saved["python"].tolist()), saved["python_meta"][1])),
-              "numpy": lambda: np.random.RandomState().set_state(
-                  (saved["numpy_meta"][0], saved["numpy"].numpy().astype(np.uint32), *saved["numpy_meta"][1:]))}
+              "python": lambda: random.Random().setstate(devices.python_rng_state(saved)),
+              "numpy": lambda: np.random.RandomState().set_state(devices.numpy_rng_state(saved))}
     if device.type == "cuda" and "cuda" in saved:
         checks["cuda"] = lambda: torch.Generator(device=device).set_state(saved["cuda"])
     problems = []
@@ -185,7 +184,11 @@ def check_schedule(run, payload: dict, path) -> None:
         return
     current = type(schedule.scheduler).__name__
     saved_type = payload.get("scheduler_type")
-    if saved_type != current if saved_type is not None else _public(saved) != _public(schedule.state_dict()):
+    if saved_type is not None:
+        other_class = saved_type != current
+    else:  # a checkpoint from before the class was saved: its settings' names tell
+        other_class = _public(saved) != _public(schedule.state_dict())
+    if other_class:
         raise GpunbError(f"The checkpoint {path!s} holds the state of {saved_type or 'another scheduler class'}, "
                          f"and this run's scheduler is {current}: its settings would drive the other "
                          "class's formula.",
