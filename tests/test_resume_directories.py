@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import classification_data, mlp
+from test_checkpoint_safety import NanFrom
 from torch import nn
 
 from gpunb import Trainer
@@ -98,19 +99,6 @@ def test_resuming_into_another_checkpoint_dir_writes_there_and_leaves_the_source
 
 
 # --- a NaN after a resume -------------------------------------------------------------------
-
-class NanFrom:
-    """A loss that turns NaN from the fit's `step`-th optimizer step on."""
-
-    def __init__(self, step):
-        self.step, self.calls = step, -1  # call 0: the summary's measured step before training
-        self.loss = nn.CrossEntropyLoss()
-
-    def __call__(self, out, y):
-        self.calls += torch.is_grad_enabled()
-        loss = self.loss(out, y)
-        return loss * float("nan") if self.calls >= self.step else loss
-
 
 def finite(model):
     return all(torch.isfinite(p).all() for p in model.parameters())
