@@ -65,7 +65,8 @@ def test_notebook7_shows_the_live_widget_dashboard_then_the_summary(tmp_path):
                        }""",
                     arg=[status.element_handle(), first_step + 45], timeout=60_000)
                 assert first_step < _step(status.inner_text()) < TOTAL_STEPS
-                assert output.locator("svg polyline").count() >= 1  # the loss curve
+                # the loss curve: its update is a message of its own, which may land after the status's
+                output.locator("svg polyline").first.wait_for(timeout=30_000)
 
                 summary = output.locator(".gpunb-result")
                 summary.wait_for(timeout=120_000)
