@@ -14,7 +14,8 @@ import os
 
 from gpunb.config import TrainConfig, make_config
 from gpunb.runtime.context import LocalContext
-from gpunb.runtime.loop import check_model, run
+from gpunb.runtime.loop import run
+from gpunb.runtime.roles import check_kinds
 from gpunb.runtime.result import TrainResult
 
 
@@ -54,7 +55,7 @@ class Trainer:
         last item), and `metrics` score the output against the target.
         """
         __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
-        check_model(model)
+        check_kinds(dict(model=model, optimizer=optimizer, loss_fn=loss_fn, step=step))  # the schedule: when built
         config = self.config
         arguments = dict(optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, step=step, metrics=metrics)
         if continue_from is not None:  # checked here too: a launch would start processes first
@@ -94,7 +95,7 @@ class Trainer:
         __tracebackhide__ = True  # noqa: F841
         from gpunb.runtime.summary import dry_run
 
-        check_model(model)
+        check_kinds(dict(model=model, optimizer=optimizer, loss_fn=loss_fn, step=step))
         return dry_run(self.config, LocalContext(), model, train_data, val_data, optimizer=optimizer,
                        loss_fn=loss_fn, step=step, metrics=metrics)
 

@@ -35,6 +35,7 @@ from gpunb.runtime.peak_flops import device_peak_tflops
 from gpunb.runtime.precision import Precision
 from gpunb.runtime.preflight import preflight
 from gpunb.runtime.result import TrainResult, epoch_mean_loss, last_epoch_train_loss
+from gpunb.runtime.roles import check_model
 from gpunb.runtime.saving import Checkpointer, resume
 from gpunb.runtime.schedule import build_schedule
 from gpunb.runtime.setup import setup
@@ -75,12 +76,6 @@ def run(config: TrainConfig, context, model, train_data, val_data=None, *, optim
         raise  # the teardown never replaces this error (or KeyboardInterrupt)
     teardown(failed=False)
     return result
-
-
-def check_model(model) -> None:
-    if not isinstance(model, torch.nn.Module):
-        raise GpunbError(f"`model` must be a torch.nn.Module, got a {type(model).__name__}.",
-                         "pass the module itself, e.g. `model = nn.Sequential(...)`.")
 
 
 @dataclass

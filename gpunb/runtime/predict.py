@@ -92,7 +92,7 @@ class _Job:
 
     def __init__(self, model, data, config: TrainConfig):
         __tracebackhide__ = True  # noqa: F841
-        from gpunb.runtime.loop import check_model
+        from gpunb.runtime.roles import check_model
 
         check_model(model)
         if config.batch_size == "auto":
