@@ -133,9 +133,9 @@ class RunWriter:
             if fields:
                 registry.update(self.run_id, **fields)
                 fields = {}
-            while rows:
-                registry.add_metrics(self.run_id, *rows[0])
-                rows.pop(0)
+            if rows:
+                registry.add_points(self.run_id, rows)  # one transaction for the second's logs
+                rows = []
             if finish is not None:
                 registry.finish(self.run_id, **finish)
                 self.finished.set()
