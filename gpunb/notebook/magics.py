@@ -141,7 +141,8 @@ def _config(args):
     from gpunb.config import TrainConfig
     from gpunb.config_flags import config_values
 
-    return TrainConfig(**config_values(args))
+    with usage_errors(args):  # also when called alone
+        return TrainConfig(**config_values(args))
 
 
 def _remember(config, found, args, result) -> None:
