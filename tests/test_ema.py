@@ -9,8 +9,8 @@ from torch import nn
 from gpunb import Trainer, TrainConfig
 from gpunb.demo import digits_cnn, digits_data
 from gpunb.errors import GpunbError
-from gpunb.runtime import checkpoint as ckpt
-from gpunb.runtime.ema import WeightEma
+from gpunb.runtime.state import checkpoint_files as ckpt
+from gpunb.runtime.step.ema import WeightEma
 
 
 def fit(model, data, val=None, **options):
@@ -181,7 +181,7 @@ def test_ddp_ranks_average_alike_and_send_the_average_back():
 
 
 def test_an_fp16_step_the_loss_scaler_skips_does_not_move_the_average():
-    from gpunb.runtime.precision import Precision
+    from gpunb.runtime.step.precision import Precision
 
     model = nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -15,41 +15,41 @@ from torch.utils.data import DataLoader
 
 from gpunb.config import TrainConfig
 from gpunb.errors import GpunbError
-from gpunb.runtime import checkpoint as ckpt
-from gpunb.runtime import continuing
+from gpunb.runtime.state import checkpoint_files as ckpt
+from gpunb.runtime.state import continuing
 from gpunb.runtime import device as devices
-from gpunb.runtime import validation
-from gpunb.runtime.batch_size import find_batch_size
-from gpunb.runtime.best import BestCheckpoints
-from gpunb.runtime.compiling import Compilation
-from gpunb.runtime.data import build_feed, closing, with_batch_size
-from gpunb.runtime.ema import WeightEma
+from gpunb.runtime.validation import passes as validation
+from gpunb.runtime.probes.batch_size import find_batch_size
+from gpunb.runtime.state.best_k import BestCheckpoints
+from gpunb.runtime.step.compiling import Compilation
+from gpunb.runtime.feed.feeds import build_feed, closing, with_batch_size
+from gpunb.runtime.step.ema import WeightEma
 from gpunb.runtime.epoch import EpochSteps, Timer
 from gpunb.runtime.eta import EtaClock
 from gpunb.runtime.events import Callbacks, FitState
 from gpunb.runtime.interrupt import InterruptFlag
-from gpunb.runtime.monitor import monitor_of, validation_names
-from gpunb.runtime.nan_guard import StepLosses
-from gpunb.runtime.objective import Objective
-from gpunb.runtime.peak_flops import device_peak_tflops
-from gpunb.runtime.precision import Precision
-from gpunb.runtime.preflight import preflight
+from gpunb.runtime.validation.monitor import monitor_of, validation_names
+from gpunb.runtime.state.nan_guard import StepLosses
+from gpunb.runtime.step.objective import Objective
+from gpunb.runtime.probes.peak_flops import device_peak_tflops
+from gpunb.runtime.step.precision import Precision
+from gpunb.runtime.probes.preflight import preflight
 from gpunb.runtime.result import TrainResult, epoch_mean_loss, last_epoch_train_loss
-from gpunb.runtime.saving import Checkpointer, resume
-from gpunb.runtime.schedule import build_schedule
+from gpunb.runtime.state.checkpointer import Checkpointer, resume
+from gpunb.runtime.step.schedule import build_schedule
 from gpunb.runtime.setup import setup
-from gpunb.runtime.step import Stepper
-from gpunb.runtime.summary import RunSummary, summarize
+from gpunb.runtime.step.stepper import Stepper
+from gpunb.runtime.probes.summary import RunSummary, summarize
 from gpunb.runtime.teardown import Teardown
-from gpunb.runtime.wrap import wrap_model
+from gpunb.runtime.step.wrap import wrap_model
 
 
 def run(config: TrainConfig, context, model, train_data, val_data=None, *, optimizer=None, scheduler=None,
         loss_fn=None, step=None, metrics=None, callbacks=(), continue_from=None) -> TrainResult:
     """Train `model` in this process; returns a TrainResult. The model is trained in place.
 
-    `scheduler`: see runtime/schedule.py; `continue_from`: a TrainResult to go on from
-    (runtime/continuing.py).
+    `scheduler`: see runtime/step/schedule.py; `continue_from`: a TrainResult to go on from
+    (runtime/state/continuing.py).
 
     `context` says where this process stands: `LocalContext()` alone, or one rank of a
     process group (gpunb.distributed.context). `callbacks` are all the callbacks the run

@@ -27,8 +27,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from gpunb.runtime.inputs import batch_tensors, map_tensors, move_batch
-from gpunb.runtime.producer import Producer
+from gpunb.runtime.feed.inputs import batch_tensors, map_tensors, move_batch
+from gpunb.runtime.feed.producer import Producer
 
 
 class CudaPrefetcher:

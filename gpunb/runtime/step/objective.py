@@ -26,9 +26,9 @@ from typing import Any, Callable
 import torch
 
 from gpunb.errors import GpunbError
-from gpunb.runtime.inputs import batch_size_of, is_mapping
+from gpunb.runtime.feed.inputs import batch_size_of, is_mapping
 from gpunb.runtime.matching import target_of
-from gpunb.runtime.metrics import (COUNTED, IGNORE_INDEX, StatefulMetrics, accuracy, accuracy_counts,
+from gpunb.runtime.step.metrics import (COUNTED, IGNORE_INDEX, StatefulMetrics, accuracy, accuracy_counts,
                                    is_stateful, shifts_labels, stateful_name)
 
 
@@ -298,7 +298,7 @@ def _forward_never_ran(error: TypeError) -> bool:
     while tb.tb_next is not None:
         tb = tb.tb_next
     filename = tb.tb_frame.f_code.co_filename.replace("\\", "/")
-    return filename.endswith(("torch/nn/modules/module.py", "gpunb/runtime/objective.py"))
+    return filename.endswith(("torch/nn/modules/module.py", "gpunb/runtime/step/objective.py"))
 
 
 def _step_loss(returned) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """One pass of validation: the loss and metrics over a feed, every sample counted once.
 
-fit validates with it (runtime/validation.py) and gpunb.evaluate calls the same
+fit validates with it (runtime/validation/passes.py) and gpunb.evaluate calls the same
 function, so a model evaluated on its own reports exactly what the run's validation did.
 
 The shares of a multi-rank run are made equal by repeating a sample at the end of some
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from gpunb.runtime.data import closing
-from gpunb.runtime.inputs import check_sliceable, slice_batch
-from gpunb.runtime.metrics import divide_counted
+from gpunb.runtime.feed.feeds import closing
+from gpunb.runtime.feed.inputs import check_sliceable, slice_batch
+from gpunb.runtime.step.metrics import divide_counted
 
 
 def validation_pass(model, feed, objective, precision, reduce_sums) -> dict:

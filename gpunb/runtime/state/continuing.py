@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from gpunb.errors import GpunbError
 from gpunb.runtime import device as devices
-from gpunb.runtime import snapshot
+from gpunb.runtime.state import rewind
 
 
 @dataclass(eq=False)
@@ -200,7 +200,7 @@ class Rollback:
 
     def __init__(self, state: ContinueState, model):
         self.state, self.model = state, model
-        self.saved = snapshot.capture(model, state.optimizer)
+        self.saved = rewind.capture(model, state.optimizer)
         self.schedule = copy.deepcopy(state.schedule.state_dict()) if state.schedule is not None else None
         ema = state.ema
         self.ema = None if ema is None else (ema.state_dict(to_cpu=True), ema.updates, ema.decay, ema.warmup)
@@ -209,7 +209,7 @@ class Rollback:
         """Put everything back; `announce`: say so (not when set-up refused the fit before it trained)."""
         state = self.state
         state.continued_by = None  # also when the failure came after the fit's result was made
-        snapshot.restore(self.saved, self.model, state.optimizer)
+        rewind.restore(self.saved, self.model, state.optimizer)
         if self.schedule is not None:
             state.schedule.load_state_dict(self.schedule)
         if self.ema is not None:

@@ -17,8 +17,8 @@ import contextlib
 import torch
 
 from gpunb.errors import GpunbError
-from gpunb.runtime.inputs import split_batch
-from gpunb.runtime.step_graph import CaptureError, StepGraph
+from gpunb.runtime.feed.inputs import split_batch
+from gpunb.runtime.step.step_graph import CaptureError, StepGraph
 
 
 _NO_CONTEXT = contextlib.nullcontext()

@@ -17,7 +17,7 @@ from __future__ import annotations
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from gpunb.errors import GpunbError
-from gpunb.runtime.optim import make_scheduler
+from gpunb.runtime.step.optimizer import make_scheduler
 
 INTERVALS = ("step", "epoch")
 _KEYS = ("scheduler", "interval", "monitor")

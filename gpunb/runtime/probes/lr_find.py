@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import torch
 
 from gpunb.errors import GpunbError
-from gpunb.runtime import snapshot
+from gpunb.runtime.state import rewind
 from gpunb.runtime.context import LocalContext
-from gpunb.runtime.data import build_feed
-from gpunb.runtime.objective import Objective
+from gpunb.runtime.feed.feeds import build_feed
+from gpunb.runtime.step.objective import Objective
 from gpunb.runtime.setup import setup
-from gpunb.runtime.step import Stepper
+from gpunb.runtime.step.stepper import Stepper
 
 SMOOTHING = 0.98  # exponential moving average of the loss, as fastai uses
 DIVERGENCE = 4.0  # stop when the smoothed loss exceeds this multiple of its minimum
@@ -59,7 +59,7 @@ def find_lr(model, train_data, *, config, optimizer=None, loss_fn=None, step=Non
     objective = Objective(loss_fn, step)
     batch_size = 64 if config.batch_size == "auto" else config.batch_size
     feed = build_feed(ready.train, batch_size=batch_size, device=device, config=config)
-    saved = snapshot.capture(model, optimizer, device)  # RNG states included: seeding below is undone too
+    saved = rewind.capture(model, optimizer, device)  # RNG states included: seeding below is undone too
     if config.seed is not None:
         torch.manual_seed(config.seed)  # the same sweep every time, as fit is the same run every time
     result = LRFinderResult()
@@ -67,7 +67,7 @@ def find_lr(model, train_data, *, config, optimizer=None, loss_fn=None, step=Non
         stepper = Stepper(model, optimizer, objective, ready.precision, None, config.replace(grad_accum=1))
         _sweep(model, stepper, feed, result, min_lr, max_lr, steps)
     finally:
-        snapshot.restore(saved, model, optimizer, device)
+        rewind.restore(saved, model, optimizer, device)
     result.suggestion = _steepest(result.lrs, result.losses)
     return result
 

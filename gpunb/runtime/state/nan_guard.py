@@ -124,7 +124,7 @@ def _where_the_weights_are(state, restored: tuple[int, str] | None, unreadable: 
 def restore_last_good(state, dist, model, optimizer) -> tuple[tuple[int, str] | None, list[str]]:
     """Load the newest readable checkpoint of this run (or the one it resumed from) into the model
     and optimizer. Returns (its step and path, or None) and the newer ones that could not be read."""
-    from gpunb.runtime.checkpoint import load_checkpoint
+    from gpunb.runtime.state.checkpoint_files import load_checkpoint
 
     if state.rank != 0 or getattr(dist, "strategy", "ddp") == "fsdp":
         return None, []  # FSDP would need every rank to take part; rank 0's weights are what is returned
@@ -147,7 +147,7 @@ def restore_last_good(state, dist, model, optimizer) -> tuple[tuple[int, str] | 
 
 def _good_checkpoints(state) -> list[str]:
     """This run's checkpoints, newest first (none is written after a bad loss), then the one it resumed."""
-    from gpunb.runtime.checkpoint import run_checkpoints, run_directory
+    from gpunb.runtime.state.checkpoint_files import run_checkpoints, run_directory
 
     found = [state.checkpoint_path] if state.checkpoint_path else []
     if state.checkpoint_run is not None and state.config.checkpoint_dir:

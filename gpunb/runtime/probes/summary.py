@@ -17,10 +17,10 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from gpunb.runtime.augment import apply_transforms
-from gpunb.runtime.batch_size import count_flops
-from gpunb.runtime.inputs import batch_size_of, first_batch, is_mapping, map_tensors
-from gpunb.runtime.preflight import Untouched
+from gpunb.runtime.feed.augmenter import apply_transforms
+from gpunb.runtime.probes.batch_size import count_flops
+from gpunb.runtime.feed.inputs import batch_size_of, first_batch, is_mapping, map_tensors
+from gpunb.runtime.probes.preflight import Untouched
 
 # Tensors of a parameter's size each optimizer keeps per parameter (None: it depends).
 _STATES = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adadelta": 2, "Rprop": 2,
@@ -126,9 +126,9 @@ def dry_run(config, context, model, train_data, val_data=None, *, optimizer=None
     (an "auto" probe restores everything it touches), one forward + backward, undone.
     No optimizer step, no checkpoint, no run in the registry; the model is moved to the device."""
     __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
-    from gpunb.runtime.batch_size import find_batch_size
-    from gpunb.runtime.objective import Objective
-    from gpunb.runtime.preflight import preflight
+    from gpunb.runtime.probes.batch_size import find_batch_size
+    from gpunb.runtime.step.objective import Objective
+    from gpunb.runtime.probes.preflight import preflight
     from gpunb.runtime.setup import setup
 
     objective = Objective(loss_fn, step, metrics)

@@ -148,7 +148,7 @@ def find_checkpoint(resume, checkpoint_dir) -> Path:
     """The file `resume` points at: True/"last" is the newest in checkpoint_dir (any run);
     "best" the best checkpoint of the newest run that kept best ones (best.py)."""
     if resume == "best":
-        from gpunb.runtime.best import find_best
+        from gpunb.runtime.state.best_k import find_best
 
         return find_best(checkpoint_dir)
     if resume in (True, "last"):

@@ -21,9 +21,9 @@ from torch.utils.data import DataLoader
 
 from gpunb.errors import GpunbError
 from gpunb.runtime import device as devices
-from gpunb.runtime import explain
-from gpunb.runtime.augment import apply_transforms
-from gpunb.runtime.inputs import data_length, first_batch, is_mapping
+from gpunb.runtime.probes import explain
+from gpunb.runtime.feed.augmenter import apply_transforms
+from gpunb.runtime.feed.inputs import data_length, first_batch, is_mapping
 
 AUTO_PROBE = 8  # samples in the checked batch under batch_size="auto" (the probe's first size)
 

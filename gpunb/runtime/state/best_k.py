@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from gpunb.errors import GpunbError
-from gpunb.runtime import checkpoint as ckpt
-from gpunb.runtime.monitor import Monitor
+from gpunb.runtime.state import checkpoint_files as ckpt
+from gpunb.runtime.validation.monitor import Monitor
 
 INDEX = "best.json"
 _NAME = re.compile(r"^best-step-(\d{9})\.pt$")

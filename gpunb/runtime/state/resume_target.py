@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpunb.errors import GpunbError
-from gpunb.runtime import checkpoint as ckpt
-from gpunb.runtime.run_lock import RunLock, describe, owner_of
+from gpunb.runtime.state import checkpoint_files as ckpt
+from gpunb.runtime.state.run_lock import RunLock, describe, owner_of
 
 
 def refuse_live_pick(config, path: Path) -> None:

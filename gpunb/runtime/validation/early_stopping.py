@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpunb.runtime.monitor import Monitor
+from gpunb.runtime.validation.monitor import Monitor
 
 
 class EarlyStopping:

@@ -131,7 +131,7 @@ def how_batch_was_read(batch, loss_fn) -> str:
         return "gpunb called `model(batch)`."
     if loss_fn is None or len(batch) < 2:
         return f"gpunb called `model(*batch)` with {len(batch)} item{'s' * (len(batch) != 1)}."
-    from gpunb.runtime.preflight import describe_batch
+    from gpunb.runtime.probes.preflight import describe_batch
 
     inputs = ", ".join(f"batch[{i}]" for i in range(len(batch) - 1))
     last = len(batch) - 1
@@ -172,6 +172,6 @@ def layer_hint(name: str, layer, args) -> str:
 
 
 def describe_args(args) -> str:
-    from gpunb.runtime.preflight import describe_batch
+    from gpunb.runtime.probes.preflight import describe_batch
 
     return describe_batch(tuple(args)) if len(args) != 1 else describe_batch(args[0])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 
-from gpunb.runtime.evaluation import validation_pass
+from gpunb.runtime.validation.sums import validation_pass
 
 
 def every_steps(run) -> int | None:

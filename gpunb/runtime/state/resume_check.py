@@ -228,7 +228,7 @@ def _check_fixed_length(run, saved: dict, path) -> None:
 
 def stretch_schedule(run, payload: dict) -> str | None:
     """After loading: a cosine schedule restored for another run length decays over the new one."""
-    from gpunb.runtime.continuing import stretch_cosine
+    from gpunb.runtime.state.continuing import stretch_cosine
 
     schedule, old, new = run.stepper.schedule, saved_total_steps(payload), run.state.total_steps
     if schedule is None or schedule.builtin != "cosine" or payload.get("scheduler") is None or old in (None, new):

@@ -25,11 +25,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from gpunb.errors import GpunbError
-from gpunb.runtime import snapshot
-from gpunb.runtime.data import with_batch_size
-from gpunb.runtime.inputs import data_length, first_batch
-from gpunb.runtime.precision import Precision
-from gpunb.runtime.step import Stepper
+from gpunb.runtime.state import rewind
+from gpunb.runtime.feed.feeds import with_batch_size
+from gpunb.runtime.feed.inputs import data_length, first_batch
+from gpunb.runtime.step.precision import Precision
+from gpunb.runtime.step.stepper import Stepper
 
 MEMORY_MARGIN = 0.85  # a candidate may use at most this share of GPU memory
 START, CPU_CAP, GPU_CAP = 8, 1024, 65536
@@ -51,14 +51,14 @@ def find_batch_size(model, optimizer, objective, precision, data, device, config
     cap = _largest_candidate(min(CPU_CAP if device.type == "cpu" else GPU_CAP,
                                  max(1, n // MIN_STEPS_PER_EPOCH)))
     probe = _Probe(model, optimizer, objective, Precision(precision.name, device), data, device, config)
-    saved = snapshot.capture(model, optimizer, device)
+    saved = rewind.capture(model, optimizer, device)
     try:
         if device.type == "cpu":
             size, reason = _by_flops(probe, cap)
         else:
             size, reason = _by_throughput(probe, cap)
     finally:
-        snapshot.restore(saved, model, optimizer, device)
+        rewind.restore(saved, model, optimizer, device)
     config.extras["batch_probe"] = probe.records
     config.extras["batch_size_reason"] = reason
     return size

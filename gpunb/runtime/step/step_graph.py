@@ -35,7 +35,7 @@ import warnings
 import torch
 from torch.utils import _pytree as pytree
 
-from gpunb.runtime.inputs import is_mapping
+from gpunb.runtime.feed.inputs import is_mapping
 
 WARMUP_PASSES = 2
 

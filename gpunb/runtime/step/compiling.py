@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpunb.runtime import step_graph
+from gpunb.runtime.step import step_graph
 
 WARMUP_STEPS = 5  # eager steps before timing: allocator growth, cuDNN autotuning, lazy inits
 TIMED_STEPS = 8  # steps timed one by one, eager and then compiled
