@@ -14,7 +14,8 @@ import os
 
 from gpunb.config import TrainConfig, make_config
 from gpunb.runtime.context import LocalContext
-from gpunb.runtime.loop import check_model, run
+from gpunb.runtime.loop import run
+from gpunb.runtime.roles import check_model
 from gpunb.runtime.result import TrainResult
 
 

@@ -139,7 +139,7 @@ def damage(path, change):
     ("numpy", lambda rng: rng.update(numpy_meta=["PCG64", 0, 0, 0.0])),
 ], ids=["torch-truncated", "torch-float", "python-short", "numpy-short", "numpy-other-kind"])
 def test_a_damaged_rng_state_is_refused_before_the_weights_are_touched(tmp_path, part, change):
-    from gpunb.runtime.state.checkpoint_files import find_checkpoint
+    from gpunb.runtime.state.resume_target import find_checkpoint
 
     x, y = classification_data(n=96)
     fit(dropout_mlp(), (x, y), epochs=1, checkpoint_dir=tmp_path)
@@ -163,7 +163,7 @@ def test_a_resume_with_fewer_batches_an_epoch_warns_that_epochs_no_longer_line_u
 
 
 def test_a_damaged_weight_average_is_refused_before_the_weights_are_touched(tmp_path):
-    from gpunb.runtime.state.checkpoint_files import find_checkpoint
+    from gpunb.runtime.state.resume_target import find_checkpoint
 
     x, y = classification_data(n=96)
     fit(dropout_mlp(), (x, y), epochs=1, ema=0.9, checkpoint_dir=tmp_path)

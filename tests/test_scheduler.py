@@ -292,7 +292,7 @@ def test_a_one_cycle_factory_resumed_for_more_epochs_is_refused_before_anything_
 def test_a_scheduler_state_of_another_class_is_refused(tmp_path, old_file):
     fit(mlp(), lambda opt, n: StepLR(opt, step_size=3), checkpoint_dir=tmp_path)
     if old_file:  # written before checkpoints named the scheduler's class
-        from gpunb.runtime.state.checkpoint_files import find_checkpoint
+        from gpunb.runtime.state.resume_target import find_checkpoint
 
         path = find_checkpoint("last", tmp_path)
         payload = torch.load(path, weights_only=True)

@@ -149,7 +149,8 @@ def _profile_training(train, steps, warmup, save, device) -> ProfileResult:
     from gpunb.config import TrainConfig, make_config
     from gpunb.runtime.state import rewind
     from gpunb.runtime.context import LocalContext
-    from gpunb.runtime.loop import check_model, run
+    from gpunb.runtime.loop import run
+    from gpunb.runtime.roles import check_model
 
     if not isinstance(train, dict):
         raise GpunbError(f"train= must be a dict, got a {type(train).__name__}.",

@@ -14,8 +14,6 @@ import torch
 from torch.utils.data import DataLoader
 
 from gpunb.config import TrainConfig
-from gpunb.errors import GpunbError
-from gpunb.runtime.state import checkpoint_files as ckpt
 from gpunb.runtime.state import continuing
 from gpunb.runtime import device as devices
 from gpunb.runtime.validation import passes as validation
@@ -30,10 +28,12 @@ from gpunb.runtime.events import Callbacks, FitState
 from gpunb.runtime.interrupt import InterruptFlag
 from gpunb.runtime.validation.monitor import monitor_of, validation_names
 from gpunb.runtime.state.nan_guard import StepLosses
+from gpunb.runtime.state.resume_target import find_checkpoint
 from gpunb.runtime.step.objective import Objective
 from gpunb.runtime.probes.peak_flops import device_peak_tflops
 from gpunb.runtime.step.precision import Precision
 from gpunb.runtime.probes.preflight import preflight
+from gpunb.runtime.roles import check_model
 from gpunb.runtime.result import TrainResult, epoch_mean_loss, last_epoch_train_loss
 from gpunb.runtime.state.checkpointer import Checkpointer, resume
 from gpunb.runtime.step.schedule import build_schedule
@@ -75,12 +75,6 @@ def run(config: TrainConfig, context, model, train_data, val_data=None, *, optim
         raise  # the teardown never replaces this error (or KeyboardInterrupt)
     teardown(failed=False)
     return result
-
-
-def check_model(model) -> None:
-    if not isinstance(model, torch.nn.Module):
-        raise GpunbError(f"`model` must be a torch.nn.Module, got a {type(model).__name__}.",
-                         "pass the module itself, e.g. `model = nn.Sequential(...)`.")
 
 
 @dataclass
@@ -190,7 +184,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
         run.continued = carried
         continuing.restore(run, carried)
     if config.resume:
-        resume(run, ckpt.find_checkpoint(config.resume, config.checkpoint_dir))
+        resume(run, find_checkpoint(config.resume, config.checkpoint_dir))
     return run
 
 

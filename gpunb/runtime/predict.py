@@ -28,6 +28,7 @@ from gpunb.runtime.step.metrics import divide_counted
 from gpunb.runtime.step.objective import Objective, model_inputs
 from gpunb.runtime.step.precision import Precision, resolve_precision
 from gpunb.runtime.probes.preflight import cast_floats, model_dtype
+from gpunb.runtime.roles import check_model
 
 DEFAULT_BATCH = 256  # inference keeps no activations for backward: larger batches than training fit
 
@@ -92,8 +93,6 @@ class _Job:
 
     def __init__(self, model, data, config: TrainConfig):
         __tracebackhide__ = True  # noqa: F841
-        from gpunb.runtime.loop import check_model
-
         check_model(model)
         if config.batch_size == "auto":
             raise GpunbError("predict and evaluate take a fixed batch size, not 'auto'.",

@@ -12,6 +12,7 @@ import torch
 
 from gpunb.errors import GpunbError
 from gpunb.runtime import matching
+from gpunb.runtime.feed.inputs import is_mapping
 
 RAGGED = "stack expects each tensor to be equal size"
 
@@ -131,8 +132,6 @@ def how_batch_was_read(batch, loss_fn) -> str:
         return "gpunb called `model(batch)`."
     if loss_fn is None or len(batch) < 2:
         return f"gpunb called `model(*batch)` with {len(batch)} item{'s' * (len(batch) != 1)}."
-    from gpunb.runtime.probes.preflight import describe_batch
-
     inputs = ", ".join(f"batch[{i}]" for i in range(len(batch) - 1))
     last = len(batch) - 1
     return (f"gpunb called `model({inputs})` and `loss_fn(output, batch[{last}])`: with `loss_fn`, the "
@@ -172,6 +171,20 @@ def layer_hint(name: str, layer, args) -> str:
 
 
 def describe_args(args) -> str:
-    from gpunb.runtime.probes.preflight import describe_batch
-
     return describe_batch(tuple(args)) if len(args) != 1 else describe_batch(args[0])
+
+
+def describe_batch(batch) -> str:
+    """`x float32 (8, 5), y int64 (8,)`-style: what each tensor of the batch is."""
+    if isinstance(batch, torch.Tensor):
+        return f"{dtype_name(batch.dtype)} {tuple(batch.shape)}"
+    if is_mapping(batch):
+        return "{" + ", ".join(f"{k!r}: {describe_batch(v)}" for k, v in batch.items()) + "}"
+    if isinstance(batch, (list, tuple)):
+        return "(" + ", ".join(describe_batch(v) for v in batch) + ")"
+    return type(batch).__name__
+
+
+def dtype_name(dtype, qualified: bool = False) -> str:
+    name = str(dtype).replace("torch.", "")
+    return f"torch.{name}" if qualified else name

@@ -21,9 +21,10 @@ from torch.utils.data import DataLoader
 
 from gpunb.errors import GpunbError
 from gpunb.runtime import device as devices
-from gpunb.runtime.probes import explain
 from gpunb.runtime.feed.augmenter import apply_transforms
 from gpunb.runtime.feed.inputs import data_length, first_batch, is_mapping
+from gpunb.runtime.probes import explain
+from gpunb.runtime.probes.explain import dtype_name
 
 AUTO_PROBE = 8  # samples in the checked batch under batch_size="auto" (the probe's first size)
 
@@ -83,8 +84,8 @@ def cast_floats(data, dtype, what: str):
     wide = [i for i, t in enumerate(data) if t.dtype == torch.float64]
     if not wide:
         return data
-    warnings.warn(f"{what} holds float64 tensors; gpunb casts them to {_name(dtype)}, the model's "
-                  f"dtype (a copy). Pass {_name(dtype)} data to skip the copy, e.g. "
+    warnings.warn(f"{what} holds float64 tensors; gpunb casts them to {dtype_name(dtype)}, the model's "
+                  f"dtype (a copy). Pass {dtype_name(dtype)} data to skip the copy, e.g. "
                   "`x.astype('float32')` or `torch.as_tensor(x, dtype=torch.float32)`.",
                   UserWarning, stacklevel=2)
     return tuple(t.to(dtype) if i in wide else t for i, t in enumerate(data))
@@ -98,7 +99,7 @@ def cast_class_labels(data, loss_fn, what: str):
     labels = data[-1]
     if labels.is_floating_point() or labels.dtype in (torch.int64, torch.uint8, torch.bool):
         return data
-    warnings.warn(f"The labels of {what} are {_name(labels.dtype)}, and {_loss_name(loss_fn)} takes int64: "
+    warnings.warn(f"The labels of {what} are {dtype_name(labels.dtype)}, and {_loss_name(loss_fn)} takes int64: "
                   "gpunb casts them (a copy). Pass int64 labels (`y.long()`) to skip the copy.",
                   UserWarning, stacklevel=2)
     return (*data[:-1], labels.long())
@@ -154,7 +155,7 @@ def _explain_failure(error, batch, model, objective, what, layer) -> None:
     __tracebackhide__ = True  # noqa: F841
     hint = diagnose(error, batch, model, objective.loss_fn)
     found = (f"{explain.how_batch_was_read(batch, objective.loss_fn)}\n"
-             f"The batch: {describe_batch(batch)}. The model expects: {describe_model(model)}.")
+             f"The batch: {explain.describe_batch(batch)}. The model expects: {describe_model(model)}.")
     if layer is not None:
         name, module, args = layer
         found = f"It failed in `{name}` ({type(module).__name__}), given {explain.describe_args(args)}.\n{found}"
@@ -181,20 +182,20 @@ def diagnose(error: Exception, batch, model, loss_fn) -> str | None:
     if floats and dtype is not None and any(t.dtype != dtype for t in floats) and (
             "dtype" in text or "scalar type" in text or "Double" in text):
         wrong = next(t.dtype for t in floats if t.dtype != dtype)
-        return (f"the inputs are {_name(wrong)} and the model's weights {_name(dtype)}: cast the "
-                f"inputs, e.g. return `x.float()` from the Dataset (or `model.to({_name(dtype, True)})`"
+        return (f"the inputs are {dtype_name(wrong)} and the model's weights {dtype_name(dtype)}: cast the "
+                f"inputs, e.g. return `x.float()` from the Dataset (or `model.to({dtype_name(dtype, True)})`"
                 " the other way round).")
     if _is_class_loss(loss_fn) and isinstance(target, torch.Tensor):
         if target.is_floating_point() and (target.ndim == 1 or (target.ndim == 2 and target.shape[1] == 1)):
             fix = "`y.squeeze(1).long()`" if target.ndim == 2 else "`y.long()`"
             return (f"{type(loss_fn).__name__} takes integer class labels (int64), and the labels "
-                    f"are {_name(target.dtype)} of shape {tuple(target.shape)}: use {fix}.")
+                    f"are {dtype_name(target.dtype)} of shape {tuple(target.shape)}: use {fix}.")
         if target.ndim == 2 and target.shape[1] == 1:
             return (f"{type(loss_fn).__name__} takes labels of shape (N,), and these are "
                     f"{tuple(target.shape)}: use `y.squeeze(1)` (or `y.view(-1)`).")
         if not target.is_floating_point() and target.dtype not in (torch.int64, torch.uint8, torch.bool):
             return (f"{type(loss_fn).__name__} takes int64 class labels, and the labels are "
-                    f"{_name(target.dtype)}: use `y.long()` (e.g. return `torch.tensor(label)` or "
+                    f"{dtype_name(target.dtype)}: use `y.long()` (e.g. return `torch.tensor(label)` or "
                     "`label.long()` from the Dataset).")
     return _shape_hint(model, inputs)
 
@@ -206,7 +207,7 @@ def _shape_hint(model, inputs) -> str | None:
     x = inputs[0]
     if isinstance(first, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and x.is_floating_point():
         return (f"the model starts with an {type(first).__name__}, which takes integer indices, and the "
-                f"inputs are {_name(x.dtype)}: use `x.long()`.")
+                f"inputs are {dtype_name(x.dtype)}: use `x.long()`.")
     if isinstance(first, torch.nn.Linear):
         per_sample = x[0].numel() if x.ndim > 1 else 1
         if x.ndim and x.shape[-1] != first.in_features and per_sample != first.in_features:
@@ -245,21 +246,10 @@ def _inputs_and_target(batch, loss_fn):
     return tensors, None
 
 
-def describe_batch(batch) -> str:
-    """`x float32 (8, 5), y int64 (8,)`-style: what each tensor of the batch is."""
-    if isinstance(batch, torch.Tensor):
-        return f"{_name(batch.dtype)} {tuple(batch.shape)}"
-    if is_mapping(batch):
-        return "{" + ", ".join(f"{k!r}: {describe_batch(v)}" for k, v in batch.items()) + "}"
-    if isinstance(batch, (list, tuple)):
-        return "(" + ", ".join(describe_batch(v) for v in batch) + ")"
-    return type(batch).__name__
-
-
 def describe_model(model) -> str:
     first = next((m for m in model.modules() if isinstance(m, _FIRST_LAYERS)), None)
     dtype = model_dtype(model)
-    weights = f"{_name(dtype)} weights" if dtype is not None else "no floating weights"
+    weights = f"{dtype_name(dtype)} weights" if dtype is not None else "no floating weights"
     if isinstance(first, torch.nn.Linear):
         return f"first layer Linear(in_features={first.in_features}), {weights}"
     if isinstance(first, torch.nn.modules.conv._ConvNd):
@@ -289,11 +279,6 @@ class Untouched:
             module.training = training
         devices.set_rng_state(self.rng, self.device)
         return False
-
-
-def _name(dtype, qualified: bool = False) -> str:
-    name = str(dtype).replace("torch.", "")
-    return f"torch.{name}" if qualified else name
 
 
 def _first_line(error: Exception) -> str:

@@ -144,32 +144,6 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     return sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
 
 
-def find_checkpoint(resume, checkpoint_dir) -> Path:
-    """The file `resume` points at: True/"last" is the newest in checkpoint_dir (any run);
-    "best" the best checkpoint of the newest run that kept best ones (best.py)."""
-    if resume == "best":
-        from gpunb.runtime.state.best_k import find_best
-
-        return find_best(checkpoint_dir)
-    if resume in (True, "last"):
-        found = list_checkpoints(checkpoint_dir)
-        if not found:
-            raise GpunbError(f"resume='last' found no checkpoint in {checkpoint_dir!s}.",
-                             "train once with `checkpoint_dir` set, or drop `resume` to start fresh.")
-        return found[-1]
-    path = Path(resume)
-    if path.is_dir():
-        found = list_checkpoints(path)
-        if not found:
-            raise GpunbError(f"No checkpoint (step-*.pt) in the directory {path!s}.",
-                             "point `resume` at a checkpoint file or at a directory that has one.")
-        return found[-1]
-    if not path.exists():
-        raise GpunbError(f"The checkpoint {path!s} does not exist.",
-                         "check the path, or use `resume='last'` with `checkpoint_dir`.")
-    return path
-
-
 def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     """Read a gpunb checkpoint; a corrupt or foreign file is a GpunbError that says so."""
     try:

@@ -1,4 +1,4 @@
-"""Which run directory a resumed run writes its checkpoints into.
+"""Which checkpoint a resumed run starts from (`resume=`), and which run directory it writes into.
 
 A resumed run goes on in the directory of the checkpoint it resumed when that checkpoint
 is the directory's newest (nothing after it to lose) and no live run holds the
@@ -15,7 +15,32 @@ from pathlib import Path
 
 from gpunb.errors import GpunbError
 from gpunb.runtime.state import checkpoint_files as ckpt
+from gpunb.runtime.state.best_k import find_best
 from gpunb.runtime.state.run_lock import RunLock, describe, owner_of
+
+
+def find_checkpoint(resume, checkpoint_dir) -> Path:
+    """The file `resume` points at: True/"last" is the newest in checkpoint_dir (any run);
+    "best" the best checkpoint of the newest run that kept best ones (best_k.py)."""
+    if resume == "best":
+        return find_best(checkpoint_dir)
+    if resume in (True, "last"):
+        found = ckpt.list_checkpoints(checkpoint_dir)
+        if not found:
+            raise GpunbError(f"resume='last' found no checkpoint in {checkpoint_dir!s}.",
+                             "train once with `checkpoint_dir` set, or drop `resume` to start fresh.")
+        return found[-1]
+    path = Path(resume)
+    if path.is_dir():
+        found = ckpt.list_checkpoints(path)
+        if not found:
+            raise GpunbError(f"No checkpoint (step-*.pt) in the directory {path!s}.",
+                             "point `resume` at a checkpoint file or at a directory that has one.")
+        return found[-1]
+    if not path.exists():
+        raise GpunbError(f"The checkpoint {path!s} does not exist.",
+                         "check the path, or use `resume='last'` with `checkpoint_dir`.")
+    return path
 
 
 def refuse_live_pick(config, path: Path) -> None:
