@@ -82,10 +82,9 @@ class CudaPrefetcher:
     def gather(self, tensors, rows: torch.Tensor) -> tuple:
         """Rows `rows` of host `tensors`, gathered straight into pinned memory. Gathering and then
         pinning would pass over the batch twice, the first time into fresh pageable memory that the
-        OS maps page by page as it is written: on a CPU, 256 images of 3 x 224 x 224 bytes took
-        11.6 ms to gather into new memory and 2.1 ms into memory already mapped, as torch's cache
-        of pinned memory hands out. That cache gives a buffer out again only once the copy from it
-        to the GPU has completed."""
+        OS maps page by page as it is written, which is several times slower than writing into
+        memory already mapped, as torch's cache of pinned memory hands out (benchmarks/RESULTS.md).
+        That cache gives a buffer out again only once the copy from it to the GPU has completed."""
         return tuple([torch.index_select(t, 0, rows, out=torch.empty((len(rows), *t.shape[1:]), dtype=t.dtype,
                                                                       pin_memory=True))
                       for t in tensors])

@@ -4,10 +4,9 @@ On a GPU a small model's step is bound by the host: the GPU waits on the Python 
 launches its kernels. Preparing the next batch (gathering it, transforming it) on a side
 stream hides the preparation's GPU time but not the host's time launching it, which the
 step then waits for. A thread launches it instead, while the loop launches the step:
-torch releases the GIL inside each op, so the two overlap. On an H100, ResNet-18 on
-uint8 images with three device transforms waited 7.1% of its wall time for data with
-the preparation in the loop's thread and 1.5% with it in a thread
-(benchmarks/RESULTS.md).
+torch releases the GIL inside each op, so the two overlap: a run with device transforms
+waits for data several times less than with the preparation in the loop's thread
+(benchmarks/RESULTS.md, "Data wait with GPU augmentation").
 
 The thread is DataLoader's pin-memory thread in shape: a bounded queue between it and
 the loop, errors raised in the loop where the batch was due, and a stop that ends it

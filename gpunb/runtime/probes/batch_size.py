@@ -35,8 +35,8 @@ MEMORY_MARGIN = 0.85  # a candidate may use at most this share of GPU memory
 START, CPU_CAP, GPU_CAP = 8, 1024, 65536
 MIN_STEPS_PER_EPOCH = 8  # never choose a batch so large that an epoch has fewer steps
 NEAR_BEST = 0.95  # on a GPU, the smallest size within 5% of the best throughput wins
-# A CPU core runs a few dozen GFLOP/s and a step has ~0.3 ms of fixed cost; at 3e8 FLOPs
-# per step that cost stays near a tenth of the step (throughput plateaus there).
+# On a CPU a step has a fixed cost besides its FLOPs; from about this much work per step
+# that cost is a small share of the step, and throughput plateaus (benchmarks/RESULTS.md).
 CPU_STEP_FLOPS = 3e8
 
 

@@ -5,9 +5,8 @@ On a launch-bound step (a small model: the GPU waits while the host issues hundr
 few-microsecond kernels) the host's work shrinks to a copy of the batch into the graph's
 input buffers and one launch, whatever the model. This is PyTorch's "whole-network
 capture"; torch.compile's "reduce-overhead" graphs the model's forward and backward only,
-and leaves the loss, the optimizer, autograd and the Python around them on the host (on
-an H100 the digits CNN's step went from 3.1 to 2.0 ms with it: the host still issued the
-rest).
+and leaves the loss, the optimizer, autograd and the Python around them on the host, which
+still issues them every step (benchmarks/RESULTS.md, "torch.compile", compares the two).
 
 What capture asks of a step, and how it is met:
 - The same work every step. A batch of other shapes (an epoch's partial last batch) runs

@@ -188,8 +188,9 @@ class Stepper:
     def clear_grads(self) -> None:
         """`optimizer.zero_grad()`: the gradients set to None (zeroed in place for CUDA graphs with
         accumulation, see use_model). torch's own method enters a profiler range on every call,
-        which on a small CPU step costs more (~9 us) than the loop over the parameters itself, so
-        an optimizer that does not override zero_grad has its gradients dropped here directly."""
+        which on a small CPU step costs several times the loop over the parameters itself
+        (benchmarks/RESULTS.md), so an optimizer that does not override zero_grad has its
+        gradients dropped here directly."""
         if self.stable_grads or self.own_zero_grad:
             self.optimizer.zero_grad(set_to_none=not self.stable_grads)
             return
