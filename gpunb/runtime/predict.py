@@ -1,7 +1,7 @@
 """predict and evaluate: a model over data, fed the way fit feeds it.
 
 The device, the precision (autocast), the batching, GPU-resident tensors and the CUDA
-prefetcher are training's own (device.select_device, precision.py, data.build_feed), with
+prefetcher are training's own (device.select_device, precision.py, feeds.build_feed), with
 validation's settings: no shuffling, no dropped batch, no train-only transforms. The model
 runs in eval mode under inference_mode, and each module's mode is put back afterwards.
 

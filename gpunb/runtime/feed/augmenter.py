@@ -82,7 +82,7 @@ def takes_generator(transform) -> bool:
 
 def transform_seed(seed: int, epoch: int, position: int) -> int:
     """The seed of one batch's transforms; apart from the seed its DataLoader worker uses
-    (worker_seed.batch_seed), so that the two never draw the same numbers."""
+    (batch_seeds.batch_seed), so that the two never draw the same numbers."""
     return (batch_seed(seed, epoch, position) * 1_000_003 + 1) % 2**63
 
 

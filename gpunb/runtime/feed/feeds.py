@@ -7,7 +7,7 @@
 
 Both draw their order from EpochOrder, so an epoch's order depends only on the seed
 and the epoch number: a resumed run sees exactly the batches it would have seen.
-Device transforms run on each batch on the device (augment.py): on CUDA ahead of the
+Device transforms run on each batch on the device (augmenter.py): on CUDA ahead of the
 step on the prefetcher's side stream, elsewhere inline. On CUDA the preparation runs in
 a thread of its own wherever it draws from no global RNG (the transforms take their
 generator, and a DataLoader's own Python runs in its workers).

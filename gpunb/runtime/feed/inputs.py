@@ -286,7 +286,7 @@ def gather_rows(tensors: tuple, rows: torch.Tensor) -> tuple:
 def first_batch(data, size: int, device):
     """A batch like training's first (its first samples), on the device, drawn without a DataLoader
     iterator so that no worker starts and no sampler moves on. It is made as the feeds make theirs
-    (data.py): tensors gathered by `gather_rows` (contiguous, as training's; a slice of a slice
+    (feeds.py): tensors gathered by `gather_rows` (contiguous, as training's; a slice of a slice
     such as `tokens[:, 1:]` is not), rows read with the dataset's `__getitems__` where it has
     one and put together by the loader's collate_fn, as a DataLoader's fetcher does."""
     if isinstance(data, tuple):  # the rows' index where the tensors are (they may be on the GPU already)

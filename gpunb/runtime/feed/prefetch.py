@@ -10,7 +10,7 @@ side stream before using it; an empty loader yields nothing.
 What "prepare" means is the caller's: by default the copy of a host batch to the GPU.
 The tensor feed also gathers the batch (rows of host tensors straight into pinned
 memory, rows of GPU-resident tensors on the side stream), and the feeds run the device
-transforms there (data.py), so augmentation is off the step's critical path too.
+transforms there (feeds.py), so augmentation is off the step's critical path too.
 Temporaries a preparation allocates are freed on the side stream, which alone used them.
 
 `in_thread` does the same preparations in a thread of their own (producer.py), so that

@@ -3,7 +3,7 @@
 Each acts on an input batch of shape (N, C, H, W) (flip also on any (N, ..., W)).
 `train_only` ones are skipped for validation data. Each takes a `generator` keyword and
 draws from it alone (from torch's global RNG when it is None): the feeds then prepare
-their batches in a thread of their own (augment.py). A transform of your own can do the
+their batches in a thread of their own (augmenter.py). A transform of your own can do the
 same by taking `generator` and passing it to every random draw.
 """
 

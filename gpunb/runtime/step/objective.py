@@ -66,7 +66,7 @@ class Objective:
     def evaluate(self, model, batch, score: bool = True) -> dict[str, torch.Tensor]:
         """Device-side sums for validation: loss and each metric, weighted by batch size;
         torchmetrics are updated with the batch (computed once the pass is over).
-        `score=False`: the forward pass alone, nothing counted (see validation.py)."""
+        `score=False`: the forward pass alone, nothing counted (see validation/sums.py)."""
         __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
         n = self.samples(batch)
         if self.loss_fn is None:

@@ -1,6 +1,6 @@
 """A monitored validation metric: its name, which way is better, and whether a run produces it.
 
-Best checkpoints (best.py) and EarlyStopping (callbacks.py) both judge "better" here.
+Best checkpoints (state/best_k.py) and EarlyStopping (early_stopping.py) both judge "better" here.
 """
 
 from __future__ import annotations
