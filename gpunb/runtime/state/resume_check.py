@@ -104,7 +104,7 @@ def optimizer_problems(optimizer: torch.optim.Optimizer, payload: dict) -> list[
 
 def state_problems(run, payload: dict) -> list[str]:
     """What would fail to load after the weights: the RNG states, the weight average (the entries
-    themselves are there: checkpoint.load_checkpoint checks)."""
+    themselves are there: checkpoint_files.load_checkpoint checks)."""
     problems = rng_problems(payload["rng"], run.state.device)
     ema = payload.get("ema")
     if run.stepper.ema is not None and ema is not None and getattr(run.dist, "strategy", None) != "fsdp":
