@@ -118,8 +118,8 @@ def gpu_busy_share(run, data, steps, batch, variant) -> tuple[float, float, str]
 def gpunb_fit(data, steps, batch, variant):
     """(data-wait share, step time in ms) of one gpunb fit of `steps` steps."""
     from gpunb import Trainer
-    from gpunb.runtime.feed import feeds
     from gpunb.runtime import loop
+    from gpunb.runtime.feed import feeds
     from gpunb.runtime.feed.prefetch import CudaPrefetcher
 
     def inline_feed(*args, **kwargs):

@@ -15,8 +15,8 @@ import os
 from gpunb.config import TrainConfig, make_config
 from gpunb.runtime.context import LocalContext
 from gpunb.runtime.loop import run
-from gpunb.runtime.roles import check_model
 from gpunb.runtime.result import TrainResult
+from gpunb.runtime.roles import check_model
 
 
 class Trainer:

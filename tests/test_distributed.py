@@ -27,8 +27,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorData
 
 from gpunb import TrainConfig, Trainer
 from gpunb.distributed import launch
-from gpunb.notebook.export import export_script
 from gpunb.errors import GpunbError
+from gpunb.notebook.export import export_script
 from gpunb.runtime.state.checkpoint_files import list_checkpoints, load_checkpoint
 
 CPU2 = dict(devices=2, accelerator="cpu", track=False)

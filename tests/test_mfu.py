@@ -13,8 +13,8 @@ from gpunb.runtime import device as devices
 from gpunb.runtime import loop
 from gpunb.runtime.events import FitState
 from gpunb.runtime.probes.peak_flops import device_peak_tflops, peak_tflops, precision_kind
-from gpunb.runtime.result import TrainResult
 from gpunb.runtime.probes.summary import RunSummary, tokens_per_sample
+from gpunb.runtime.result import TrainResult
 
 
 @pytest.mark.parametrize("name, kind, peak", [

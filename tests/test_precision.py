@@ -7,11 +7,11 @@ from torch import nn
 
 from gpunb import TrainConfig, Trainer
 from gpunb.runtime import device as devices
-from gpunb.runtime.state.checkpoint_files import load_checkpoint
 from gpunb.runtime.context import LocalContext
 from gpunb.runtime.loop import run
-from gpunb.runtime.step.precision import Precision, resolve_precision
 from gpunb.runtime.setup import setup
+from gpunb.runtime.state.checkpoint_files import load_checkpoint
+from gpunb.runtime.step.precision import Precision, resolve_precision
 
 CUDA = torch.device("cuda", 0)
 

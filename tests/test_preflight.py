@@ -185,10 +185,10 @@ def test_the_check_changes_nothing_in_training(monkeypatch):
 def test_modules_keep_their_own_mode():
     model = mlp()
     model[0].eval()  # e.g. a frozen BatchNorm the user keeps in eval mode
+    from gpunb.config import TrainConfig
+    from gpunb.runtime.probes.preflight import preflight
     from gpunb.runtime.step.objective import Objective
     from gpunb.runtime.step.precision import Precision
-    from gpunb.runtime.probes.preflight import preflight
-    from gpunb.config import TrainConfig
 
     preflight(model, classification_data(), None, Objective(nn.CrossEntropyLoss()),
               Precision("32-true", torch.device("cpu")), torch.device("cpu"), TrainConfig(batch_size=8))

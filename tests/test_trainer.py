@@ -370,9 +370,9 @@ class _CountingContext:
 
 
 def test_the_runtime_trains_with_the_context_and_only_the_callbacks_it_is_given(monkeypatch):
-    import gpunb.telemetry
     from gpunb.config import TrainConfig
     from gpunb.runtime import run
+    import gpunb.telemetry
 
     heard, made = [], []
     monkeypatch.setattr(gpunb.telemetry, "TelemetryCallback", lambda: made.append("telemetry") or object())

@@ -147,10 +147,10 @@ def summarise(recorder: Recorder, kind: str) -> ProfileResult:
 
 def _profile_training(train, steps, warmup, save, device) -> ProfileResult:
     from gpunb.config import TrainConfig, make_config
-    from gpunb.runtime.state import rewind
     from gpunb.runtime.context import LocalContext
     from gpunb.runtime.loop import run
     from gpunb.runtime.roles import check_model
+    from gpunb.runtime.state import rewind
 
     if not isinstance(train, dict):
         raise GpunbError(f"train= must be a dict, got a {type(train).__name__}.",

@@ -14,34 +14,34 @@ import torch
 from torch.utils.data import DataLoader
 
 from gpunb.config import TrainConfig
-from gpunb.runtime.state import continuing
 from gpunb.runtime import device as devices
-from gpunb.runtime.validation import passes as validation
-from gpunb.runtime.probes.batch_size import find_batch_size
-from gpunb.runtime.state.best_k import BestCheckpoints
-from gpunb.runtime.step.compiling import Compilation
-from gpunb.runtime.feed.feeds import build_feed, closing, with_batch_size
-from gpunb.runtime.step.ema import WeightEma
 from gpunb.runtime.epoch import EpochSteps, Timer
 from gpunb.runtime.eta import EtaClock
 from gpunb.runtime.events import Callbacks, FitState
+from gpunb.runtime.feed.feeds import build_feed, closing, with_batch_size
 from gpunb.runtime.interrupt import InterruptFlag
-from gpunb.runtime.validation.monitor import monitor_of, validation_names
+from gpunb.runtime.probes.batch_size import find_batch_size
+from gpunb.runtime.probes.peak_flops import device_peak_tflops
+from gpunb.runtime.probes.preflight import preflight
+from gpunb.runtime.probes.summary import RunSummary, summarize
+from gpunb.runtime.result import TrainResult, epoch_mean_loss, last_epoch_train_loss
+from gpunb.runtime.roles import check_model
+from gpunb.runtime.setup import setup
+from gpunb.runtime.state import continuing
+from gpunb.runtime.state.best_k import BestCheckpoints
+from gpunb.runtime.state.checkpointer import Checkpointer, resume
 from gpunb.runtime.state.nan_guard import StepLosses
 from gpunb.runtime.state.resume_target import find_checkpoint
+from gpunb.runtime.step.compiling import Compilation
+from gpunb.runtime.step.ema import WeightEma
 from gpunb.runtime.step.objective import Objective
-from gpunb.runtime.probes.peak_flops import device_peak_tflops
 from gpunb.runtime.step.precision import Precision
-from gpunb.runtime.probes.preflight import preflight
-from gpunb.runtime.roles import check_model
-from gpunb.runtime.result import TrainResult, epoch_mean_loss, last_epoch_train_loss
-from gpunb.runtime.state.checkpointer import Checkpointer, resume
 from gpunb.runtime.step.schedule import build_schedule
-from gpunb.runtime.setup import setup
 from gpunb.runtime.step.stepper import Stepper
-from gpunb.runtime.probes.summary import RunSummary, summarize
-from gpunb.runtime.teardown import Teardown
 from gpunb.runtime.step.wrap import wrap_model
+from gpunb.runtime.teardown import Teardown
+from gpunb.runtime.validation import passes as validation
+from gpunb.runtime.validation.monitor import monitor_of, validation_names
 
 
 def run(config: TrainConfig, context, model, train_data, val_data=None, *, optimizer=None, scheduler=None,

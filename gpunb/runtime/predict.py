@@ -22,13 +22,13 @@ from gpunb.errors import GpunbError
 from gpunb.runtime import device as devices
 from gpunb.runtime.context import LocalContext
 from gpunb.runtime.feed.feeds import build_feed, closing, rebuilt_loader
-from gpunb.runtime.validation.sums import validation_sums
 from gpunb.runtime.feed.inputs import adapt_data, data_length, is_mapping, map_tensors
+from gpunb.runtime.probes.preflight import cast_floats, model_dtype
+from gpunb.runtime.roles import check_model
 from gpunb.runtime.step.metrics import divide_counted
 from gpunb.runtime.step.objective import Objective, model_inputs
 from gpunb.runtime.step.precision import Precision, resolve_precision
-from gpunb.runtime.probes.preflight import cast_floats, model_dtype
-from gpunb.runtime.roles import check_model
+from gpunb.runtime.validation.sums import validation_sums
 
 DEFAULT_BATCH = 256  # inference keeps no activations for backward: larger batches than training fit
 

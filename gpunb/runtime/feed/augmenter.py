@@ -23,8 +23,8 @@ from contextlib import contextmanager
 import torch
 
 from gpunb.errors import GpunbError
-from gpunb.runtime.feed.inputs import is_mapping, with_values
 from gpunb.runtime.feed.batch_seeds import batch_seed
+from gpunb.runtime.feed.inputs import is_mapping, with_values
 
 
 class Augmenter:

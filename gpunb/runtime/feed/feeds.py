@@ -25,9 +25,9 @@ from torch.utils.data import (BatchSampler, DataLoader, IterableDataset, RandomS
 
 from gpunb.errors import GpunbError
 from gpunb.runtime.feed.augmenter import Augmenter
+from gpunb.runtime.feed.batch_seeds import SeededBatchSampler, SeededDataset, loader_generator
 from gpunb.runtime.feed.inputs import gather_rows, move_batch
 from gpunb.runtime.feed.prefetch import CudaPrefetcher
-from gpunb.runtime.feed.batch_seeds import SeededBatchSampler, SeededDataset, loader_generator
 from gpunb.runtime.feed.workers import SHIPPED, for_workers
 
 RESIDENT_FRACTION = 0.25  # share of free GPU memory a dataset may take to live on the GPU

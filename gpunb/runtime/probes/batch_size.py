@@ -25,9 +25,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from gpunb.errors import GpunbError
-from gpunb.runtime.state import rewind
 from gpunb.runtime.feed.feeds import with_batch_size
 from gpunb.runtime.feed.inputs import data_length, first_batch
+from gpunb.runtime.state import rewind
 from gpunb.runtime.step.precision import Precision
 from gpunb.runtime.step.stepper import Stepper
 

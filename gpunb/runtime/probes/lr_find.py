@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import torch
 
 from gpunb.errors import GpunbError
-from gpunb.runtime.state import rewind
 from gpunb.runtime.context import LocalContext
 from gpunb.runtime.feed.feeds import build_feed
-from gpunb.runtime.step.objective import Objective
 from gpunb.runtime.setup import setup
+from gpunb.runtime.state import rewind
+from gpunb.runtime.step.objective import Objective
 from gpunb.runtime.step.stepper import Stepper
 
 SMOOTHING = 0.98  # exponential moving average of the loss, as fastai uses

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from gpunb.runtime.feed.augmenter import apply_transforms
-from gpunb.runtime.probes.batch_size import count_flops
 from gpunb.runtime.feed.inputs import batch_size_of, first_batch, is_mapping, map_tensors
+from gpunb.runtime.probes.batch_size import count_flops
 from gpunb.runtime.probes.preflight import Untouched
 
 # Tensors of a parameter's size each optimizer keeps per parameter (None: it depends).
@@ -127,9 +127,9 @@ def dry_run(config, context, model, train_data, val_data=None, *, optimizer=None
     No optimizer step, no checkpoint, no run in the registry; the model is moved to the device."""
     __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
     from gpunb.runtime.probes.batch_size import find_batch_size
-    from gpunb.runtime.step.objective import Objective
     from gpunb.runtime.probes.preflight import preflight
     from gpunb.runtime.setup import setup
+    from gpunb.runtime.step.objective import Objective
 
     objective = Objective(loss_fn, step, metrics)
     ready = setup(config, context, model, train_data, val_data, optimizer)

@@ -7,10 +7,9 @@ import warnings
 from pathlib import Path
 
 from gpunb.errors import GpunbError
-from gpunb.runtime.state import checkpoint_files as ckpt
 from gpunb.runtime import device as devices
-from gpunb.runtime.state import resume_check
-from gpunb.runtime.state import resume_target
+from gpunb.runtime.state import checkpoint_files as ckpt
+from gpunb.runtime.state import resume_check, resume_target
 from gpunb.runtime.state.best_k import entry_path
 from gpunb.runtime.state.nan_guard import fail
 from gpunb.runtime.state.run_lock import RunLock
