@@ -4,7 +4,6 @@ import re
 
 import pytest
 import torch
-from conftest import classification_data, mlp
 from torch import nn
 
 from gpunb import Trainer, render

@@ -1,11 +1,9 @@
 """Your own scheduler: per step, per epoch, on a plateau; factories; checkpoints; errors; the magic."""
 
-import IPython
 import pytest
 import torch
 from conftest import classification_data, mlp
 from IPython.core.error import UsageError
-from IPython.testing.globalipapp import get_ipython
 from test_checkpoint import StopAt
 from torch import nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
