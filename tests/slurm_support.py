@@ -4,7 +4,18 @@ and MariaDB on this machine, started by `.ci/slurm/start` and stopped by `.ci/sl
 `.ci/run` starts one before the suite and exports `GPUNB_TEST_SLURM` (its state directory);
 outside CI the `slurm_cluster` fixture starts one itself when Slurm is installed and it runs
 as root, and stops it at the end of the session. Where neither can be, the Slurm tests skip
-and say why.
+and say why. The fixture sets SLURM_CONF in this process, so `sbatch`, submitit and kernels
+started afterwards find the cluster:
+
+    def test_cancel(slurm_cluster, tmp_path):
+        job = slurm_cluster.executor(tmp_path, nodes=2).submit(time.sleep, 300)
+        slurm_cluster.wait_for_state(job.job_id, "RUNNING")
+        slurm_cluster.run(["scancel", job.job_id])
+        slurm_cluster.wait_for_state(job.job_id, "CANCELLED")
+
+The tests' directory is not on a job's sys.path: a function or class defined at the top of a
+test module reaches a job only once that module is registered with
+`cloudpickle.register_pickle_by_value`, as tests/test_slurm_cluster.py does.
 """
 
 from __future__ import annotations

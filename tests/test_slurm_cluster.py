@@ -57,6 +57,13 @@ def running(cluster, job, timeout=60):
     return job
 
 
+def wait_for_file(path: Path, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"no {path} after {timeout} s"
+        time.sleep(0.1)
+
+
 def test_a_one_task_job_returns_its_result_in_its_folder(slurm_cluster, tmp_path):
     job = slurm_cluster.executor(tmp_path).submit(where_am_i)
     assert job.result() == (0, job.get_info(mode="force")["NodeList"], str(tmp_path))
@@ -90,9 +97,7 @@ def test_scontrol_requeue_runs_the_job_again_to_its_end(slurm_cluster, tmp_path)
 
 def test_a_preempted_checkpointable_job_is_requeued_and_finishes(slurm_cluster, tmp_path):
     job = slurm_cluster.executor(tmp_path).submit(Preemptible(str(tmp_path / "started")))
-    running(slurm_cluster, job)
-    while not (tmp_path / "started").exists():  # submitit's signal handler is in place
-        time.sleep(0.1)
+    wait_for_file(tmp_path / "started")  # the job runs, submitit's signal handler in place
     job._interrupt()  # what Slurm does to a preempted job: SIGTERM, then submitit's USR2
     slurm_cluster.wait_for_state(job.job_id, "COMPLETED", timeout=60)
     assert job.result() == "resumed"
@@ -111,7 +116,8 @@ def test_stop_ends_every_daemon_and_job_process(slurm_cluster, tmp_path, request
     job_id = other.run(["sbatch", "--parsable", f"--chdir={tmp_path}", "--output=/dev/null",
                         "--wrap", f"echo $$ > {job_pid}; exec sleep 300"]).strip()
     other.wait_for_state(job_id, "RUNNING")
-    while not job_pid.exists() or not job_pid.read_text().strip():
+    wait_for_file(job_pid)
+    while not job_pid.read_text().strip():
         time.sleep(0.1)
     pids["job"] = int(job_pid.read_text())
 
