@@ -50,9 +50,15 @@ class SlurmCluster:
     nodes: tuple[str, ...] = ("n1", "n2")
 
     def run(self, cmd: str | list[str], timeout: float = 60, check: bool = True) -> str:
-        """Runs a Slurm command (`"squeue -h"` or a list) against this cluster; its stdout."""
+        """Runs a Slurm command (`"squeue -h"` or a list) against this cluster; its stdout.
+
+        It runs in a scratch directory of the cluster's: an `sbatch` without `--output` or
+        `--chdir` leaves its slurm-<id>.out there, not in the checkout.
+        """
         args = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
-        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout,
+        scratch = self.state_dir / "scratch"
+        scratch.mkdir(exist_ok=True)
+        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=scratch,
                               env={**os.environ, **self.env})
         if check and done.returncode:
             raise RuntimeError(f"{' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")

@@ -77,6 +77,12 @@ def test_a_two_node_job_runs_one_task_on_each_node(slurm_cluster, tmp_path):
     assert job.get_info(mode="force")["NodeList"] == "n[1-2]"
 
 
+def test_a_plain_sbatch_writes_its_output_beside_the_cluster_not_in_the_checkout(slurm_cluster):
+    job_id = slurm_cluster.run(["sbatch", "--parsable", "--wrap", "echo hello from $SLURM_JOB_ID"]).strip()
+    slurm_cluster.wait_for_state(job_id, "COMPLETED", timeout=30)
+    assert (slurm_cluster.state_dir / "scratch" / f"slurm-{job_id}.out").read_text() == f"hello from {job_id}\n"
+
+
 def test_a_cancelled_job_is_reported_cancelled(slurm_cluster, tmp_path):
     job = running(slurm_cluster, slurm_cluster.executor(tmp_path).submit(time.sleep, 300))
     slurm_cluster.run(["scancel", job.job_id])
