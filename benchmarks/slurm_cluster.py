@@ -69,10 +69,6 @@ def timed(function, *args):
 
 
 def one_round(folder: Path) -> dict[str, float]:
-    import submitit
-
-    # Job ids start at 1 on each new cluster: forget the states submitit cached for the last's.
-    submitit.SlurmJob.watcher.clear()
     state_dir = Path(tempfile.mkdtemp(prefix="gpunb-slurm-"))
     begin = time.perf_counter()
     done = subprocess.run([str(slurm_support.SCRIPTS / "start"), "--no-install", str(state_dir)],
