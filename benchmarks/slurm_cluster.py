@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import cloudpickle  # noqa: E402
-import slurm_support  # noqa: E402
+import cloudpickle
+import slurm_support
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -27,9 +27,9 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -58,8 +58,8 @@ class SlurmCluster:
         args = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
         scratch = self.state_dir / "scratch"
         scratch.mkdir(exist_ok=True)
-        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=scratch,
-                              env={**os.environ, **self.env})
+        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False,
+                              cwd=scratch, env={**os.environ, **self.env})
         if check and done.returncode:
             raise RuntimeError(f"{' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")
         return done.stdout
@@ -102,7 +102,7 @@ def start(state_dir: Path, install: bool = False) -> dict[str, str]:
     Raises RuntimeError with the script's own message when it cannot start.
     """
     args = [str(SCRIPTS / "start"), *([] if install else ["--no-install"]), str(state_dir)]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300, check=False)
     if done.returncode:
         raise RuntimeError(done.stderr.strip() or f"{args[0]} failed ({done.returncode})")
     return parse_env(done.stdout)
@@ -111,7 +111,7 @@ def start(state_dir: Path, install: bool = False) -> dict[str, str]:
 def stop(state_dir: Path) -> None:
     """Stops the cluster in `state_dir`; RuntimeError if anything of it had to be killed."""
     done = subprocess.run([str(SCRIPTS / "stop"), str(state_dir)], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, check=False)
     if done.returncode:
         raise RuntimeError(done.stderr.strip())
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import cloudpickle
 import pytest
-
 import slurm_support
 
 pytestmark = pytest.mark.slurm
@@ -67,7 +66,9 @@ def wait_for_file(path: Path, timeout=60):
 def test_a_one_task_job_returns_its_result_in_its_folder(slurm_cluster, tmp_path):
     job = slurm_cluster.executor(tmp_path).submit(where_am_i)
     assert job.result() == (0, job.get_info(mode="force")["NodeList"], str(tmp_path))
-    assert job.state == "COMPLETED"  # read from sacct: accounting works
+    # Accounting works; the result comes a moment before the job's end reaches sacct.
+    slurm_cluster.wait_for_state(job.job_id, "COMPLETED", timeout=30)
+    assert job.get_info(mode="force")["State"] == "COMPLETED"  # what submitit reads
 
 
 def test_a_two_node_job_runs_one_task_on_each_node(slurm_cluster, tmp_path):
@@ -80,7 +81,8 @@ def test_a_two_node_job_runs_one_task_on_each_node(slurm_cluster, tmp_path):
 def test_a_plain_sbatch_writes_its_output_beside_the_cluster_not_in_the_checkout(slurm_cluster):
     job_id = slurm_cluster.run(["sbatch", "--parsable", "--wrap", "echo hello from $SLURM_JOB_ID"]).strip()
     slurm_cluster.wait_for_state(job_id, "COMPLETED", timeout=30)
-    assert (slurm_cluster.state_dir / "scratch" / f"slurm-{job_id}.out").read_text() == f"hello from {job_id}\n"
+    output = slurm_cluster.state_dir / "scratch" / f"slurm-{job_id}.out"
+    assert output.read_text() == f"hello from {job_id}\n"
 
 
 def test_a_cancelled_job_is_reported_cancelled(slurm_cluster, tmp_path):
