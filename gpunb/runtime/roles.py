@@ -50,7 +50,8 @@ class RoleError(GpunbError):
 
 
 def check_model(model) -> None:
-    import torch
+    """The one check of the `model` role, before any work: fit, predict, evaluate and the profiler."""
+    import torch  # here, not at the top: the magics read ROLES without loading torch
 
     if not isinstance(model, torch.nn.Module):
         raise RoleError("model", f"`model` must be a torch.nn.Module, got a {type(model).__name__}.",
