@@ -293,11 +293,12 @@ def registry_case(device, steps, rounds, warmup):
 
     runs = {"tracked": lambda: gpunb_run(True), "untracked": lambda: gpunb_run(False), "plain": plain_run}
     wall, cpu = {label: [] for label in runs}, {label: [] for label in runs}
-    for round_ in range(rounds):
-        for label, run in (list(runs.items()) if round_ % 2 == 0 else reversed(runs.items())):
-            timer = run()
-            wall[label].append(statistics.median(timer.times[warmup:]))
-            cpu[label].append(timer.cpu_per_step(warmup))
+    with RegistryClock() as clock:  # what the recorder's hooks and its writer's thread cost, per step
+        for round_ in range(rounds):
+            for label, run in (list(runs.items()) if round_ % 2 == 0 else reversed(runs.items())):
+                timer = run()
+                wall[label].append(statistics.median(timer.times[warmup:]))
+                cpu[label].append(timer.cpu_per_step(warmup))
 
     def ratio(values, a, b):
         ratios = [x / y for x, y in zip(values[a], values[b])]
@@ -312,6 +313,52 @@ def registry_case(device, steps, rounds, warmup):
         print(f"  {a} / {b}: wall {ratio(wall, a, b)}, cpu {ratio(cpu, a, b)}")
     extra = statistics.median(t - u for t, u in zip(cpu["tracked"], cpu["untracked"]))
     print(f"  the registry's CPU per step (tracked - untracked, median of rounds): {1e6 * extra:.1f} us")
+    tracked_steps = rounds * steps
+    print("  measured inside the tracked runs, per step: "
+          + ", ".join(f"{name} {1e6 * seconds / tracked_steps:.2f} us" for name, seconds in clock.totals.items()))
+
+
+class RegistryClock:
+    """Times the run recorder's hooks on the training thread (wall) and its writer thread's CPU,
+    by wrapping them for the duration of a `with` block."""
+
+    # the hooks a run calls as it trains (on_fit_start and on_fit_end are once a run, not a step)
+    HOOKS = ("on_step_end", "on_log", "on_validation_end", "on_epoch_end")
+
+    def __init__(self):
+        self.totals = {"recorder hooks": 0.0, "writer thread (cpu)": 0.0}
+
+    def __enter__(self):
+        from gpunb.runs import recorder, writer
+
+        self.saved = [(recorder.RunRecorder, name, getattr(recorder.RunRecorder, name)) for name in self.HOOKS]
+        self.saved.append((writer.RunWriter, "_loop", writer.RunWriter._loop))
+        for owner, name, hook in self.saved[:-1]:
+            setattr(owner, name, self._timed(hook))
+        loop = writer.RunWriter._loop
+
+        def timed_loop(writer_self):
+            start = time.thread_time()
+            try:
+                loop(writer_self)
+            finally:
+                self.totals["writer thread (cpu)"] += time.thread_time() - start
+
+        writer.RunWriter._loop = timed_loop
+        return self
+
+    def _timed(self, hook):
+        def timed(*args):
+            start = time.perf_counter()
+            try:
+                return hook(*args)
+            finally:
+                self.totals["recorder hooks"] += time.perf_counter() - start
+        return timed
+
+    def __exit__(self, *exc):
+        for owner, name, hook in self.saved:
+            setattr(owner, name, hook)
 
 
 def _case(name, device):
