@@ -157,9 +157,11 @@ class RunRecorder:
         if not self.writer.recorded.is_set():
             return False  # no row yet, so no request either
         try:
-            return self._reader.stop_requested(self.run_id)
+            requested = self._reader.stop_requested(self.run_id)
         except Exception:  # locked out or damaged: the writer thread reports it
             return False
+        self.writer.stop_read_at = time.monotonic()  # the writer's thread skips its next poll
+        return requested
 
     def _finish(self, state, status: str, **fields) -> None:
         fields.update(step=state.step, epoch=state.epoch, progress=state.progress, latest=dict(self._latest))
