@@ -340,6 +340,26 @@ def test_merge_adapters_on_a_model_without_adapters_is_refused_before_any_work(t
     assert not list(tmp_path.iterdir())
 
 
+def test_gputrain_trains_a_peft_model_and_merges_its_adapters(capsys):
+    import IPython
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython() or IPython.get_ipython()
+    shell.run_line_magic("load_ext", "gpunb")
+    shell.user_ns.clear()
+    shell.user_ns.update(lora_llama=lora_llama, CountingText=CountingText)
+    try:
+        shell.run_cell_magic("gputrain", "--epochs 1 --batch-size 16 --accelerator cpu --no-track --merge-adapters",
+                             "model = lora_llama()\ntrain_data = CountingText()")
+        result, model = shell.user_ns["gputrain_result"], shell.user_ns["model"]
+        assert result.steps == 4 and result.config["merge_adapters"]
+        assert isinstance(result.model, transformers.LlamaForCausalLM)
+        assert model.base_model.model is result.model  # the notebook's peft model wraps the merged base
+        assert "adapters merged into result.model" in capsys.readouterr().out
+    finally:
+        shell.user_ns.clear()
+
+
 def test_the_magic_option_reaches_the_config():
     from IPython.core.magic_arguments import parse_argstring
 
