@@ -24,8 +24,8 @@ import transformers
 from torch.utils.data import Dataset
 
 from gpunb import Trainer
-from gpunb.runtime.checkpoint import list_checkpoints
-from gpunb.runtime.saving import Checkpointer
+from gpunb.runtime.state.checkpoint_files import list_checkpoints
+from gpunb.runtime.state.checkpointer import Checkpointer
 
 VOCAB, LENGTH = 8000, 32
 
