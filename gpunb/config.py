@@ -83,6 +83,9 @@ class TrainConfig:
     ema_apply: bool = setting(False, "at the end, load the averaged weights into the model (else: "
                                      "result.ema_state_dict); restore_best goes first: it loads the best "
                                      "checkpoint's averaged weights, the ones validated")
+    merge_adapters: bool = setting(False, "a peft model (LoRA, ...): at the end, merge the trained adapters into "
+                                          "the base weights (peft's merge_and_unload); the merged base model is "
+                                          "result.model")
     num_workers: Union[int, str] = setting("auto", "DataLoader workers, or \"auto\"", section="data")
     gpu_resident: Union[bool, str] = setting("auto", "keep tensor data on the GPU: \"auto\", True or False")
     transforms: Sequence[Callable[[Any], Any]] = setting((), "applied to each batch on the device")
