@@ -18,6 +18,7 @@ on either (see runtime/context.py), so it reads the same in both cases:
 from __future__ import annotations
 
 import os
+
 import torch
 
 from gpunb.errors import GpunbError

@@ -71,7 +71,7 @@ class RunRecorder:
         self._reader = Registry(self.registry.path, timeout=0.0)
         # Usually a few ms: then the run is listed, and can be stopped, from its first step on.
         self.writer.recorded.wait(START_WAIT_S)
-        state.extras["run_id"] = self.run_id
+        state.registry_run = self.run_id
         self._last_write = _now()
 
     def on_step_end(self, state) -> None:

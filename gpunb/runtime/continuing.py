@@ -181,7 +181,7 @@ def capture(run, carried: ContinueState | None = None) -> ContinueState | None:
     if fit.step == 0:  # nothing trained: the same epoch, from its start
         saved["batch_in_epoch"] = 0
     saved["model"] = Live(None)  # held weakly, below
-    return ContinueState(weakref.ref(run.model), saved, run_id=fit.extras.get("run_id"))
+    return ContinueState(weakref.ref(run.model), saved, run_id=fit.registry_run)
 
 
 class Rollback:

@@ -31,10 +31,10 @@ from gpunb.runtime.monitor import monitor_of, validation_names
 from gpunb.runtime.nan_guard import StepLosses
 from gpunb.runtime.objective import Objective
 from gpunb.runtime.peak_flops import device_peak_tflops
-from gpunb.runtime.precision import Precision
-from gpunb.runtime.preflight import preflight
 from gpunb.runtime.plan import Plan
 from gpunb.runtime.plan import length as plan_length
+from gpunb.runtime.precision import Precision
+from gpunb.runtime.preflight import preflight
 from gpunb.runtime.result import TrainResult, epoch_mean_loss
 from gpunb.runtime.run_state import RunState
 from gpunb.runtime.saving import Checkpointer, resume

@@ -32,9 +32,10 @@ _LOCAL = LocalContext()
 _CPU = torch.device("cpu")
 
 
-def moment(default=None, *, relayed: bool = False, factory=None):
-    """A field of this fit only: never saved or continued; `relayed`: rank 0 sends it to the kernel."""
-    meta = {"carried": False, "relayed": relayed}
+def moment(default=None, *, relayed: bool = False, factory=None, merged: bool = False):
+    """A field of this fit only: never saved or continued; `relayed`: rank 0 sends it to the kernel
+    (`merged`: a dict whose plain entries update the kernel's, beside the kernel's own entries)."""
+    meta = {"carried": False, "relayed": relayed, "merged": merged}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -46,10 +47,6 @@ def own(default=None, *, relayed: bool = False, factory=None):
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
-
-
-def _not_relayed(factory):
-    return field(default_factory=factory, metadata={"carried": True, "relayed": False})
 
 
 @dataclass(eq=False)
@@ -68,7 +65,7 @@ class RunState:
     batch_in_epoch: int = own(0, relayed=True)  # micro-batches consumed in the current epoch
     step: int = 0  # optimizer steps completed
     samples_seen: int = 0
-    history: list = _not_relayed(list)  # rows appended at each log (rank 0 relays them as they come)
+    history: list = field(default_factory=list, metadata={"relayed": False})  # rows appended at each log (rank 0 relays them as they come)
     epochs: list = own(factory=list, relayed=True)  # one row per finished epoch (train_loss, val_*)
     validations: list = field(default_factory=list)  # one row per validation: step, epoch, val_*
     run_name: str = own("run", relayed=True)
@@ -88,20 +85,22 @@ class RunState:
     rank: int = moment(0)
     world_size: int = moment(1)
     started_at: float = moment(factory=time.time)
-    latest: dict = moment(factory=dict, relayed=True)  # newest host-side metrics of any kind
+    latest: dict = moment(factory=dict, relayed=True, merged=True)  # newest host-side metrics of any kind
     eta: tuple | None = moment(relayed=True)  # (seconds left, time.time() of the estimate): runtime/eta.py
     stop_reason: str | None = moment()
     result: Any = moment()  # the TrainResult, set before on_fit_end
     val_names: tuple | None = moment(relayed=True)  # the metrics validation produces (None: no validation data)
     checkpoint_path: str | None = moment(relayed=True)  # the newest checkpoint this run wrote
     checkpoint_run: str | None = moment()  # the id of the run directory checkpoints go to
+    registry_run: str | None = moment()  # this fit's id in the run registry (set by its recorder, runs/)
     continues_run: str | None = moment()  # a continued fit: the run registry's id of the run it goes on with
     resumed: dict | None = moment(relayed=True)  # what the run resumed from: path, run, run_name, step, ...
     profile: bool = moment(False)  # set by a profiler: the loop marks its phases with named ranges
     # ranks: a stop asked for on one rank waits for a vote (see request_stop), so all stop together
     stops_by_vote: bool = moment(False)
     pending_stop: str | None = moment()  # asked for on this rank, not yet voted on
-    extras: dict = moment(factory=dict)  # callbacks' own notes (energy_j, run_id, ...); the runtime keeps out
+    # callbacks' own notes (a GPU sample, energy_j, log_dir, ...); the runtime neither reads nor writes them
+    extras: dict = moment(factory=dict, relayed=True, merged=True)
 
     @property
     def should_stop(self) -> bool:
@@ -206,12 +205,22 @@ class RunState:
     def relayed(self) -> dict:
         """What rank 0 sends the kernel at each event: the fields marked relayed, and every other
         carried field that holds plain data (history goes as rows, by the relay)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.metadata.get("relayed") or ("relayed" not in f.metadata and _plain(getattr(self, f.name)))}
+        sent = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.metadata.get("merged"):
+                sent[f.name] = {k: v for k, v in value.items() if _plain(v)}
+            elif f.metadata.get("relayed") or ("relayed" not in f.metadata and _plain(value)):
+                sent[f.name] = value
+        return sent
 
     def load_relayed(self, values: dict) -> None:
+        merged = {f.name for f in dataclasses.fields(self) if f.metadata.get("merged")}
         for name, value in values.items():
-            setattr(self, name, value)
+            if name in merged:
+                getattr(self, name).update(value)
+            else:
+                setattr(self, name, value)
 
 
 # Carried fields that a continued fit does not take from the one it continues: its best-k list
