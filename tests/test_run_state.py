@@ -143,3 +143,18 @@ def test_a_checkpoint_written_before_run_state_resumes_exactly(tmp_path):
     losses = [row["loss"] for row in result.history]
     assert losses == pytest.approx([row["loss"] for row in expected["history"]], rel=1e-6)
     assert [row["epoch"] for row in result.epochs] == [row["epoch"] for row in expected["epochs"]]
+
+
+def test_the_relay_sends_plain_fields_and_merges_the_notes_into_the_kernels():
+    model = mlp()
+    rank0 = CountingState(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), step=5,
+                          odd_steps=3, history=[{"step": 1}], latest={"loss": 0.5}, extras={"gpu": {"index": 0}})
+    rank0.extras["handle"] = object()  # not plain: stays on the rank
+    sent = rank0.relayed()
+    assert {"module", "optimizer", "stepper", "config", "history", "precision", "best"}.isdisjoint(sent)
+    assert sent["step"] == 5 and sent["odd_steps"] == 3 and sent["extras"] == {"gpu": {"index": 0}}
+    kernel = CountingState(latest={"seen_here": 1}, extras={"log_dir": "/tmp/x"})
+    kernel.load_relayed(sent)
+    assert (kernel.step, kernel.odd_steps, kernel.made_in) == (5, 3, rank0.made_in)
+    assert kernel.latest == {"seen_here": 1, "loss": 0.5}
+    assert kernel.extras == {"log_dir": "/tmp/x", "gpu": {"index": 0}}

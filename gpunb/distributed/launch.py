@@ -11,7 +11,7 @@ The launcher knows nothing of Trainer.
   processes; a TCPStore listening on a free port of 127.0.0.1 only is the rendezvous,
   and the ranks' own gloo/NCCL sockets are kept on the loopback interface too.
 - While they train: rank 0 streams its events over a queue (on_step_end as a
-  progress update at most 4 times a second); here they update a FitState that mirrors
+  progress update at most 4 times a second); here they update a RunState that mirrors
   rank 0's and go to the caller's callbacks (the dashboard, the run registry), which
   run in this process only. A stop asked for here
   (`state.request_stop`, the kernel's stop button) reaches the ranks through a shared

@@ -170,6 +170,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
     if config.resume:
         resume(run, ckpt.find_checkpoint(config.resume, config.checkpoint_dir))
     state.start_step, state.start_samples = state.step, state.samples_seen  # a resumed or continued fit counts on
+    run.samples_at_log = state.samples_seen  # the first interval's samples/s counts from here
     return run
 
 
@@ -218,13 +219,11 @@ def _train(run: _Run) -> TrainResult:
     """The loop: epochs of optimizer steps, logging at intervals, validation per epoch or N steps."""
     __tracebackhide__ = True  # noqa: F841
     state, callbacks, stepper = run.state, run.callbacks, run.stepper
-    timer = Timer()
+    timer, interrupt = Timer(), InterruptFlag()
     start_epoch, skip_batches = state.epoch, state.batch_in_epoch  # where a resumed or continued fit goes on
-    interrupt = InterruptFlag()
     val_every_steps = validation.every_steps(run)  # None: no pass within epochs (the common case)
     log_every, grad_accum = run.plan.log_every, run.config.grad_accum
     samples_in = run.objective.samples  # batch_size_fn, or the target's first dimension
-    run.samples_at_log = state.samples_seen  # a resumed run counts on from its checkpoint's
     try:
         with interrupt:
             callbacks.call("on_fit_start", state)
@@ -234,9 +233,7 @@ def _train(run: _Run) -> TrainResult:
                 state.epoch = epoch
                 skip = skip_batches if epoch == start_epoch else 0
                 state.batch_in_epoch = skip
-                logged_before = len(state.history)
-                while logged_before and state.history[logged_before - 1].get("epoch") == epoch:
-                    logged_before -= 1  # a resumed epoch: its rows from before the stop count too
+                logged_before = _first_row_of(state.history, epoch)
                 run.train_model.train()
                 remaining = None if run.feed.num_batches is None else run.feed.num_batches - skip
                 # Per step, only host bookkeeping beside what a plain loop does (kept to a few
@@ -277,14 +274,28 @@ def _train(run: _Run) -> TrainResult:
     except BaseException as error:
         callbacks.call("on_exception", state, error)
         raise
+    return _finish(run, timer)
+
+
+def _first_row_of(history: list, epoch: int) -> int:
+    """Where `epoch`'s log rows begin: a resumed epoch's rows from before the stop count too."""
+    first = len(history)
+    while first and history[first - 1].get("epoch") == epoch:
+        first -= 1
+    return first
+
+
+def _finish(run: _Run, timer) -> TrainResult:
+    """The result, on_fit_end, and with `ema_apply` the average into the model."""
+    state, callbacks, ema = run.state, run.callbacks, run.stepper.ema
     try:
         state.result = _result(run, timer)
         callbacks.call("on_fit_end", state)
     except BaseException as error:  # the end failed (an unreadable best checkpoint): heard as any error
         callbacks.call("on_exception", state, error)
         raise
-    if stepper.ema is not None and run.config.ema_apply and not state.result.restored_best:
-        stepper.ema.copy_to_model()
+    if ema is not None and run.config.ema_apply and not state.result.restored_best:
+        ema.copy_to_model()
     return state.result
 
 
