@@ -49,6 +49,9 @@ def own(default=None, *, relayed: bool = False, factory=None):
     return field(default=default, metadata=meta)
 
 
+_OBJECT = {"relayed": False}  # a carried object: saved by its state_dict, never sent to the kernel
+
+
 @dataclass(eq=False)
 class RunState:
     """What a run carries (saved, continued, relayed) and what a callback may read during `fit`."""
@@ -58,8 +61,9 @@ class RunState:
     optimizer: Any = own()
     schedule: Any = own()  # runtime.schedule.Schedule or None
     ema: Any = own()  # runtime.ema.WeightEma or None
-    precision: Any = None  # runtime.precision.Precision: the loss scaler's state
-    best: Any = None  # runtime.best.BestCheckpoints (save_top_k) or None; not continued (see CONTINUE_SKIPS)
+    precision: Any = field(default=None, metadata=_OBJECT)  # runtime.precision.Precision: the loss scaler
+    # runtime.best.BestCheckpoints (save_top_k) or None; not continued (see CONTINUE_SKIPS)
+    best: Any = field(default=None, metadata=_OBJECT)
     # --- where the run is
     epoch: int = own(0, relayed=True)  # 0-based epoch in progress
     batch_in_epoch: int = own(0, relayed=True)  # micro-batches consumed in the current epoch
