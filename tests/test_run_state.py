@@ -13,7 +13,7 @@ from conftest import classification_data, mlp
 from torch import nn
 
 from gpunb import Trainer
-from gpunb.runtime.checkpoint import list_checkpoints, load_checkpoint
+from gpunb.runtime.state.checkpoint_files import list_checkpoints, load_checkpoint
 from gpunb.runtime.run_state import RunState
 
 V1 = Path(__file__).parent / "data" / "checkpoint_v1"

@@ -13,45 +13,45 @@ import torch
 from torch.utils.data import DataLoader
 
 from gpunb.config import TrainConfig
-from gpunb.errors import GpunbError
-from gpunb.runtime import checkpoint as ckpt
-from gpunb.runtime import continuing
 from gpunb.runtime import device as devices
-from gpunb.runtime import validation
-from gpunb.runtime.batch_size import BatchChoice, find_batch_size
-from gpunb.runtime.best import BestCheckpoints
-from gpunb.runtime.compiling import Compilation
-from gpunb.runtime.data import build_feed, closing, with_batch_size
-from gpunb.runtime.ema import WeightEma
 from gpunb.runtime.epoch import EpochSteps, Timer
 from gpunb.runtime.eta import EtaClock
 from gpunb.runtime.events import Callbacks
+from gpunb.runtime.feed.feeds import build_feed, closing, with_batch_size
 from gpunb.runtime.interrupt import InterruptFlag
-from gpunb.runtime.monitor import monitor_of, validation_names
-from gpunb.runtime.nan_guard import StepLosses
-from gpunb.runtime.objective import Objective
-from gpunb.runtime.peak_flops import device_peak_tflops
 from gpunb.runtime.plan import Plan
 from gpunb.runtime.plan import length as plan_length
-from gpunb.runtime.precision import Precision
-from gpunb.runtime.preflight import preflight
+from gpunb.runtime.probes.batch_size import BatchChoice, find_batch_size
+from gpunb.runtime.probes.peak_flops import device_peak_tflops
+from gpunb.runtime.probes.preflight import preflight
+from gpunb.runtime.probes.summary import summarize
 from gpunb.runtime.result import TrainResult, epoch_mean_loss
+from gpunb.runtime.roles import check_model
 from gpunb.runtime.run_state import RunState
-from gpunb.runtime.saving import Checkpointer, resume
-from gpunb.runtime.schedule import build_schedule
 from gpunb.runtime.setup import setup
-from gpunb.runtime.step import Stepper
-from gpunb.runtime.summary import summarize
+from gpunb.runtime.state import continuing
+from gpunb.runtime.state.best_k import BestCheckpoints
+from gpunb.runtime.state.checkpointer import Checkpointer, resume
+from gpunb.runtime.state.nan_guard import StepLosses
+from gpunb.runtime.state.resume_target import find_checkpoint
+from gpunb.runtime.step.compiling import Compilation
+from gpunb.runtime.step.ema import WeightEma
+from gpunb.runtime.step.objective import Objective
+from gpunb.runtime.step.precision import Precision
+from gpunb.runtime.step.schedule import build_schedule
+from gpunb.runtime.step.stepper import Stepper
+from gpunb.runtime.step.wrap import wrap_model
 from gpunb.runtime.teardown import Teardown
-from gpunb.runtime.wrap import wrap_model
+from gpunb.runtime.validation import passes as validation
+from gpunb.runtime.validation.monitor import monitor_of, validation_names
 
 
 def run(config: TrainConfig, context, model, train_data, val_data=None, *, optimizer=None, scheduler=None,
         loss_fn=None, step=None, metrics=None, callbacks=(), continue_from=None, state_type=None) -> TrainResult:
     """Train `model` in this process; returns a TrainResult. The model is trained in place.
 
-    `scheduler`: see runtime/schedule.py; `continue_from`: a TrainResult to go on from
-    (runtime/continuing.py); `state_type`: a RunState subclass whose own fields the run
+    `scheduler`: see runtime/step/schedule.py; `continue_from`: a TrainResult to go on from
+    (runtime/state/continuing.py); `state_type`: a RunState subclass whose own fields the run
     carries too (runtime/run_state.py; None: RunState).
 
     `context` says where this process stands: `LocalContext()` alone, or one rank of a
@@ -78,12 +78,6 @@ def run(config: TrainConfig, context, model, train_data, val_data=None, *, optim
         raise  # the teardown never replaces this error (or KeyboardInterrupt)
     teardown(failed=False)
     return result
-
-
-def check_model(model) -> None:
-    if not isinstance(model, torch.nn.Module):
-        raise GpunbError(f"`model` must be a torch.nn.Module, got a {type(model).__name__}.",
-                         "pass the module itself, e.g. `model = nn.Sequential(...)`.")
 
 
 @dataclass
@@ -118,19 +112,10 @@ class _Run:
 def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, objective, user_callbacks, teardown,
              continue_from, state_type) -> _Run:
     __tracebackhide__ = True  # noqa: F841
-    carried = None
-    if continue_from is not None:
-        carried = continuing.continue_state_of(continue_from, model, config, dist.world_size)
-        optimizer = continuing.same_optimizer(carried, optimizer)
-        teardown.rollback = continuing.Rollback(carried, model)  # before anything moves
+    optimizer, carried = _continuation(config, dist, model, optimizer, teardown, continue_from)
     ready = setup(config, dist, model, train_data, val_data, optimizer)
     device, precision, optimizer = ready.device, ready.precision, ready.optimizer
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
-        torch.cuda.reset_peak_memory_stats(device)
-    if objective.stateful is not None:
-        objective.stateful.to(device)  # torchmetrics' states live where the outputs are
-        objective.stateful.reset()  # nothing left from an earlier use of the same objects
+    _ready_device(device, objective)
     # one batch, before any work
     train, val = preflight(model, ready.train, ready.val, objective, precision, device, config)
     val_names = validation_names(objective, val is not None)
@@ -151,27 +136,47 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
     dist.adopt_shards(optimizer)  # FSDP replaced the parameters with sharded ones
     ema = _weight_ema(model, config, carried)
     state = state_type(module=model, optimizer=optimizer, schedule=schedule, ema=ema, precision=precision,
-                     best=BestCheckpoints(monitor, config.save_top_k) if monitor is not None else None,
-                     run_name=run_name, config=config, plan=plan, model=train_model, device=device,
-                     batches_per_epoch=feed.num_batches, steps_per_epoch=plan.steps_per_epoch,
-                     total_steps=plan.total_steps, summary=summary.as_plain(),  # plain: ranks send it on
-                     peak_tflops=device_peak_tflops(device, precision.name),  # live MFU in the progress line
-                     rank=dist.rank, world_size=dist.world_size, val_names=val_names,
-                     stops_by_vote=dist.stops_by_vote)
+                       best=BestCheckpoints(monitor, config.save_top_k) if monitor is not None else None,
+                       run_name=run_name, config=config, plan=plan, model=train_model, device=device,
+                       batches_per_epoch=feed.num_batches, steps_per_epoch=plan.steps_per_epoch,
+                       total_steps=plan.total_steps, summary=summary.as_plain(),  # plain: ranks send it on
+                       peak_tflops=device_peak_tflops(device, precision.name),  # live MFU in the progress line
+                       rank=dist.rank, world_size=dist.world_size, val_names=val_names,
+                       stops_by_vote=dist.stops_by_vote)
     # the state's `profile`: a profiler asks for the step's phases by name
     state.stepper = Stepper(train_model, optimizer, objective, precision, schedule, config, state,
                             getattr(train_model, "no_sync", None), ema=ema)
     run = _Run(config, plan, dist, state, Callbacks(list(user_callbacks)), model, train_model, objective,
                precision, feed, val_feed, state.stepper, best=state.best)
-    _hook_up(run, schedule)
+    _add_checkpointer_and_schedule(run, schedule)
+    run.compilation = Compilation(run, device, dist.world_size)  # now, or under "auto" once timing says it pays
     if carried is not None:
         run.continued = carried
         continuing.restore(run, carried)
     if config.resume:
-        resume(run, ckpt.find_checkpoint(config.resume, config.checkpoint_dir))
+        resume(run, find_checkpoint(config.resume, config.checkpoint_dir))
     state.start_step, state.start_samples = state.step, state.samples_seen  # a resumed or continued fit counts on
     run.samples_at_log = state.samples_seen  # the first interval's samples/s counts from here
     return run
+
+
+def _continuation(config, dist, model, optimizer, teardown, continue_from):
+    """A continued fit (`continue_from`): its optimizer the previous one's, and what it goes on from."""
+    if continue_from is None:
+        return optimizer, None
+    carried = continuing.continue_state_of(continue_from, model, config, dist.world_size)
+    optimizer = continuing.same_optimizer(carried, optimizer)
+    teardown.rollback = continuing.Rollback(carried, model)  # before anything moves
+    return optimizer, carried
+
+
+def _ready_device(device, objective) -> None:
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
+        torch.cuda.reset_peak_memory_stats(device)
+    if objective.stateful is not None:
+        objective.stateful.to(device)  # torchmetrics' states live where the outputs are
+        objective.stateful.reset()  # nothing left from an earlier use of the same objects
 
 
 def _batch_size(config, dist, model, optimizer, objective, precision, train, device):
@@ -195,6 +200,7 @@ def _feeds(train, val, batch_size, device, config, dist):
 
 
 def _plan(config, ready, choice, feed, carried) -> Plan:
+    """What set-up decided: device, precision, batch size, length (a continued fit's counted on), log interval."""
     length = plan_length(config, feed.num_batches, carried)
     return Plan(device=ready.device, precision=ready.precision.name, precision_reason=ready.precision_reason,
                 batch_size=feed.batch_size or choice.size,  # a user's DataLoader batches by its own size
@@ -203,68 +209,29 @@ def _plan(config, ready, choice, feed, carried) -> Plan:
                 compile=config.compile, **length)
 
 
-def _hook_up(run: _Run, schedule) -> None:
-    """The checkpointer, the schedule and the compile controller, in the order they hear events."""
-    config, callbacks = run.config, run.callbacks
-    if config.checkpoint_dir:  # first: saved before others hear of the step
-        run.checkpointer = Checkpointer(config, dist=run.dist, state=run.state, losses=run.losses,
-                                        events=callbacks)
-        callbacks.run_first(run.checkpointer)
+def _add_checkpointer_and_schedule(run: _Run, schedule) -> None:
+    """Both hear each event before the user's callbacks, the schedule first of all."""
+    if run.config.checkpoint_dir:  # first: saved before others hear of the step
+        run.checkpointer = Checkpointer(run.config, dist=run.dist, state=run.state, losses=run.losses,
+                                        events=run.callbacks)
+        run.callbacks.run_first(run.checkpointer)
     if schedule is not None:  # steps at epoch ends before the checkpoint of that epoch is written
-        callbacks.run_first(schedule)
-    run.compilation = Compilation(run, run.state.device, run.dist.world_size)  # now, or once timing says it pays
+        run.callbacks.run_first(schedule)
 
 
 def _train(run: _Run) -> TrainResult:
     """The loop: epochs of optimizer steps, logging at intervals, validation per epoch or N steps."""
     __tracebackhide__ = True  # noqa: F841
-    state, callbacks, stepper = run.state, run.callbacks, run.stepper
+    state, callbacks = run.state, run.callbacks
     timer, interrupt = Timer(), InterruptFlag()
-    start_epoch, skip_batches = state.epoch, state.batch_in_epoch  # where a resumed or continued fit goes on
-    val_every_steps = validation.every_steps(run)  # None: no pass within epochs (the common case)
-    log_every, grad_accum = run.plan.log_every, run.config.grad_accum
-    samples_in = run.objective.samples  # batch_size_fn, or the target's first dimension
+    start = (state.epoch, state.batch_in_epoch)  # where a resumed or continued fit goes on
     try:
         with interrupt:
             callbacks.call("on_fit_start", state)
-            for epoch in range(start_epoch, run.plan.epoch_limit):
+            for epoch in range(start[0], run.plan.epoch_limit):
                 if state.stop_reason == "interrupted":  # during set-up
                     break
-                state.epoch = epoch
-                skip = skip_batches if epoch == start_epoch else 0
-                state.batch_in_epoch = skip
-                logged_before = _first_row_of(state.history, epoch)
-                run.train_model.train()
-                remaining = None if run.feed.num_batches is None else run.feed.num_batches - skip
-                # Per step, only host bookkeeping beside what a plain loop does (kept to a few
-                # attribute updates: on sub-millisecond steps each call shows).
-                with closing(run.feed.epoch(epoch, skip)) as batches:
-                    steps = EpochSteps(batches, grad_accum, timer, state, remaining)
-                    for batch, last_in_step in steps:
-                        state.batch_in_epoch += 1
-                        state.samples_seen += samples_in(batch) * state.world_size
-                        stepper.accumulate(batch, last_in_step)
-                        del batch  # let it go before the optimizer step allocates its temporaries
-                        if not last_in_step:
-                            continue
-                        step_loss = stepper.update()  # stays on the device: no sync here
-                        state.step += 1
-                        run.losses.add(step_loss, state.step)  # a list append: no device op
-                        if val_every_steps and (state.step % val_every_steps == 0 or state.step == state.total_steps):
-                            validation.at_step(run, timer)  # before on_step_end: its checkpoints hold the pass
-                        callbacks.call("on_step_end", state)
-                        if state.step % log_every == 0:
-                            _log(run, timer)  # syncs
-                        if interrupt.raised:
-                            state.request_stop("interrupted")
-                        if state.should_stop or _finished(state):
-                            break
-                if run.losses:  # the epoch's last, partial interval
-                    _log(run, timer)
-                if state.should_stop and not steps.exhausted:
-                    break  # any stop mid-epoch (Ctrl-C, the sidebar, a callback): the epoch's end comes on resume
-                _end_epoch(run, state.history[logged_before:], timer)
-                if state.should_stop or _finished(state):
+                if not _train_epoch(run, epoch, start[1] if epoch == start[0] else 0, timer, interrupt):
                     break
     except KeyboardInterrupt:
         # A second Ctrl-C (or one outside the main thread) lands here mid-step; the
@@ -277,25 +244,61 @@ def _train(run: _Run) -> TrainResult:
     return _finish(run, timer)
 
 
-def _first_row_of(history: list, epoch: int) -> int:
-    """Where `epoch`'s log rows begin: a resumed epoch's rows from before the stop count too."""
-    first = len(history)
-    while first and history[first - 1].get("epoch") == epoch:
-        first -= 1
-    return first
+def _train_epoch(run: _Run, epoch: int, skip: int, timer, interrupt) -> bool:
+    """One epoch of optimizer steps (the rest of it after `skip` batches, on resume); whether the run goes on."""
+    state, callbacks, stepper = run.state, run.callbacks, run.stepper
+    val_every_steps = validation.every_steps(run)  # None: no pass within epochs (the common case)
+    log_every = run.plan.log_every
+    samples_in = run.objective.samples  # batch_size_fn, or the target's first dimension
+    state.epoch = epoch
+    state.batch_in_epoch = skip
+    logged_before = len(state.history)
+    while logged_before and state.history[logged_before - 1].get("epoch") == epoch:
+        logged_before -= 1  # a resumed epoch: its rows from before the stop count too
+    run.train_model.train()
+    remaining = None if run.feed.num_batches is None else run.feed.num_batches - skip
+    # Per step, only host bookkeeping beside what a plain loop does (kept to a few
+    # attribute updates: on sub-millisecond steps each call shows).
+    with closing(run.feed.epoch(epoch, skip)) as batches:
+        steps = EpochSteps(batches, run.config.grad_accum, timer, state, remaining)
+        for batch, last_in_step in steps:
+            state.batch_in_epoch += 1
+            state.samples_seen += samples_in(batch) * state.world_size
+            stepper.accumulate(batch, last_in_step)
+            del batch  # let it go before the optimizer step allocates its temporaries
+            if not last_in_step:
+                continue
+            step_loss = stepper.update()  # stays on the device: no sync here
+            state.step += 1
+            run.losses.add(step_loss, state.step)  # a list append: no device op
+            if val_every_steps and (state.step % val_every_steps == 0 or state.step == state.total_steps):
+                validation.at_step(run, timer)  # before on_step_end: its checkpoints hold the pass
+            callbacks.call("on_step_end", state)
+            if state.step % log_every == 0:
+                _log(run, timer)  # syncs
+            if interrupt.raised:
+                state.request_stop("interrupted")
+            if state.should_stop or _finished(state):
+                break
+    if run.losses:  # the epoch's last, partial interval
+        _log(run, timer)
+    if state.should_stop and not steps.exhausted:
+        return False  # any stop mid-epoch (Ctrl-C, the sidebar, a callback): the epoch's end comes on resume
+    _end_epoch(run, state.history[logged_before:], timer)
+    return not (state.should_stop or _finished(state))
 
 
 def _finish(run: _Run, timer) -> TrainResult:
-    """The result, on_fit_end, and with `ema_apply` the average into the model."""
-    state, callbacks, ema = run.state, run.callbacks, run.stepper.ema
+    """The result, heard by on_fit_end; then the EMA weights into the model where asked."""
+    state, stepper = run.state, run.stepper
     try:
         state.result = _result(run, timer)
-        callbacks.call("on_fit_end", state)
+        run.callbacks.call("on_fit_end", state)
     except BaseException as error:  # the end failed (an unreadable best checkpoint): heard as any error
-        callbacks.call("on_exception", state, error)
+        run.callbacks.call("on_exception", state, error)
         raise
-    if ema is not None and run.config.ema_apply and not state.result.restored_best:
-        ema.copy_to_model()
+    if stepper.ema is not None and run.config.ema_apply and not state.result.restored_best:
+        stepper.ema.copy_to_model()
     return state.result
 
 
