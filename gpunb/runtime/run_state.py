@@ -161,10 +161,13 @@ class RunState:
         return saved
 
     def _objects(self, dist) -> dict:
-        model, optimizer = (None, None)
-        if self.module is not None:
-            model, optimizer = dist.state_dicts(self.module, self.optimizer) if self.optimizer is not None else (
-                self.module.state_dict(), None)
+        """The parts saved in their own ways: weights and optimizer state through `dist` (every rank
+        takes part: FSDP gathers its shards), the schedule, the weight average with its count."""
+        model = optimizer = None
+        if self.module is not None and self.optimizer is not None:
+            model, optimizer = dist.state_dicts(self.module, self.optimizer)
+        elif self.module is not None:
+            model = self.module.state_dict()
         schedule, ema = self.schedule, self.ema
         return {"model": model, "optimizer": optimizer,
                 "optimizer_type": type(self.optimizer).__name__ if self.optimizer is not None else None,
