@@ -26,6 +26,7 @@ import torch
 
 from gpunb.errors import GpunbError
 from gpunb.runtime import device as devices
+from gpunb.runtime import trainable
 from gpunb.runtime.context import LocalContext
 
 _LOCAL = LocalContext()
@@ -162,14 +163,18 @@ class RunState:
 
     def _objects(self, dist) -> dict:
         """The parts saved in their own ways: weights and optimizer state through `dist` (every rank
-        takes part: FSDP gathers its shards), the schedule, the weight average with its count."""
-        model = optimizer = None
+        takes part: FSDP gathers its shards; a model with frozen parameters keeps what trains,
+        trainable.py), the schedule, the weight average (what trains) with its count."""
+        model = optimizer = frozen = None
         if self.module is not None and self.optimizer is not None:
             model, optimizer = dist.state_dicts(self.module, self.optimizer)
         elif self.module is not None:
             model = self.module.state_dict()
+        if model is not None and getattr(dist, "strategy", None) != "fsdp":  # FSDP's sharded state stays whole
+            model, frozen = trainable.split_state(self.module, model)  # frozen weights: their fingerprint only
         schedule, ema = self.schedule, self.ema
         return {"model": model, "optimizer": optimizer,
+                "frozen": frozen,  # None: `model` is the whole state; else the fingerprint of what it leaves out
                 "optimizer_type": type(self.optimizer).__name__ if self.optimizer is not None else None,
                 "scheduler": schedule.state_dict() if schedule is not None else None,
                 "scheduler_type": type(schedule.scheduler).__name__ if schedule is not None else None,

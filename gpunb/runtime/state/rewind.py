@@ -3,7 +3,8 @@
 Used by everything that runs real training steps only to learn something (the batch-size
 probe, the learning-rate sweep, the profiler) and must leave no trace on the run. What is
 saved is a RunState's (runtime/run_state.py), holding only the model and its optimizer.
-Copies go to host memory so that probing a large model does not double its GPU footprint.
+Copies go to host memory so that probing a large model does not double its GPU footprint;
+frozen parameters (a LoRA model's base) are not copied at all: no step changes them.
 """
 
 from __future__ import annotations
