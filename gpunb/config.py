@@ -114,7 +114,6 @@ class TrainConfig:
     seed: int | None = setting(0, "seeds python, numpy and torch; None leaves RNGs alone",
                                section="reproducibility")
     deterministic: bool = setting(False, "deterministic algorithms (slower; errors on ops without one)")
-    extras: dict = setting(help="free-form notes carried into the result", factory=dict)
 
     def __post_init__(self) -> None:
         self.precision = _choice("precision", self.precision, _PRECISION_ALIASES,
