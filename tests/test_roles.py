@@ -19,9 +19,10 @@ def test_the_roles_in_order():
 
 
 def test_shipped_fit_args_are_the_config_and_the_setup_roles():
-    assert [f.name for f in fields(FitArgs)] == ["config", *roles.SETUP]
+    # The roles, then the run's state class (runtime.run_state.RunState unless a subclass is given).
+    assert [f.name for f in fields(FitArgs)] == ["config", *roles.SETUP, "state_type"]
     args = FitArgs("config", "model", "data", loss_fn="loss")  # the launcher builds it positionally
-    assert pickle.loads(pickle.dumps(args)) == args and args.step is None
+    assert pickle.loads(pickle.dumps(args)) == args and args.step is None and args.state_type is None
 
 
 def test_profile_train_lists_the_roles_it_takes():
