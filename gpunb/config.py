@@ -97,6 +97,15 @@ class TrainConfig:
     monitor: str | None = None  # validation metric that ranks them (None: "val_loss")
     mode: str | None = None  # "min" or "max" (None: "max" for acc/f1/auroc/precision/recall..., else "min")
     restore_best: bool = False  # load the best checkpoint's weights into the model when fit ends
+    # --- where the run executes (gpunb.jobs)
+    # None: in this process (the kernel); "local": a job of its own on this machine that outlives the
+    # kernel; "slurm": a Slurm job (settings from ~/.config/gpunb/clusters.toml and `slurm`)
+    cluster: str | None = None
+    nodes: int = 1  # a job's nodes (Slurm)
+    gpus_per_node: int | None = None  # a job's GPUs, one process each, per node; None: `devices` processes
+    slurm: dict = field(default_factory=dict)  # Slurm settings: partition, time, account, qos, constraint, any sbatch key
+    gpu_hour_price: float | None = None  # a GPU-hour's price, for the job's cost; None: the cluster file's
+    resubmit: bool = False  # submit anew even when this run's job exists (else its job is attached to)
     # --- reproducibility
     seed: int | None = 0  # seeds python, numpy and torch; None leaves RNGs alone
     deterministic: bool = False  # deterministic algorithms (slower; errors on ops without one)
@@ -138,6 +147,7 @@ class TrainConfig:
         if self.val_every_steps is not None:
             self.val_every_steps = _positive_int("val_every_steps", self.val_every_steps)
         self._check_best()
+        self._check_job()
         if self.checkpoint_every is not None:
             self.checkpoint_every = _positive_int("checkpoint_every", self.checkpoint_every)
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
@@ -188,6 +198,24 @@ class TrainConfig:
         if self.monitor is not None and not isinstance(self.monitor, str):
             raise GpunbError(f"monitor must be a metric name, got {self.monitor!r}.",
                              "pass e.g. `monitor='val_loss'` or `monitor='val_acc'`.")
+
+    def _check_job(self) -> None:
+        """cluster / nodes / gpus_per_node / slurm / gpu_hour_price, before anything is submitted."""
+        self.cluster = _choice("cluster", self.cluster, {"none": None, "local": "local", "slurm": "slurm",
+                                                         "detach": "local"},
+                               "use `cluster='local'` (a detached job on this machine) or `cluster='slurm'`")
+        self.nodes = _positive_int("nodes", self.nodes)
+        if self.gpus_per_node is not None:
+            self.gpus_per_node = _positive_int("gpus_per_node", self.gpus_per_node)
+        if self.nodes > 1 and self.cluster != "slurm":
+            raise GpunbError(f"nodes={self.nodes} needs a cluster, and cluster={self.cluster!r}.",
+                             "pass `cluster='slurm'` too (`--cluster slurm`), or drop `nodes`.")
+        if not isinstance(self.slurm, dict):
+            raise GpunbError(f"slurm must be a dict of Slurm settings, got {self.slurm!r}.",
+                             "pass e.g. `slurm={'partition': 'gpu', 'time': '2:00:00'}`.")
+        price = self.gpu_hour_price
+        if price is not None and (isinstance(price, bool) or not isinstance(price, (int, float)) or price < 0):
+            raise GpunbError(f"gpu_hour_price must be a price >= 0, got {price!r}.", "pass e.g. `gpu_hour_price=2.5`.")
 
     @property
     def epoch_limit(self) -> int:

@@ -163,16 +163,22 @@ class Relay:
         self._send("on_checkpoint", state, str(path))
 
     def _send(self, event: str, state, *args, **fields) -> None:
-        snapshot = {"step": state.step, "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch,
-                    "samples_seen": state.samples_seen, "steps_per_epoch": state.steps_per_epoch,
-                    "total_steps": state.total_steps, "latest": dict(state.latest), "eta": state.eta,
-                    "rows": state.history[self.rows_sent:], "epochs": list(state.epochs),
-                    "validations": list(state.validations), "val_names": state.val_names,
-                    "checkpoint_path": state.checkpoint_path, "resumed": state.resumed,
-                    "extras": {k: v for k, v in state.extras.items() if _plain(v)}, **fields}
+        snapshot = {**progress_snapshot(state, self.rows_sent), **fields}
         self.rows_sent = len(state.history)
         # A deep copy: the queue pickles on its own thread, later, while training goes on.
         self.queue.put(("event", 0, (event, copy.deepcopy(snapshot), copy.deepcopy(args))))
+
+
+def progress_snapshot(state, rows_sent: int) -> dict:
+    """What a copy of rank 0's FitState elsewhere needs to follow it (the kernel's mirror here; a
+    job's events file): counters, newest metrics, and the history rows after the first `rows_sent`."""
+    return {"step": state.step, "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch,
+            "samples_seen": state.samples_seen, "steps_per_epoch": state.steps_per_epoch,
+            "total_steps": state.total_steps, "latest": dict(state.latest), "eta": state.eta,
+            "rows": state.history[rows_sent:], "epochs": list(state.epochs),
+            "validations": list(state.validations), "val_names": state.val_names,
+            "checkpoint_path": state.checkpoint_path, "resumed": state.resumed,
+            "extras": {k: v for k, v in state.extras.items() if _plain(v)}}
 
 
 def describe(error: BaseException) -> dict:
