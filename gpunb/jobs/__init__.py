@@ -9,7 +9,7 @@
     scheduler.py  submitit executors (local, Slurm), scheduler states, cancel
     submit.py     the kernel's side of a submission: folder, checks, executor, registry row
     follow.py     the kernel's side of a running job: events into the dashboard, stop, weights back
-    attach.py     gpunb.attach(name_or_run_id), and the job of a cell run again
+    lookup.py     gpunb.attach(name_or_run_id), and the job of a cell run again
 
 Nothing here is imported by a run in the kernel; submitit is imported only to submit or
 to run a job.
@@ -22,6 +22,6 @@ def attach(name_or_run_id: str, *, wait: bool = True, callbacks=()):
     """The result of a job run (by run name, newest first, or run id): its `.status`, history and
     trained `.model`. While the job is queued or running it follows it (the dashboard, through
     `callbacks`) until it ends; `wait=False` returns what is known now."""
-    from gpunb.jobs.attach import attach as attach_job
+    from gpunb.jobs.lookup import attach as attach_job
 
     return attach_job(name_or_run_id, wait=wait, callbacks=callbacks)

@@ -58,6 +58,7 @@ class JobEntry:
                 if isinstance(error, GpunbError):
                     info.update(what=error.what, hint=error.hint)
                 events.append(events_path, "job_failed", **info)
+                _record(spec, {"state": "FAILED"}, "failed", f"{type(error).__name__}: {error}"[:500])
             raise
         if outcome == PREEMPTED:
             _requeue(spec, environment, rank)
@@ -180,20 +181,25 @@ def _requeue(spec, environment, rank: int) -> None:
     (submitit would take one for the job's end)."""
     if rank == 0:
         events.append(spec.events_path, "requeued")
-        if spec.registry:
-            from gpunb.runs import Registry
-
-            try:
-                Registry(spec.registry).set_job(spec.run_id, {"state": "REQUEUED", "reason": "preempted"},
-                                                status="queued")
-            except Exception:  # the registry is a view; the requeue matters
-                pass
+        _record(spec, {"state": "REQUEUED", "reason": "preempted"}, "queued")
         sys.stdout.flush()
         try:
             environment._requeue(0)  # Slurm: scontrol requeue; local: exits with submitit's requeue code
         except SystemExit as leaving:
             _leave(leaving.code)
     _leave(1)
+
+
+def _record(spec, job: dict, status: str, error: str | None = None) -> None:
+    """The job's state into its registry row (the sidebar), when the run is tracked."""
+    if not spec.registry:
+        return
+    from gpunb.runs import Registry
+
+    try:
+        Registry(spec.registry).set_job(spec.run_id, job, status=status, error=error)
+    except Exception:  # the registry is a view; the job's own end matters more
+        pass
 
 
 def _leave(code) -> None:

@@ -191,7 +191,7 @@ class Follower:
         outcome = self._read()  # the last lines may have come just before the end
         if outcome is not None:
             return outcome
-        if state.startswith("CANCELLED") or self.stop_asked:
+        if state.startswith("CANCELLED") or (self.spec.path / scheduler.CANCELLED_MARK).exists():
             return {"event": "cancelled"}
         return {"event": "gone", "state": state}
 

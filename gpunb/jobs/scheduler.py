@@ -24,6 +24,7 @@ ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 SLURM_PARAMETERS = ("partition", "account", "qos", "constraint", "comment", "mem", "mem_per_gpu",
                     "cpus_per_task", "cpus_per_gpu", "exclusive", "nodelist", "exclude", "gres",
                     "mail_type", "mail_user", "wckey", "dependency", "setup")
+CANCELLED_MARK = "cancelled"  # a file in the job folder: the job was cancelled from gpunb
 DEFAULT_TIMEOUT_MIN = 7 * 24 * 60  # a local job's limit when none is given (submitit's own is 2 minutes)
 
 
@@ -114,6 +115,7 @@ def cancel(spec) -> None:
     """End the job at once (its newest checkpoint stays on disk)."""
     if spec.job_id is None:
         return
+    (spec.path / CANCELLED_MARK).touch()  # how a local job that ended tells a cancel from a crash
     if spec.cluster == "local":
         if _local_alive(spec):
             os.kill(int(spec.job_id), signal.SIGINT)  # the controller stops its tasks (SIGINT, then SIGKILL)

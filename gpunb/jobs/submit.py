@@ -20,7 +20,7 @@ DEFAULT_SLURM_TIME_MIN = 24 * 60  # a Slurm job's time limit when neither the ru
 
 def run_job(config, entry, model, train_data, val_data=None, *, callbacks=(), key=None, wait=True, **arguments):
     """Submit (or find) the job of this run and follow it; returns its JobResult (the weights in `model`)."""
-    from gpunb.jobs.attach import find_job
+    from gpunb.jobs.lookup import find_job
     from gpunb.jobs.follow import Follower
 
     if arguments.get("continue_from") is not None:

@@ -60,6 +60,19 @@ class GpuMagics(Magics):
     @argument("--export", metavar="PATH", help="write a standalone torchrun script instead of training")
     @argument("--eval", action="store_true", help="evaluate the model on val_data (or train_data) instead of training")
     @argument("--dry-run", action="store_true", help="show the run's summary (parameters, FLOPs, memory) without training")
+    @argument("--detach", action="store_true", help="train in a job of its own on this machine, which outlives the kernel")
+    @argument("--cluster", help="train as a job on a cluster: slurm (defaults: ~/.config/gpunb/clusters.toml)")
+    @argument("--nodes", type=int, help="a Slurm job's nodes")
+    @argument("--gpus-per-node", type=int, help="a job's GPUs per node, one process each")
+    @argument("--partition", help="Slurm partition")
+    @argument("--time", help="a job's time limit: minutes or h:mm:ss")
+    @argument("--account", help="Slurm account")
+    @argument("--qos", help="Slurm QOS")
+    @argument("--constraint", help="Slurm node features (--constraint)")
+    @argument("--slurm", action="append", metavar="KEY=VALUE", help="any other sbatch setting (repeatable)")
+    @argument("--gpu-hour-price", type=float, help="a GPU-hour's price: the job's result gets its cost")
+    @argument("--resubmit", action="store_true", help="submit the job anew, even when this cell's job exists")
+    @argument("--no-wait", action="store_true", help="with a job: submit and return; gpunb.attach(name) follows it")
     @argument("--model", dest="model_name", default="model", help="variable holding the model")
     @argument("--train-data", dest="train_data_name", default="train_data", help="variable holding the data")
     @argument("--val-data", dest="val_data_name", default="val_data")
@@ -121,9 +134,10 @@ class GpuMagics(Magics):
             return _dry_run(self.shell, found, config, args)
         if args.find_lr:
             return _find_lr(found, config)
-        return self._train(config, found, args)
+        key = None if cell is None or config.cluster is None else _cell_key(cell, line)
+        return self._train(config, found, args, key)
 
-    def _train(self, config, found, args):
+    def _train(self, config, found, args, job_key=None):
         __tracebackhide__ = True  # noqa: F841
         from IPython.display import display
 
@@ -131,13 +145,20 @@ class GpuMagics(Magics):
         from gpunb.trainer import Trainer
 
         callbacks = [*found["callbacks"], *_progress_callbacks(self.shell, args.quiet)]
+        if config.cluster is not None and not args.quiet:
+            from gpunb.notebook.job_notice import JobNotice
+
+            callbacks.append(JobNotice())
         previous = session_continue_state() if args.continue_fit else None
         try:
             with kernel_stays_busy(self.shell):  # the dashboard's widgets must not read "Idle"
+                if args.no_wait:
+                    return _submit_only(self.shell, config, found, args, job_key)
                 result = Trainer(config).fit(
                     found["model"], found["train_data"], found["val_data"], optimizer=found["optimizer"],
                     scheduler=found["scheduler"], loss_fn=found["loss_fn"], step=found["step"],
-                    metrics=found["metrics"], callbacks=callbacks, continue_from=previous)
+                    metrics=found["metrics"], callbacks=callbacks, continue_from=previous,
+                    **({"job_key": job_key} if config.cluster is not None else {}))
         except GpunbError as error:
             raise UsageError(str(error)) from None
         _remember(config, found, args, result)
@@ -202,10 +223,58 @@ def _config(args):
                                             ("restore_best", args.restore_best)) if flag})
     if args.no_track:
         chosen["track"] = False
+    chosen.update(_job_options(args))
     try:
         return TrainConfig(**chosen)
     except GpunbError as error:
         raise UsageError(_as_option_hint(str(error))) from None
+
+
+def _job_options(args) -> dict:
+    """--detach, --cluster and the Slurm options as TrainConfig fields."""
+    chosen = {"cluster": "local" if args.detach else args.cluster, "nodes": args.nodes,
+              "gpus_per_node": args.gpus_per_node, "gpu_hour_price": args.gpu_hour_price}
+    chosen = {k: v for k, v in chosen.items() if v is not None}
+    slurm = {key: value for key in ("partition", "time", "account", "qos", "constraint")
+             if (value := getattr(args, key)) is not None}
+    for item in args.slurm or ():
+        key, equals, value = item.partition("=")
+        if not equals or not key.strip():
+            raise UsageError(f"--slurm {item!r} is not KEY=VALUE.\nHINT: e.g. `--slurm mem=64G --slurm exclusive=`.")
+        slurm[key.strip().lstrip("-")] = value.strip()
+    if slurm:
+        chosen["slurm"] = slurm
+    if args.resubmit:
+        chosen["resubmit"] = True
+    if args.detach and args.cluster:
+        raise UsageError("--detach runs the job on this machine and --cluster on a cluster: pick one.\n"
+                         "HINT: drop `--detach` to submit to the cluster.")
+    return chosen
+
+
+def _cell_key(cell: str, line: str) -> str:
+    from gpunb.jobs.lookup import cell_key
+
+    return cell_key(cell, line)
+
+
+def _submit_only(shell, config, found, args, job_key):
+    """--no-wait: submit (or find) the job and return; its JobResult says queued or running."""
+    from IPython.display import display
+
+    from gpunb.trainer import Trainer
+
+    if config.cluster is None:
+        raise UsageError("--no-wait returns while a job trains, and this run is not a job.\n"
+                         "HINT: add `--detach` (a job on this machine) or `--cluster slurm`.")
+    result = Trainer(config).submit(found["model"], found["train_data"], found["val_data"],
+                                    optimizer=found["optimizer"], scheduler=found["scheduler"],
+                                    loss_fn=found["loss_fn"], step=found["step"], metrics=found["metrics"],
+                                    job_key=job_key)
+    shell.user_ns[args.out] = result
+    if not args.quiet:
+        display(result)
+    return None
 
 
 def _int_or(value, name):
