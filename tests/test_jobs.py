@@ -31,7 +31,8 @@ def no_leftovers(tmp_path):
     yield
     deadline = time.monotonic() + 15
     while True:
-        left = [p for p in psutil.Process().children(recursive=True) if _in(p, str(tmp_path))]
+        # Every process, not only this one's children: a Slurm job's tasks are slurmd's.
+        left = [p for p in psutil.process_iter() if p.pid != os.getpid() and _in(p, str(tmp_path))]
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.2)

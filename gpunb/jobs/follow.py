@@ -109,7 +109,8 @@ class Follower:
         outcome = self._read()
         if outcome is not None and outcome["event"] in ("job_done", "job_failed"):
             return self._finish(outcome)
-        state, _ = scheduler.job_state(self.spec)
+        state, reason = scheduler.job_state(self.spec)
+        self._job_state(state, reason)  # the registry (the sidebar) hears it too
         return self._result(status="running" if self.attempts else "queued", scheduler_state=state)
 
     def stop(self) -> None:
