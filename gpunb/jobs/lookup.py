@@ -18,11 +18,14 @@ RESUBMIT_AFTER = ("failed", "cancelled", "interrupted")  # a job that ended so i
 SEARCHED = 1000  # newest registry rows searched for a job
 
 
+NOT_THE_RUN = ("--no-wait", "--quiet", "--resubmit")  # options that change how a cell waits, not what it trains
+
+
 def cell_key(cell: str, line: str) -> str:
-    """The key of a cell run as a job: its source and its options (blank lines and spaces at the
-    ends do not count)."""
+    """The key of a cell run as a job: its source and its options (blank lines, spaces at the
+    ends, and the options that do not change the training do not count)."""
     text = "\n".join(part.rstrip() for part in cell.strip().splitlines() if part.strip())
-    options = " ".join(line.split())
+    options = " ".join(word for word in line.split() if word not in NOT_THE_RUN)
     return hashlib.sha256(f"{options}\n{text}".encode()).hexdigest()[:24]
 
 
