@@ -72,3 +72,47 @@ def _row(registry, name_or_run_id: str) -> dict:
         raise GpunbError(f"The folder of job {name_or_run_id!r}, {row['job']['folder']}, is gone.",
                          "its weights went with it; run the cell again with `--resubmit` to train anew.")
     return row
+
+
+REFRESH_EVERY_S = 5.0  # the sidebar polls often; the scheduler is asked about waiting jobs this often at most
+_refreshed = {"at": 0.0}
+
+
+def refresh_waiting(registry, runs: list[dict]) -> list[dict]:
+    """Queued jobs' scheduler state and reason into the registry (a job waiting with no kernel
+    following it still shows why it waits), at most every REFRESH_EVERY_S; `runs` as read again."""
+    import time
+
+    from gpunb.jobs import scheduler
+
+    if time.monotonic() - _refreshed["at"] < REFRESH_EVERY_S:
+        return runs
+    _refreshed["at"] = time.monotonic()
+    changed = False
+    for run in runs:
+        job = run.get("job")
+        if not job or run["status"] != "queued" or job.get("cluster") != "slurm" or not job.get("id"):
+            continue
+        state, reason = scheduler.slurm_state(job["id"])
+        if (state, reason) != (job.get("state"), job.get("reason")) and state != "UNKNOWN":
+            ended = state.startswith("CANCELLED") and "cancelled" or (state in scheduler.ENDED and "failed")
+            registry.set_job(run["id"], {"state": state, "reason": reason}, status=ended or None)
+            changed = True
+    return registry.list_runs(series=True) if changed else runs
+
+
+def stop_job(registry, run: dict) -> bool:
+    """The sidebar's Stop for a job: the first asks it to stop at its next step (checkpoint, weights
+    kept); a second, or one for a job still waiting in the queue, cancels it. False if it has ended."""
+    from gpunb.jobs import scheduler
+
+    if run["status"] not in ("queued", "running"):
+        return False
+    spec = job_spec.load(run["job"]["folder"])
+    if run["status"] == "queued" or run.get("stop_requested"):
+        scheduler.cancel(spec)
+        registry.set_job(run["id"], {"state": "CANCELLED"}, status="cancelled")
+        return True
+    spec.stop_path.touch()  # the job reads it even where it cannot reach this registry
+    registry.request_stop(run["id"])
+    return True

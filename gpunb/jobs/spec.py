@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -98,10 +99,9 @@ def current_versions() -> dict:
     """What a pickled model needs to load the same way: Python, torch, its CUDA, gpunb."""
     import torch
 
-    import gpunb
-
+    package = sys.modules["gpunb"]  # imported before any of its modules (not imported here: it is the top layer)
     return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "gpunb": gpunb.__version__}
+            "gpunb": package.__version__}
 
 
 def version_mismatch(kernel: dict, job: dict) -> GpunbError | None:

@@ -196,9 +196,10 @@ class Registry:
 
     def finish(self, run_id: str, status: str, *, error: str | None = None, **fields: Any) -> None:
         """End a run with `status` (not "running"); `fields` as in `update` (e.g. energy_j)."""
-        if status not in STATUSES or status == "running":
+        ends = [s for s in STATUSES if s not in ("queued", "running")]
+        if status not in ends:
             raise GpunbError(f"Cannot finish a run with status {status!r}.",
-                             "use one of " + ", ".join(f"`{s}`" for s in STATUSES[1:]) + ".")
+                             "use one of " + ", ".join(f"`{s}`" for s in ends) + ".")
         self.update(run_id, eta_s=None, **fields)
         with self._write() as db:
             points = db.execute("SELECT data FROM metrics WHERE run_id = ?", (run_id,)).fetchall()
