@@ -52,8 +52,13 @@ class JobResult(TrainResult):
         return state
 
     def __repr__(self) -> str:
-        return f"{TrainResult.__repr__(self)[:-1]}, status={self.status!r})" if self.steps else \
-            f"JobResult(run_name={self.run_name!r}, status={self.status!r})"
+        job = self.job or {}
+        where = f"{job.get('cluster')} job {job.get('id')}, {job.get('nodes')} node(s) x {job.get('tasks_per_node')}"
+        if not self.steps:
+            return f"JobResult({self.run_name!r}: {self.status}; {where})"
+        cost = f", {self.gpu_hours:.2f} GPU-hours" if self.gpu_hours is not None else ""
+        cost += f", cost {self.cost:.2f}" if self.cost is not None else ""
+        return f"{TrainResult.__repr__(self)}\n  {where}: {self.status}{cost}"
 
 
 class Follower:

@@ -235,6 +235,8 @@ class Registry:
                 run = self._run_dict(row)
                 if (run["status"] == "running" or judged_dead(run)) and alive(run, host, now):
                     continue
+                if run["status"] == "queued":
+                    continue  # a job waiting for its scheduler: cancel it first
                 db.execute("DELETE FROM runs WHERE id = ?", (run_id,))
                 db.execute("DELETE FROM metrics WHERE run_id = ?", (run_id,))
                 removed.append(run_id)
