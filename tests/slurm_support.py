@@ -4,7 +4,18 @@ and MariaDB on this machine, started by `.ci/slurm/start` and stopped by `.ci/sl
 `.ci/run` starts one before the suite and exports `GPUNB_TEST_SLURM` (its state directory);
 outside CI the `slurm_cluster` fixture starts one itself when Slurm is installed and it runs
 as root, and stops it at the end of the session. Where neither can be, the Slurm tests skip
-and say why.
+and say why. The fixture sets SLURM_CONF in this process, so `sbatch`, submitit and kernels
+started afterwards find the cluster:
+
+    def test_cancel(slurm_cluster, tmp_path):
+        job = slurm_cluster.executor(tmp_path, nodes=2).submit(time.sleep, 300)
+        slurm_cluster.wait_for_state(job.job_id, "RUNNING")
+        slurm_cluster.run(["scancel", job.job_id])
+        slurm_cluster.wait_for_state(job.job_id, "CANCELLED")
+
+The tests' directory is not on a job's sys.path: a function or class defined at the top of a
+test module reaches a job only once that module is registered with
+`cloudpickle.register_pickle_by_value`, as tests/test_slurm_cluster.py does.
 """
 
 from __future__ import annotations
@@ -16,9 +27,9 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -39,10 +50,16 @@ class SlurmCluster:
     nodes: tuple[str, ...] = ("n1", "n2")
 
     def run(self, cmd: str | list[str], timeout: float = 60, check: bool = True) -> str:
-        """Runs a Slurm command (`"squeue -h"` or a list) against this cluster; its stdout."""
+        """Runs a Slurm command (`"squeue -h"` or a list) against this cluster; its stdout.
+
+        It runs in a scratch directory of the cluster's: an `sbatch` without `--output` or
+        `--chdir` leaves its slurm-<id>.out there, not in the checkout.
+        """
         args = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
-        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, **self.env})
+        scratch = self.state_dir / "scratch"
+        scratch.mkdir(exist_ok=True)
+        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False,
+                              cwd=scratch, env={**os.environ, **self.env})
         if check and done.returncode:
             raise RuntimeError(f"{' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")
         return done.stdout
@@ -85,7 +102,7 @@ def start(state_dir: Path, install: bool = False) -> dict[str, str]:
     Raises RuntimeError with the script's own message when it cannot start.
     """
     args = [str(SCRIPTS / "start"), *([] if install else ["--no-install"]), str(state_dir)]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300, check=False)
     if done.returncode:
         raise RuntimeError(done.stderr.strip() or f"{args[0]} failed ({done.returncode})")
     return parse_env(done.stdout)
@@ -94,7 +111,7 @@ def start(state_dir: Path, install: bool = False) -> dict[str, str]:
 def stop(state_dir: Path) -> None:
     """Stops the cluster in `state_dir`; RuntimeError if anything of it had to be killed."""
     done = subprocess.run([str(SCRIPTS / "stop"), str(state_dir)], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, check=False)
     if done.returncode:
         raise RuntimeError(done.stderr.strip())
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import cloudpickle
 import pytest
-
 import slurm_support
 
 pytestmark = pytest.mark.slurm
@@ -57,10 +56,19 @@ def running(cluster, job, timeout=60):
     return job
 
 
+def wait_for_file(path: Path, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"no {path} after {timeout} s"
+        time.sleep(0.1)
+
+
 def test_a_one_task_job_returns_its_result_in_its_folder(slurm_cluster, tmp_path):
     job = slurm_cluster.executor(tmp_path).submit(where_am_i)
     assert job.result() == (0, job.get_info(mode="force")["NodeList"], str(tmp_path))
-    assert job.state == "COMPLETED"  # read from sacct: accounting works
+    # Accounting works; the result comes a moment before the job's end reaches sacct.
+    slurm_cluster.wait_for_state(job.job_id, "COMPLETED", timeout=30)
+    assert job.get_info(mode="force")["State"] == "COMPLETED"  # what submitit reads
 
 
 def test_a_two_node_job_runs_one_task_on_each_node(slurm_cluster, tmp_path):
@@ -68,6 +76,13 @@ def test_a_two_node_job_runs_one_task_on_each_node(slurm_cluster, tmp_path):
     results = job.results()
     assert [(rank, node) for rank, node, _ in results] == [(0, "n1"), (1, "n2")]
     assert job.get_info(mode="force")["NodeList"] == "n[1-2]"
+
+
+def test_a_plain_sbatch_writes_its_output_beside_the_cluster_not_in_the_checkout(slurm_cluster):
+    job_id = slurm_cluster.run(["sbatch", "--parsable", "--wrap", "echo hello from $SLURM_JOB_ID"]).strip()
+    slurm_cluster.wait_for_state(job_id, "COMPLETED", timeout=30)
+    output = slurm_cluster.state_dir / "scratch" / f"slurm-{job_id}.out"
+    assert output.read_text() == f"hello from {job_id}\n"
 
 
 def test_a_cancelled_job_is_reported_cancelled(slurm_cluster, tmp_path):
@@ -90,9 +105,7 @@ def test_scontrol_requeue_runs_the_job_again_to_its_end(slurm_cluster, tmp_path)
 
 def test_a_preempted_checkpointable_job_is_requeued_and_finishes(slurm_cluster, tmp_path):
     job = slurm_cluster.executor(tmp_path).submit(Preemptible(str(tmp_path / "started")))
-    running(slurm_cluster, job)
-    while not (tmp_path / "started").exists():  # submitit's signal handler is in place
-        time.sleep(0.1)
+    wait_for_file(tmp_path / "started")  # the job runs, submitit's signal handler in place
     job._interrupt()  # what Slurm does to a preempted job: SIGTERM, then submitit's USR2
     slurm_cluster.wait_for_state(job.job_id, "COMPLETED", timeout=60)
     assert job.result() == "resumed"
@@ -111,7 +124,8 @@ def test_stop_ends_every_daemon_and_job_process(slurm_cluster, tmp_path, request
     job_id = other.run(["sbatch", "--parsable", f"--chdir={tmp_path}", "--output=/dev/null",
                         "--wrap", f"echo $$ > {job_pid}; exec sleep 300"]).strip()
     other.wait_for_state(job_id, "RUNNING")
-    while not job_pid.exists() or not job_pid.read_text().strip():
+    wait_for_file(job_pid)
+    while not job_pid.read_text().strip():
         time.sleep(0.1)
     pids["job"] = int(job_pid.read_text())
 
