@@ -153,13 +153,7 @@ class TrainConfig:
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise GpunbError(f"clip_grad_norm must be positive, got {self.clip_grad_norm!r}.",
                              "pass a max norm such as `clip_grad_norm=1.0`, or None to disable.")
-        if self.ema is not None and (isinstance(self.ema, bool) or not isinstance(self.ema, (int, float))
-                                     or not 0 < self.ema < 1):
-            raise GpunbError(f"ema must be a decay between 0 and 1, got {self.ema!r}.",
-                             "pass e.g. `ema=0.999` (closer to 1 averages over more steps), or None to disable.")
-        if self.ema_apply and self.ema is None:
-            raise GpunbError("ema_apply=True asks for the averaged weights, and `ema` is not set.",
-                             "pass `ema=0.999` too, or drop `ema_apply`.")
+        self._check_ema()
         if self.lr is not None and not self.lr > 0:
             raise GpunbError(f"lr must be positive, got {self.lr!r}.", "pass e.g. `lr=3e-4`.")
         if self.batch_size_fn is not None and not callable(self.batch_size_fn):
@@ -172,6 +166,15 @@ class TrainConfig:
             which = "best" if self.resume == "best" else "last"
             raise GpunbError(f"resume='{which}' needs a checkpoint_dir to look in.",
                              "pass `checkpoint_dir=...` too, or `resume=<path to a checkpoint>`.")
+
+    def _check_ema(self) -> None:
+        if self.ema is not None and (isinstance(self.ema, bool) or not isinstance(self.ema, (int, float))
+                                     or not 0 < self.ema < 1):
+            raise GpunbError(f"ema must be a decay between 0 and 1, got {self.ema!r}.",
+                             "pass e.g. `ema=0.999` (closer to 1 averages over more steps), or None to disable.")
+        if self.ema_apply and self.ema is None:
+            raise GpunbError("ema_apply=True asks for the averaged weights, and `ema` is not set.",
+                             "pass `ema=0.999` too, or drop `ema_apply`.")
 
     def _check_min_lr_ratio(self) -> None:
         ratio = self.min_lr_ratio

@@ -111,7 +111,7 @@ def _train(spec, environment) -> str:
 def _job_settings(config, spec) -> dict:
     """The job's own settings: checkpoints in its folder, resumed from when it has some; the
     registry is written by the recorder with the job's run id; one process per task here."""
-    from gpunb.runtime.checkpoint import list_checkpoints
+    from gpunb.runtime.state.checkpoint_files import list_checkpoints
 
     checkpoint_dir = config.checkpoint_dir or str(spec.checkpoint_dir)
     settings = {"checkpoint_dir": checkpoint_dir, "track": False, "cluster": None, "nodes": 1,

@@ -273,7 +273,7 @@ class Follower:
 
     def _without_result(self, status: str, reason: str) -> JobResult:
         """Cancelled: the newest checkpoint's weights, when there is one."""
-        from gpunb.runtime.checkpoint import list_checkpoints, load_checkpoint
+        from gpunb.runtime.state.checkpoint_files import list_checkpoints, load_checkpoint
 
         if self.registry is not None:
             try:
