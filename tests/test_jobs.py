@@ -6,8 +6,11 @@ Every test ends with no process of its job left (the `no_leftovers` fixture)."""
 import json
 import os
 import signal
+import sys
 import threading
 import time
+
+import cloudpickle
 
 import psutil
 import pytest
@@ -21,6 +24,9 @@ from gpunb.errors import GpunbError
 from gpunb.runs import Registry
 
 pytest.importorskip("submitit")
+
+# The jobs import nothing from the tests (pytest's sys.path is not theirs): SlowLoss travels by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 SETTINGS = dict(accelerator="cpu", batch_size=16, log_every=4, seed=0)
 
@@ -257,3 +263,35 @@ def test_the_cluster_file_gives_defaults_and_refuses_unknown_keys(tmp_path, monk
     clusters.write_text('[slurm]\npartiton = "gpu"\n')
     with pytest.raises(GpunbError, match="unknown key"):
         job_settings(TrainConfig(cluster="slurm"))
+
+
+class InterruptAt:
+    """Presses the kernel's interrupt button (SIGINT to this process) `times` times at a step."""
+
+    def __init__(self, step, times):
+        self.step, self.times, self.done = step, times, False
+
+    def on_log(self, state, row):
+        if row["step"] >= self.step and not self.done:
+            self.done = True
+            for _ in range(self.times):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.2)
+
+
+def test_the_interrupt_button_stops_the_job_and_a_second_press_cancels_it():
+    model = mlp()
+    result = Trainer(**SETTINGS, cluster="local", max_steps=100_000, name="interrupted").fit(
+        model, data(), loss_fn=nn.CrossEntropyLoss(), callbacks=[InterruptAt(8, times=1)])
+    assert result.status == "stopped" and result.steps < 100_000
+    checkpoint = torch.load(result.checkpoint_path, weights_only=True)
+    assert all(torch.equal(checkpoint["model"][k], v) for k, v in model.state_dict().items())
+    result = Trainer(**SETTINGS, cluster="local", max_steps=100_000, checkpoint_every=4, name="pressed-twice").fit(
+        mlp(), data(), loss_fn=SlowLoss(), callbacks=[InterruptAt(8, times=2)])
+    assert result.status == "cancelled" and Registry().get_run(result.job["run_id"])["status"] == "cancelled"
+
+
+class SlowLoss(nn.CrossEntropyLoss):
+    def forward(self, output, target):
+        time.sleep(0.05)
+        return super().forward(output, target)
