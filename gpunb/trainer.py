@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from gpunb.config import TrainConfig, make_config
+from gpunb.runtime.adapters import check_adapters, merge_adapters
 from gpunb.runtime.context import LocalContext
 from gpunb.runtime.loop import run
 from gpunb.runtime.result import TrainResult
@@ -67,6 +68,7 @@ class Trainer:
         __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
         check_model(model)
         config = self.config
+        check_adapters(model, config)  # quantized layers without bitsandbytes, merge_adapters without adapters
         arguments = dict(optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, step=step, metrics=metrics)
         if config.cluster is not None:
             return self._job(model, train_data, val_data, callbacks, continue_from, job_key, True, **arguments)
@@ -86,8 +88,7 @@ class Trainer:
                 named = tuple(item for item in config.loggers if isinstance(item, str))
                 result = launch.fit(config.replace(loggers=named), _rank_entry, model, train_data, val_data,
                                     callbacks=parent, **arguments)
-                return result.attach(model, loss_fn=loss_fn, step=step, metrics=metrics,
-                                     transforms=config.transforms)
+                return _finished(result, model, config, loss_fn=loss_fn, step=step, metrics=metrics)
         context = LocalContext()
         if _in_process_group():
             from gpunb.distributed.context import current_context
@@ -96,7 +97,7 @@ class Trainer:
         if context.rank == 0:
             callbacks = [*callbacks, *loggers]  # last: they see what the others noted (a profile trace)
         result = _rank_entry(config, context, model, train_data, val_data, callbacks=callbacks, **arguments)
-        return result.attach(model, loss_fn=loss_fn, step=step, metrics=metrics, transforms=config.transforms)
+        return _finished(result, model, config, loss_fn=loss_fn, step=step, metrics=metrics)
 
     def submit(self, model, train_data, val_data=None, *, optimizer=None, scheduler=None, loss_fn=None,
                step=None, metrics=None, job_key=None):
@@ -142,6 +143,13 @@ class Trainer:
                        loss_fn=loss_fn, step=step, metrics=metrics)
 
     dry_run = summary
+
+
+def _finished(result, model, config, **objective) -> TrainResult:
+    """The result, ready for predict and evaluate; with merge_adapters, the adapters merged."""
+    if config.merge_adapters:
+        merge_adapters(result, model)
+    return result.attach(result.model or model, transforms=config.transforms, **objective)
 
 
 def _rank_entry(config, context, model, train_data, val_data=None, *, callbacks=(), **arguments) -> TrainResult:
