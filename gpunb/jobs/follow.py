@@ -34,22 +34,12 @@ CANCEL_WAIT_S = 15.0  # after a cancel, how long to wait for the job's processes
 @dataclass(repr=False)
 class JobResult(TrainResult):
     """A job's TrainResult: also its `status`, the job (`job`: cluster, id, folder, nodes), its
-    GPU-hours and cost, and the trained `model`."""
+    GPU-hours and cost; `model` (TrainResult's field) is the model with the job's weights once it ended."""
 
     status: str = "queued"  # queued, running, completed, stopped, cancelled, failed
     job: dict = field(default_factory=dict)
     gpu_hours: float | None = None
     cost: float | None = None  # gpu_hours x the GPU-hour price, when one is set
-
-    @property
-    def model(self):
-        """The model with the job's weights (None until the job has ended)."""
-        return getattr(self, "_model", None)
-
-    def __getstate__(self) -> dict:
-        state = super().__getstate__()
-        state.pop("_model", None)
-        return state
 
     def __repr__(self) -> str:
         job = self.job or {}
@@ -308,7 +298,7 @@ class Follower:
             if self.spec.gpu_hour_price is not None:
                 result.cost = result.gpu_hours * self.spec.gpu_hour_price
         if self.model is not None and status in ("completed", "stopped", "cancelled"):
-            result._model = self.model
+            result.model = self.model
         return result
 
     def _load(self, model_state: dict, optimizer_state: dict | None) -> None:
