@@ -106,7 +106,7 @@ def test_a_cancelled_job_is_reported_cancelled(slurm_cluster):
 
 
 def test_a_pending_job_is_listed_with_its_reason(slurm_cluster):
-    hold = slurm_cluster.run(["sbatch", "--parsable", "-p", slurm_cluster.partition, "-N2", "--exclusive",
+    hold = slurm_cluster.run(["sbatch", "--parsable", "-p", slurm_cluster.partition, "-N2", "--exclusive", "--output=/dev/null",
                               "--wrap", "sleep 60"]).strip()
     try:
         slurm_cluster.wait_for_state(hold, "RUNNING")
