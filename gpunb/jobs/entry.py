@@ -98,7 +98,7 @@ def _train(spec, environment) -> str:
     model, optimizer = args.model, args.optimizer
     result = entry(config, context, model, args.train_data, args.val_data, optimizer=optimizer,
                    scheduler=args.scheduler, loss_fn=args.loss_fn, step=args.step, metrics=args.metrics,
-                   callbacks=callbacks)
+                   callbacks=callbacks, state_type=args.state_type)
     preempted = result.stop_reason == PREEMPTED or (rank == 0 and control.preempted)
     timings = _all_timings(context, result, rank)
     if rank == 0 and not preempted:

@@ -1,8 +1,11 @@
 """The events file of a job: rank 0 appends, the kernel tails.
 
 One JSON object a line: {"t": time.time(), "event": name, ...}. The run's own events carry
-the snapshot the launcher's relay sends over its queue (distributed/worker.py), so the
-kernel mirrors rank 0's FitState the same way; the job adds its own:
+what the launcher's relay sends over its queue (distributed/worker.py): the log rows since the
+last line and the event's arguments as JSON, and the RunState's relayed fields (`relayed()`:
+counters, newest metrics, the Plan, the device), pickled and base64-encoded since some are
+objects; the kernel mirrors rank 0's state with `load_relayed`, as the launcher does. The job
+adds its own events:
 
     job_started   a task group started (again, after a requeue): host, world size, attempt
     job_done      result.pt and result.pkl are written
@@ -17,11 +20,12 @@ shared file system's client sees flushed data; only a crash of the node could lo
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import pickle
 import time
 
-from gpunb.distributed.worker import progress_snapshot
 from gpunb.runs.registry import json_safe
 
 EVENTS_FILE = "events.jsonl"
@@ -47,9 +51,7 @@ class EventsWriter:
     def on_fit_start(self, state) -> None:
         self.rows_sent = 0  # a resumed run sends its history again: the reader keeps what is new
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed at the end)
-        resolved = {"batch_size": state.config.batch_size, "precision": state.config.precision}
-        self._write("on_fit_start", state, resolved=resolved, device=str(state.device),
-                    world_size=state.world_size)
+        self._write("on_fit_start", state)
 
     def on_step_end(self, state) -> None:
         now = time.monotonic()  # per step only a clock read: the line goes out at most 4 times a second
@@ -79,9 +81,10 @@ class EventsWriter:
     def _write(self, event: str, state, **fields) -> None:
         if self._file is None:
             return
-        snapshot = progress_snapshot(state, self.rows_sent)
+        relayed = base64.b64encode(pickle.dumps(state.relayed(), protocol=pickle.HIGHEST_PROTOCOL)).decode()
+        line = {"t": time.time(), "event": event, "rows": state.history[self.rows_sent:], "relayed": relayed,
+                **fields}
         self.rows_sent = len(state.history)
-        line = {"t": time.time(), "event": event, "snapshot": snapshot, **fields}
         # The C encoder as it is (json_safe's walk in Python costs more than the rest of the write):
         # NaN stays NaN, which the kernel's json.loads reads; anything else odd becomes its value or text.
         self._file.write(json.dumps(line, default=_plain) + "\n")
@@ -100,6 +103,11 @@ def _plain(value):
     if isinstance(value, (tuple, set, frozenset)):
         return list(value)
     return str(value)
+
+
+def relayed_fields(line: dict) -> dict:
+    """The RunState fields an event line carries (for `load_relayed`)."""
+    return pickle.loads(base64.b64decode(line["relayed"]))
 
 
 class EventsReader:

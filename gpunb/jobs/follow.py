@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 
 from gpunb.errors import GpunbError
 from gpunb.jobs import scheduler
-from gpunb.jobs.events import EventsReader
-from gpunb.runtime.events import Callbacks, FitState
+from gpunb.jobs.events import EventsReader, relayed_fields
+from gpunb.runtime.events import Callbacks
+from gpunb.runtime.run_state import RunState
 from gpunb.runtime.interrupt import InterruptFlag
 from gpunb.runtime.result import TrainResult
 
@@ -60,8 +61,9 @@ class Follower:
         self.attached = attached  # found an existing job (not submitted now)
         self.callbacks = Callbacks([cb for cb in callbacks])
         self.job_hooks = [getattr(cb, "on_job_state") for cb in callbacks if hasattr(cb, "on_job_state")]
-        self.state = FitState(config=config, model=model, optimizer=optimizer, device=torch.device("cpu"),
-                              run_name=spec.name, world_size=spec.nodes * spec.tasks_per_node)
+        self.state = RunState(config=config, model=model, module=model, optimizer=optimizer,
+                              device=torch.device("cpu"), run_name=spec.name,
+                              world_size=spec.nodes * spec.tasks_per_node)
         self.state.extras["run_id"] = spec.run_id
         self.reader = EventsReader(spec.events_path)
         self.started = False  # the run's first on_fit_start was dispatched
@@ -144,26 +146,12 @@ class Follower:
         return None
 
     def _dispatch(self, event: str, line: dict) -> None:
-        state, snapshot = self.state, dict(line["snapshot"])
-        rows = snapshot.pop("rows")
+        state = self.state
         if event == "on_fit_start":
-            state.history = list(rows)  # a resumed run sends its whole history again
-            resolved = line.get("resolved", {})
-            state.config = self.config.replace(**{k: v for k, v in resolved.items() if v is not None})
-            import torch
-
-            state.device = torch.device(line.get("device", "cpu"))
-            state.world_size = line.get("world_size", state.world_size)
+            state.history = list(line["rows"])  # a resumed run sends its whole history again
         else:
-            state.history.extend(rows)
-        state.latest.update(snapshot.pop("latest"))
-        state.extras.update(snapshot.pop("extras"))
-        eta = snapshot.pop("eta")
-        state.eta = tuple(eta) if eta is not None else None
-        val_names = snapshot.pop("val_names")
-        state.val_names = tuple(val_names) if val_names is not None else None
-        for name, value in snapshot.items():
-            setattr(state, name, value)
+            state.history.extend(line["rows"])
+        state.load_relayed(relayed_fields(line))
         args = line.get("args", [])
         if event == "on_fit_start":
             if self.started:

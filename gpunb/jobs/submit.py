@@ -34,7 +34,8 @@ def run_job(config, entry, model, train_data, val_data=None, *, callbacks=(), ke
         from gpunb.distributed.shipping import FitArgs
 
         args = FitArgs(config, model, train_data, val_data, **{name: arguments.get(name) for name in
-                                                               ("optimizer", "scheduler", "loss_fn", "step", "metrics")})
+                                                               ("optimizer", "scheduler", "loss_fn", "step", "metrics",
+                                                                "state_type")})
         spec = submit(config, entry, args, key=key, registry=registry)
     follower = Follower(spec, config, callbacks, model=model, optimizer=arguments.get("optimizer"),
                         registry=registry, attached=attached)
