@@ -106,7 +106,7 @@ class TrainConfig:
     cluster: str | None = None
     nodes: int = 1  # a job's nodes (Slurm)
     gpus_per_node: int | None = None  # a job's GPUs, one process each, per node; None: `devices` processes
-    slurm: dict = field(default_factory=dict)  # Slurm settings: partition, time, account, qos, constraint, any sbatch key
+    slurm: dict = dataclasses.field(default_factory=dict)  # Slurm settings: partition, time, account, qos, constraint, any sbatch key
     gpu_hour_price: float | None = None  # a GPU-hour's price, for the job's cost; None: the cluster file's
     resubmit: bool = False  # submit anew even when this run's job exists (else its job is attached to)
     # --- reproducibility

@@ -89,8 +89,9 @@ class Watch:
 def test_detached_job_trains_the_kernels_weights_and_streams_its_rows():
     watch = Watch()
     model = mlp()
+    # SlowLoss (the same numbers, 50 ms a step) keeps the job training while its rows arrive.
     result = Trainer(**SETTINGS, cluster="local", max_steps=24, name="same").fit(
-        model, data(), loss_fn=nn.CrossEntropyLoss(), callbacks=[watch])
+        model, data(), loss_fn=SlowLoss(), callbacks=[watch])
     assert result.status == "completed" and result.steps == 24
     assert weights_equal(model, in_kernel(max_steps=24))
     steps = [step for step, _, _ in watch.rows]
