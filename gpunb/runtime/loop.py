@@ -92,7 +92,7 @@ class _Run:
     state: FitState
     callbacks: Callbacks
     model: torch.nn.Module  # the user's module
-    train_model: torch.nn.Module  # what the loop calls (compiled / DDP-wrapped)
+    train_model: torch.nn.Module  # what the loop trains (DDP-wrapped); its compiled forms: the stepper's engines
     objective: Objective
     precision: Precision
     precision_reason: str
@@ -102,7 +102,7 @@ class _Run:
     batch_size: int
     best: BestCheckpoints | None = None  # save_top_k: the best checkpoints kept so far
     checkpointer: Checkpointer | None = None  # with checkpoint_dir: saves, and holds the run directory
-    compilation: Compilation | None = None  # which module the step calls: eager or compiled
+    compilation: Compilation | None = None  # which engine the step runs on: eager, compiled, one CUDA graph
     start_epoch: int = 0
     skip_batches: int = 0
     continued: object = None  # the ContinueState this fit goes on from (continue_from)
@@ -185,7 +185,11 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
         callbacks.run_first(run.checkpointer)
     if schedule is not None:  # steps at epoch ends before the checkpoint of that epoch is written
         callbacks.run_first(schedule)
-    run.compilation = Compilation(run, device, dist.world_size)  # now, or under "auto" once timing says it pays
+    # a forced compile's engine now; under "auto", a callback that asks for one once timing says it pays
+    run.compilation = Compilation(config, stepper, dist, model, feed, batch_size, total_steps, device)
+    _answer_compilation(run)
+    if run.compilation.timing:
+        callbacks.add(run.compilation)
     if carried is not None:
         run.continued = carried
         continuing.restore(run, carried)
@@ -197,7 +201,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
 def _train(run: _Run) -> TrainResult:
     """The loop: epochs of optimizer steps, logging at intervals, validation per epoch or N steps."""
     __tracebackhide__ = True  # noqa: F841
-    config, state, callbacks, stepper = run.config, run.state, run.callbacks, run.stepper
+    config, state, callbacks, stepper, compilation = run.config, run.state, run.callbacks, run.stepper, run.compilation
     timer = Timer()
     state.extras["start_step"] = state.step  # a resumed or continued fit counts on from here
     state.extras["start_samples"] = state.samples_seen
@@ -237,6 +241,8 @@ def _train(run: _Run) -> TrainResult:
                         if val_every_steps and (state.step % val_every_steps == 0 or state.step == state.total_steps):
                             validation.at_step(run, timer)  # before on_step_end: its checkpoints hold the pass
                         callbacks.call("on_step_end", state)
+                        if compilation.asking:  # compile="auto" asks for another engine, or is done
+                            _answer_compilation(run)
                         if state.step % log_every == 0:
                             _log(run, timer)  # syncs
                         if interrupt.raised:
@@ -267,6 +273,15 @@ def _train(run: _Run) -> TrainResult:
     if stepper.ema is not None and config.ema_apply and not state.result.restored_best:
         stepper.ema.copy_to_model()
     return state.result
+
+
+def _answer_compilation(run: _Run) -> None:
+    """At a step boundary: the engine compiling.py asks for, and its leave once it is done."""
+    engine, done = run.compilation.take_request()
+    if engine is not None:
+        run.stepper.switch(engine)
+    if done:
+        run.callbacks.remove(run.compilation)
 
 
 def _schedule(spec, optimizer, config, total_steps, val_names, carried):

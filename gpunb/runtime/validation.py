@@ -94,4 +94,4 @@ def _evaluate(run) -> dict:
     __tracebackhide__ = True  # noqa: F841
     ema = run.stepper.ema
     with ema.swapped() if ema is not None else contextlib.nullcontext():  # validate the averaged weights
-        return validation_pass(run.train_model, run.val_feed, run.objective, run.precision, run.dist.reduce_sums)
+        return validation_pass(run.stepper.engine.eval_model, run.val_feed, run.objective, run.precision, run.dist.reduce_sums)
