@@ -15,8 +15,9 @@ from gpunb.config import TrainConfig
 from gpunb.errors import GpunbError
 from gpunb.runtime import compile_decision, compiling, step_timing
 from gpunb.runtime.compile_decision import Decision, decide, expected_compile_s, signature_of
-from gpunb.runtime.engines import EagerEngine
+from gpunb.runtime.engines import EagerEngine, GraphEngine
 from gpunb.runtime.step import Stepper
+from gpunb.runtime.step_graph import CaptureError
 
 
 @pytest.fixture(autouse=True)
@@ -286,6 +287,38 @@ def test_a_compile_that_fails_is_replayed_eagerly_and_the_run_is_the_eager_one(m
     assert fallen.compilation["mode"] is None
     assert "failed" in fallen.compilation["reason"] and "cannot compile" in fallen.compilation["reason"]
     assert [r["loss"] for r in fallen.history] == [r["loss"] for r in eager.history]
+
+
+class _CannotCapture(GraphEngine):
+    """A whole-step engine whose capture always fails (on the CPU, in place of a CUDA graph's)."""
+
+    def whole_step(self, stepper, batch):
+        raise CaptureError("RuntimeError: this step reads a device value on the host (test)")
+
+
+def test_a_step_that_cannot_be_taken_whole_runs_eagerly_and_eager_goes_on():
+    stepper, reference = _stepper(device="cpu"), _stepper(device="cpu")
+    eager = stepper.engine
+    stepper.switch(_CannotCapture(eager))
+    batch = _data(n=8)
+    with pytest.warns(RuntimeWarning, match="could not run as one CUDA graph"):
+        stepper.accumulate(batch, True)
+    assert stepper.engine is eager and "device value" in str(stepper.failure[1])
+    reference.accumulate(batch, True)
+    assert stepper.update() == reference.update()  # the step at hand ran, eagerly
+
+
+def test_a_run_whose_step_cannot_be_captured_trains_as_eager_and_says_why(monkeypatch):
+    from gpunb.runtime import step_graph
+
+    monkeypatch.setattr(step_graph, "blocker", lambda stepper, world_size: None)  # as on a GPU
+    monkeypatch.setattr(compiling, "GraphEngine", _CannotCapture)
+    eager = _fit(_model(), compile=False)
+    with pytest.warns(RuntimeWarning, match="could not run as one CUDA graph"):
+        result = _fit(_model(), compile="step-graph")
+    assert result.compilation["mode"] is None and "no CUDA graph of the step" in result.compilation["reason"]
+    assert "device value" in result.compilation["reason"] and result.steps == 30
+    assert [r["loss"] for r in result.history] == [r["loss"] for r in eager.history]
 
 
 def test_a_model_that_fails_eagerly_too_raises_its_own_error(monkeypatch):

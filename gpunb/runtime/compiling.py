@@ -33,7 +33,7 @@ import warnings
 from gpunb.runtime import step_graph
 from gpunb.runtime.compile_decision import (Decision, auto_blocker, decide, expected_compile_s, partial_last_batch,
                                             record_compile_s, signature_of)
-from gpunb.runtime.engines import CompiledEngine, GraphEngine, error_gist, error_text
+from gpunb.runtime.engines import CompiledEngine, GraphEngine
 from gpunb.runtime.step_timing import COMPILED_WARMUP, WARMUP_STEPS, Probed, StepTimings
 
 BACKEND = "inductor"
@@ -113,13 +113,8 @@ class Compilation:
             return False
         engine, error = self.stepper.failure
         self.failed = True
-        if isinstance(engine, GraphEngine):
-            self.info.update(mode=None, reason=f"{self.info['reason']}; no CUDA graph of the step "
-                                               f"({error_gist(error)}), eager from then on")
-            return True
-        keep_voting = self.world_size > 1 and self.info["compiled_step_ms"] is None
-        self.info.update(mode=None, reason=f"compiled step failed ({error_text(error)}); eager from then on")
-        return not keep_voting
+        self.info.update(mode=None, reason=engine.failure_reason(error, self.info["reason"]))
+        return not (self.world_size > 1 and self.info["compiled_step_ms"] is None)  # votes after its timing
 
     def _agreed(self, yes: bool) -> bool:
         """Whether every process says yes (one all-reduce in multi-process runs)."""

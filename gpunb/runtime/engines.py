@@ -18,6 +18,9 @@ and says what it is:
     compiles                       a failed forward may be the compiler's: the stepper goes on eager
     eager                          the eager engine to go on with when this one fails (None: eager)
 
+An engine that can fail also words it: `failure_warning(error)`, the warning the stepper gives,
+and `failure_reason(error, reason)`, what the result says after (compiling.py).
+
 An engine never changes the run's objects; it holds the eager engine it came from.
 """
 
@@ -86,6 +89,11 @@ class CompiledEngine:
     def failure_warning(error: BaseException) -> str:
         return f"gpunb: torch.compile failed on this model, so training goes on eager: {error_text(error)}"
 
+    @staticmethod
+    def failure_reason(error: BaseException, reason: str) -> str:
+        """What the result says after the failure (`reason`: what it said before)."""
+        return f"compiled step failed ({error_text(error)}); eager from then on"
+
 
 class GraphEngine:
     """The whole step (forward, backward, clipping, update) as one CUDA graph (step_graph.py),
@@ -119,6 +127,10 @@ class GraphEngine:
     def failure_warning(error: BaseException) -> str:
         return ("gpunb: the training step could not run as one CUDA graph, so training goes on eager: "
                 f"{error_gist(error)}")
+
+    @staticmethod
+    def failure_reason(error: BaseException, reason: str) -> str:
+        return f"{reason}; no CUDA graph of the step ({error_gist(error)}), eager from then on"
 
 
 def error_gist(error: BaseException) -> str:

@@ -44,7 +44,7 @@ class FitState:
     """What a callback may read (and the few things it may set) during `fit`."""
 
     config: Any  # the resolved TrainConfig (batch size and precision chosen)
-    model: Any  # the module being trained (possibly compiled or DDP-wrapped)
+    model: Any  # the module being trained (possibly DDP-wrapped; its compiled form is the stepper's own)
     optimizer: Any
     device: Any  # torch.device
     run_name: str = "run"

@@ -92,7 +92,7 @@ class _Run:
     state: FitState
     callbacks: Callbacks
     model: torch.nn.Module  # the user's module
-    train_model: torch.nn.Module  # what the loop trains (DDP-wrapped); its compiled forms: the stepper's engines
+    train_model: torch.nn.Module  # what the loop trains (DDP-wrapped); compiled forms: the stepper's engine
     objective: Objective
     precision: Precision
     precision_reason: str
@@ -185,11 +185,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
         callbacks.run_first(run.checkpointer)
     if schedule is not None:  # steps at epoch ends before the checkpoint of that epoch is written
         callbacks.run_first(schedule)
-    # a forced compile's engine now; under "auto", a callback that asks for one once timing says it pays
-    run.compilation = Compilation(config, stepper, dist, model, feed, batch_size, total_steps, device)
-    _answer_compilation(run)
-    if run.compilation.timing:
-        callbacks.add(run.compilation)
+    _choose_engine(run)  # now, or under "auto" once timing says it pays
     if carried is not None:
         run.continued = carried
         continuing.restore(run, carried)
@@ -201,7 +197,8 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
 def _train(run: _Run) -> TrainResult:
     """The loop: epochs of optimizer steps, logging at intervals, validation per epoch or N steps."""
     __tracebackhide__ = True  # noqa: F841
-    config, state, callbacks, stepper, compilation = run.config, run.state, run.callbacks, run.stepper, run.compilation
+    config, state, callbacks, stepper = run.config, run.state, run.callbacks, run.stepper
+    compilation = run.compilation
     timer = Timer()
     state.extras["start_step"] = state.step  # a resumed or continued fit counts on from here
     state.extras["start_samples"] = state.samples_seen
@@ -273,6 +270,17 @@ def _train(run: _Run) -> TrainResult:
     if stepper.ema is not None and config.ema_apply and not state.result.restored_best:
         stepper.ema.copy_to_model()
     return state.result
+
+
+def _choose_engine(run: _Run) -> None:
+    """compile=: a forced mode's engine from the first step; under "auto", a callback that times
+    the first steps and asks for an engine once timing says it pays."""
+    state = run.state
+    run.compilation = Compilation(run.config, run.stepper, run.dist, run.model, run.feed, run.batch_size,
+                                  state.total_steps, state.device)
+    _answer_compilation(run)
+    if run.compilation.timing:
+        run.callbacks.add(run.compilation)
 
 
 def _answer_compilation(run: _Run) -> None:
