@@ -48,7 +48,7 @@ class Stepper:
 
     def __init__(self, model, optimizer, objective, precision, schedule, config, marks=Unmarked,
                  no_sync=None, split_on_oom: bool = True, ema=None):
-        self.model, self.optimizer, self.objective = model, optimizer, objective
+        self.model, self.optimizer, self.objective = model, optimizer, objective  # model: as trained, uncompiled
         self.precision, self.schedule, self.config = precision, schedule, config
         self.marks = marks  # `marks.profile`: name the step's phases for a profiler (the FitState's flag)
         self.ema = ema  # runtime.ema.WeightEma, averaged after each optimizer step
