@@ -235,6 +235,30 @@ def test_auto_times_a_resumed_run_from_where_it_starts(monkeypatch, tmp_path):
     assert resumed.compilation["at_step"] == 10 + step_timing.WARMUP_STEPS + step_timing.TIMED_STEPS
 
 
+def test_a_run_that_compiles_lets_go_of_its_run_without_the_garbage_collector(monkeypatch):
+    """The callback holds the stepper, never the run: no reference cycle keeps the run's memory
+    (optimizer state, data on the device) after fit returns, even when it ends mid-decision."""
+    import gc
+    import weakref
+
+    from gpunb.runtime import loop
+
+    _auto_everywhere(monkeypatch, Decision(True, "test"))
+    _fit(_model(), max_steps=20)  # first imports inside a fit hold its frames until gc
+    runs, train = [], loop._train
+    monkeypatch.setattr(loop, "_train", lambda run: runs.extend(
+        weakref.ref(part) for part in (run, run.stepper, run.compilation, run.callbacks)) or train(run))
+    gc.collect()
+    gc.disable()
+    try:
+        result = _fit(_model(), max_steps=20)  # ends while the compiled steps are being timed
+        assert result.compilation["mode"] == "default" and result.compilation["speedup"] is None
+        del result
+        assert [part() for part in runs] == [None] * 4
+    finally:
+        gc.enable()
+
+
 def test_auto_goes_back_to_eager_when_the_compiled_steps_are_slower(monkeypatch):
     _auto_everywhere(monkeypatch, Decision(True, "test"))
     timings = iter([(0.001, 0.5), (0.002, 0.5)])  # eager, then compiled: twice as slow

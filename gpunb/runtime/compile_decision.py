@@ -28,7 +28,7 @@ _measured_compile_s: dict = {}  # model signature -> seconds its last compile to
 
 @dataclass
 class Decision:
-    mode: object  # None (stay eager), True (default mode) or "reduce-overhead"
+    mode: object  # None (stay eager), True (default mode), "reduce-overhead" or "step-graph"
     reason: str
 
 

@@ -32,7 +32,7 @@ class StepTimings:
         self.first_step_s, self.compiling = None, compiling
         self.probes = PROBED_STEPS if self.device.type == "cuda" and not compiling and _can_sleep() else 0
         self.probe = None  # the event after the sleep the step in progress is queued behind
-        self.probing = False  # the next step is to be probed: start_probe at its start
+        self.probing = False  # the next step is to be probed: it runs on a Probed engine (compiling.py)
         self.mark = self._synced_now() if compiling else None
 
     def record(self, step: int) -> bool:
