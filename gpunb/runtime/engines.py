@@ -21,7 +21,8 @@ and says what it is:
 An engine that can fail also words it: `failure_warning(error)`, the warning the stepper gives,
 and `failure_reason(error, reason)`, what the result says after (compiling.py).
 
-An engine never changes the run's objects; it holds the eager engine it came from.
+An engine holds the eager engine it came from and nothing of the run: what a whole step needs
+(optimizer, clipping) comes with the call, from the stepper.
 """
 
 from __future__ import annotations
