@@ -13,11 +13,11 @@ from torch import nn
 from gpunb import Trainer
 from gpunb.config import TrainConfig
 from gpunb.errors import GpunbError
-from gpunb.runtime import compile_decision, compiling, step_timing
-from gpunb.runtime.compile_decision import Decision, decide, expected_compile_s, signature_of
-from gpunb.runtime.engines import EagerEngine, GraphEngine
-from gpunb.runtime.step import Stepper
-from gpunb.runtime.step_graph import CaptureError
+from gpunb.runtime.step import compile_decision, compiling, step_timing
+from gpunb.runtime.step.compile_decision import Decision, decide, expected_compile_s, signature_of
+from gpunb.runtime.step.engines import EagerEngine, GraphEngine
+from gpunb.runtime.step.step_graph import CaptureError
+from gpunb.runtime.step.stepper import Stepper
 
 
 @pytest.fixture(autouse=True)
@@ -110,8 +110,8 @@ def test_expected_compile_time_is_an_estimate_then_what_was_measured(monkeypatch
 
 def _stepper(optimizer=None, device="cuda", **config):
     """A Stepper as fit builds one (nothing of it touches the device until a step runs)."""
-    from gpunb.runtime.objective import Objective
-    from gpunb.runtime.precision import Precision
+    from gpunb.runtime.step.objective import Objective
+    from gpunb.runtime.step.precision import Precision
 
     model = _model()
     optimizer = optimizer or torch.optim.AdamW(model.parameters())
@@ -121,8 +121,8 @@ def _stepper(optimizer=None, device="cuda", **config):
 
 
 def test_what_keeps_a_step_from_being_one_cuda_graph():
-    from gpunb.runtime import step_graph
-    from gpunb.runtime.schedule import Schedule
+    from gpunb.runtime.step import step_graph
+    from gpunb.runtime.step.schedule import Schedule
 
     assert step_graph.blocker(_stepper(), world_size=1) is None
     assert "between processes" in step_graph.blocker(_stepper(), world_size=2)
@@ -280,8 +280,8 @@ def test_a_partial_last_batch_counts_a_second_compile():
     class Run:
         pass
 
-    from gpunb.runtime.augment import Augmenter
-    from gpunb.runtime.data import EpochOrder, TensorFeed
+    from gpunb.runtime.feed.augmenter import Augmenter
+    from gpunb.runtime.feed.feeds import EpochOrder, TensorFeed
 
     run, cpu = Run(), torch.device("cpu")
 
@@ -333,7 +333,7 @@ def test_a_step_that_cannot_be_taken_whole_runs_eagerly_and_eager_goes_on():
 
 
 def test_a_run_whose_step_cannot_be_captured_trains_as_eager_and_says_why(monkeypatch):
-    from gpunb.runtime import step_graph
+    from gpunb.runtime.step import step_graph
 
     monkeypatch.setattr(step_graph, "blocker", lambda stepper, world_size: None)  # as on a GPU
     monkeypatch.setattr(compiling, "GraphEngine", _CannotCapture)
@@ -431,8 +431,8 @@ class _Graphed(EagerEngine):
 
 def _graphed_stepper(model, loss_fn) -> Stepper:
     """fit's step over `model` as if it replayed CUDA graphs: SGD, fp32, two micro-batches a step."""
-    from gpunb.runtime.objective import Objective
-    from gpunb.runtime.precision import Precision
+    from gpunb.runtime.step.objective import Objective
+    from gpunb.runtime.step.precision import Precision
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     stepper = Stepper(model, optimizer, Objective(loss_fn, None, None), Precision("32", torch.device("cpu")),
@@ -626,7 +626,7 @@ def test_under_ddp_a_model_of_torchs_own_classes_compiles_too(monkeypatch, tmp_p
 def test_the_frame_in_front_of_torchs_forward_is_there_only_while_wrapped():
     from types import SimpleNamespace
 
-    from gpunb.runtime.wrap import wrap_model
+    from gpunb.runtime.step.wrap import wrap_model
 
     ddp = SimpleNamespace(world_size=2, wrap=lambda model, device: nn.Module())  # a wrapper, as DDP is
     sequential, net, x = _model(), Net(), torch.randn(4, 8)

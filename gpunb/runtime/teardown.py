@@ -21,7 +21,7 @@ class Teardown:
         self.matmul_precision = torch.get_float32_matmul_precision()
         self.saved_globals = None  # set once seed_everything has changed them
         self.unwrap = None  # set once wrap_model has changed the module
-        self.rollback = None  # a continued fit: puts what it moved back if it fails (runtime/continuing.py)
+        self.rollback = None  # a continued fit: puts what it moved back if it fails (runtime/state/continuing.py)
 
     def __call__(self, failed: bool, trained: bool = True) -> None:
         steps = [self.unwrap] if self.unwrap is not None else []
