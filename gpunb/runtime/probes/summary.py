@@ -21,6 +21,7 @@ from gpunb.runtime.feed.augmenter import apply_transforms
 from gpunb.runtime.feed.inputs import batch_size_of, first_batch, is_mapping, map_tensors
 from gpunb.runtime.probes.batch_size import count_flops
 from gpunb.runtime.probes.preflight import Untouched
+from gpunb.runtime.trainable import parameter_count
 
 # Tensors of a parameter's size each optimizer keeps per parameter (None: it depends).
 _STATES = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adadelta": 2, "Rprop": 2,
@@ -46,7 +47,7 @@ class RunSummary:
     optimizer_note: str = ""
     activations_bytes: int | None = None
     activations_note: str = ""
-    ema_bytes: int = 0  # the weight average `ema` keeps: a copy of the weights
+    ema_bytes: int = 0  # the weight average `ema` keeps: a copy of the trainable weights and buffers
     free_bytes: int | None = None  # free GPU memory, or the system's available memory on CPU
     memory_kind: str = "system"  # "GPU" or "system"
 
@@ -97,13 +98,13 @@ def summarize(model, optimizer, objective, precision, data, device, batch_size: 
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     summary = RunSummary(
-        model=type(model).__name__, trainable_params=sum(p.numel() for p in trainable),
-        frozen_params=sum(p.numel() for p in params if not p.requires_grad), batch_size=batch_size,
+        model=type(model).__name__, trainable_params=sum(parameter_count(p) for p in trainable),
+        frozen_params=sum(parameter_count(p) for p in params if not p.requires_grad), batch_size=batch_size,
         device=device.type, precision=precision.name,
         weights_bytes=sum(_nbytes(t) for t in [*params, *model.buffers()]),
         gradients_bytes=sum(_nbytes(p) for p in trainable))
-    if config.ema is not None:
-        summary.ema_bytes = summary.weights_bytes
+    if config.ema is not None:  # the trainable parameters and the buffers (frozen ones are not averaged)
+        summary.ema_bytes = sum(_nbytes(t) for t in [*trainable, *model.buffers()])
     summary.optimizer_bytes, summary.optimizer_note = optimizer_state_bytes(optimizer)
     summary.free_bytes, summary.memory_kind = free_memory(device)
     if objective.step_fn is not None:
