@@ -13,15 +13,17 @@ from torch import nn
 from gpunb import Trainer
 from gpunb.config import TrainConfig
 from gpunb.errors import GpunbError
-from gpunb.runtime.step import compiling
-from gpunb.runtime.step.compiling import Decision, decide, expected_compile_s, signature_of
+from gpunb.runtime.step import compile_decision, compiling, step_timing
+from gpunb.runtime.step.compile_decision import Decision, decide, expected_compile_s, signature_of
+from gpunb.runtime.step.engines import EagerEngine, GraphEngine
+from gpunb.runtime.step.step_graph import CaptureError
 from gpunb.runtime.step.stepper import Stepper
 
 
 @pytest.fixture(autouse=True)
 def _no_compile_history(monkeypatch):
     """Each test starts as a fresh kernel: no compile measured earlier in this process."""
-    monkeypatch.setattr(compiling, "_measured_compile_s", {})
+    monkeypatch.setattr(compile_decision, "_measured_compile_s", {})
 
 
 def _data(n=256, seed=0):
@@ -86,8 +88,8 @@ def test_a_short_remainder_stays_eager_and_says_the_numbers():
 
 def test_the_break_even_point_follows_the_margin():
     # saving = steps * 0.01 s * (1 - 1/1.3); eager below PAYBACK_MARGIN x 10 s of compile
-    saving_per_step = 0.01 * (1 - 1 / compiling.ASSUMED_SPEEDUP[True])
-    needed = compiling.PAYBACK_MARGIN * 10 / saving_per_step
+    saving_per_step = 0.01 * (1 - 1 / compile_decision.ASSUMED_SPEEDUP[True])
+    needed = compile_decision.PAYBACK_MARGIN * 10 / saving_per_step
     assert decide(0.01, 0.9, int(needed * 0.95), 10).mode is None
     assert decide(0.01, 0.9, int(needed * 1.05), 10).mode is True
 
@@ -96,7 +98,7 @@ def test_expected_compile_time_is_an_estimate_then_what_was_measured(monkeypatch
     model = _model()
     signature = signature_of(model, 32)
     assert expected_compile_s(model, signature) == 10 + 0.25 * 3  # three leaf modules
-    compiling._measured_compile_s[signature] = 2.5
+    compile_decision._measured_compile_s[signature] = 2.5
     assert expected_compile_s(model, signature) == 2.5
     assert signature_of(_model(), 32) == signature  # a new instance of the same model: the same key
     assert signature_of(_model(), 64) != signature
@@ -142,21 +144,31 @@ def test_step_graph_on_the_cpu_trains_eager_and_says_why():
 def test_on_the_cpu_no_step_is_probed_for_the_gpus_busy_time(monkeypatch):
     _auto_everywhere(monkeypatch)
     seen = []
-    real = compiling.StepTimings.result
-    monkeypatch.setattr(compiling.StepTimings, "result", lambda self: seen.append(real(self)) or seen[-1])
+    real = step_timing.StepTimings.result
+    monkeypatch.setattr(step_timing.StepTimings, "result", lambda self: seen.append(real(self)) or seen[-1])
     _fit(_model())
     assert len(seen) == 1 and seen[0][1] is None  # not measured: taken as GPU-bound
 
 
-def test_a_hook_before_the_next_step_runs_once():
+def test_a_probed_step_starts_its_probe_once_at_its_start():
     calls = []
-    stepper = _stepper(device="cpu")
-    stepper.before_step = lambda: calls.append(len(calls))
+
+    class Timings:  # what the probe asks of StepTimings
+        def start_probe(self):
+            calls.append(len(calls))
+
+    stepper = _stepper(device="cpu", grad_accum=2)
+    eager = stepper.engine
+    stepper.switch(step_timing.Probed(eager, Timings()))
     batch = _data(n=8)
     for _ in range(2):
+        stepper.accumulate(batch, False)
         stepper.accumulate(batch, True)
         stepper.update()
-    assert calls == [0] and stepper.before_step is None
+    assert calls == [0]  # once, at the first micro-batch of the first step after the switch
+    with pytest.raises(RuntimeError, match="step boundaries"):  # a step runs on one engine
+        stepper.accumulate(batch, False)
+        stepper.switch(eager)
 
 
 # --- what a run reports
@@ -170,11 +182,11 @@ def test_auto_on_cpu_stays_eager_and_says_why():
 
 def test_auto_keeps_fsdp_and_short_runs_eager():
     cuda = torch.device("cuda")
-    assert "FSDP" in compiling.auto_blocker(cuda, 2, 10_000, "fsdp")
-    assert compiling.auto_blocker(cuda, 2, 10_000, "ddp") is None
-    assert "too few" in compiling.auto_blocker(cuda, 1, compiling.SHORTEST_RUN - 1)
-    assert compiling.auto_blocker(cuda, 1, compiling.SHORTEST_RUN) is None
-    assert compiling.auto_blocker(cuda, 1, None) is None  # a stream: timed, then judged by its length
+    assert "FSDP" in compile_decision.auto_blocker(cuda, 2, 10_000, "fsdp")
+    assert compile_decision.auto_blocker(cuda, 2, 10_000, "ddp") is None
+    assert "too few" in compile_decision.auto_blocker(cuda, 1, compile_decision.SHORTEST_RUN - 1)
+    assert compile_decision.auto_blocker(cuda, 1, compile_decision.SHORTEST_RUN) is None
+    assert compile_decision.auto_blocker(cuda, 1, None) is None  # a stream: timed, then judged by its length
 
 
 def test_several_processes_never_get_cuda_graphs():
@@ -191,21 +203,21 @@ def _auto_everywhere(monkeypatch, decision=None, backend="eager"):
 
 def test_auto_times_the_first_steps_then_compiles_and_measures(monkeypatch):
     _auto_everywhere(monkeypatch, Decision(True, "GPU-bound (test)"))
-    real_result = compiling.StepTimings.result
+    real_result = step_timing.StepTimings.result
     measured = []
 
     def result(self):  # the real medians, then a compiled step reported twice as fast as eager
         measured.append(real_result(self))
         return measured[-1] if len(measured) == 1 else (measured[0][0] / 2, measured[-1][1])
 
-    monkeypatch.setattr(compiling.StepTimings, "result", result)
+    monkeypatch.setattr(step_timing.StepTimings, "result", result)
     calls = []
-    real = Stepper.use_model
-    monkeypatch.setattr(Stepper, "use_model", lambda self, model, cuda_graphs=False: (
-        calls.append(type(model).__name__), real(self, model, cuda_graphs))[1])
+    real = Stepper.switch
+    monkeypatch.setattr(Stepper, "switch", lambda self, engine: (
+        calls.append(type(engine.model).__name__), real(self, engine))[1])
     result = _fit(_model())
     info = result.compilation
-    switch = compiling.WARMUP_STEPS + compiling.TIMED_STEPS
+    switch = step_timing.WARMUP_STEPS + step_timing.TIMED_STEPS
     assert info["mode"] == "default" and info["at_step"] == switch
     assert len(measured) == 2 and measured[1][0] > 0  # the compiled steps were timed too
     assert info["eager_step_ms"] == pytest.approx(1000 * measured[0][0]) and info["speedup"] == pytest.approx(2)
@@ -220,13 +232,39 @@ def test_auto_times_a_resumed_run_from_where_it_starts(monkeypatch, tmp_path):
     _auto_everywhere(monkeypatch, Decision(True, "test"))
     resumed = _fit(_model(), max_steps=40, checkpoint_dir=str(tmp_path), resume="last")
     assert resumed.start_step == 10 and resumed.steps == 40
-    assert resumed.compilation["at_step"] == 10 + compiling.WARMUP_STEPS + compiling.TIMED_STEPS
+    assert resumed.compilation["at_step"] == 10 + step_timing.WARMUP_STEPS + step_timing.TIMED_STEPS
+
+
+def test_a_run_that_compiles_lets_go_of_its_run_without_the_garbage_collector(monkeypatch):
+    """The callback holds the stepper, never the run: no reference cycle keeps the run's memory
+    (optimizer state, data on the device) after fit returns, even when it ends mid-decision."""
+    import gc
+    import weakref
+
+    from gpunb.runtime import loop
+
+    _auto_everywhere(monkeypatch, Decision(True, "test"))
+    _fit(_model(), max_steps=20)  # first imports inside a fit hold its frames until gc
+    runs, train = [], loop._train
+    # (the stepper is left out here: the run's state and its stepper hold each other, state.stepper
+    # and the stepper's marks, a cycle of their own that only the garbage collector breaks)
+    monkeypatch.setattr(loop, "_train", lambda run: runs.extend(
+        weakref.ref(part) for part in (run, run.compilation, run.callbacks)) or train(run))
+    gc.collect()
+    gc.disable()
+    try:
+        result = _fit(_model(), max_steps=20)  # ends while the compiled steps are being timed
+        assert result.compilation["mode"] == "default" and result.compilation["speedup"] is None
+        del result
+        assert [part() for part in runs] == [None] * 3
+    finally:
+        gc.enable()
 
 
 def test_auto_goes_back_to_eager_when_the_compiled_steps_are_slower(monkeypatch):
     _auto_everywhere(monkeypatch, Decision(True, "test"))
     timings = iter([(0.001, 0.5), (0.002, 0.5)])  # eager, then compiled: twice as slow
-    monkeypatch.setattr(compiling.StepTimings, "result", lambda self: next(timings))
+    monkeypatch.setattr(step_timing.StepTimings, "result", lambda self: next(timings))
     model = _model()
     result = _fit(model)
     assert result.compilation["mode"] is None and result.compilation["speedup"] == 0.5
@@ -241,7 +279,7 @@ def test_auto_stays_eager_when_the_run_is_too_short_to_pay(monkeypatch):
 
 
 def test_a_partial_last_batch_counts_a_second_compile():
-    class Run:  # what _partial_last_batch reads
+    class Run:
         pass
 
     from gpunb.runtime.feed.augmenter import Augmenter
@@ -253,11 +291,11 @@ def test_a_partial_last_batch_counts_a_second_compile():
         return TensorFeed(_data(100), batch_size, EpochOrder(100, True, 0), cpu, drop_last, Augmenter((), 0, cpu))
 
     run.feed = feed(32, drop_last=False)
-    assert compiling._partial_last_batch(run)
+    assert compile_decision.partial_last_batch(run.feed)
     run.feed = feed(25, drop_last=False)
-    assert not compiling._partial_last_batch(run)
+    assert not compile_decision.partial_last_batch(run.feed)
     run.feed = feed(32, drop_last=True)
-    assert not compiling._partial_last_batch(run)
+    assert not compile_decision.partial_last_batch(run.feed)
 
 
 # --- when compiling fails
@@ -275,6 +313,38 @@ def test_a_compile_that_fails_is_replayed_eagerly_and_the_run_is_the_eager_one(m
     assert fallen.compilation["mode"] is None
     assert "failed" in fallen.compilation["reason"] and "cannot compile" in fallen.compilation["reason"]
     assert [r["loss"] for r in fallen.history] == [r["loss"] for r in eager.history]
+
+
+class _CannotCapture(GraphEngine):
+    """A whole-step engine whose capture always fails (on the CPU, in place of a CUDA graph's)."""
+
+    def whole_step(self, stepper, batch):
+        raise CaptureError("RuntimeError: this step reads a device value on the host (test)")
+
+
+def test_a_step_that_cannot_be_taken_whole_runs_eagerly_and_eager_goes_on():
+    stepper, reference = _stepper(device="cpu"), _stepper(device="cpu")
+    eager = stepper.engine
+    stepper.switch(_CannotCapture(eager))
+    batch = _data(n=8)
+    with pytest.warns(RuntimeWarning, match="could not run as one CUDA graph"):
+        stepper.accumulate(batch, True)
+    assert stepper.engine is eager and "device value" in str(stepper.failure[1])
+    reference.accumulate(batch, True)
+    assert stepper.update() == reference.update()  # the step at hand ran, eagerly
+
+
+def test_a_run_whose_step_cannot_be_captured_trains_as_eager_and_says_why(monkeypatch):
+    from gpunb.runtime.step import step_graph
+
+    monkeypatch.setattr(step_graph, "blocker", lambda stepper, world_size: None)  # as on a GPU
+    monkeypatch.setattr(compiling, "GraphEngine", _CannotCapture)
+    eager = _fit(_model(), compile=False)
+    with pytest.warns(RuntimeWarning, match="could not run as one CUDA graph"):
+        result = _fit(_model(), compile="step-graph")
+    assert result.compilation["mode"] is None and "no CUDA graph of the step" in result.compilation["reason"]
+    assert "device value" in result.compilation["reason"] and result.steps == 30
+    assert [r["loss"] for r in result.history] == [r["loss"] for r in eager.history]
 
 
 def test_a_model_that_fails_eagerly_too_raises_its_own_error(monkeypatch):
@@ -355,6 +425,12 @@ def test_the_loss_is_compiled_as_well_and_validation_keeps_the_eager_one(monkeyp
 # --- CUDA graphs: outputs live in memory the next replay overwrites
 
 
+class _Graphed(EagerEngine):
+    """The model as if it replayed CUDA graphs (as a compiled engine in "reduce-overhead" mode does)."""
+
+    graphed = True
+
+
 def _graphed_stepper(model, loss_fn) -> Stepper:
     """fit's step over `model` as if it replayed CUDA graphs: SGD, fp32, two micro-batches a step."""
     from gpunb.runtime.step.objective import Objective
@@ -363,7 +439,7 @@ def _graphed_stepper(model, loss_fn) -> Stepper:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     stepper = Stepper(model, optimizer, Objective(loss_fn, None, None), Precision("32", torch.device("cpu")),
                       None, TrainConfig(grad_accum=2))
-    stepper.use_model(model, cuda_graphs=True)
+    stepper.switch(_Graphed(model, stepper.objective))
     return stepper
 
 
@@ -404,7 +480,7 @@ def test_cuda_graphs_with_gradient_accumulation_keep_gradients_in_buffers_of_the
     assert all(p.grad is g for p, g in zip(model.parameters(), buffers))  # accumulated in place
     stepper.update()
     assert all(p.grad is g and not g.any() for p, g in zip(model.parameters(), buffers))  # zeroed, kept
-    stepper.use_model(model, cuda_graphs=False)
+    stepper.switch(EagerEngine(model, stepper.objective))
     stepper.accumulate((x, y), last_in_step=False)
     stepper.accumulate((x, y), last_in_step=True)
     stepper.update()
@@ -489,13 +565,13 @@ def _same_weights(a, b, atol=1e-5):
 def test_ddp_ranks_that_agree_all_compile_and_train_as_eager_does(monkeypatch):
     _auto_everywhere(monkeypatch, Decision(True, "GPU-bound (test)"))
     timings = iter([(0.002, 0.5), (0.001, 0.5)])  # eager, then compiled: faster
-    monkeypatch.setattr(compiling.StepTimings, "result", lambda self: next(timings))
+    monkeypatch.setattr(step_timing.StepTimings, "result", lambda self: next(timings))
     eager = Net()
     _ddp_fit(eager, compile=False)
     compiled = Net()
     result = _ddp_fit(compiled)
     info = result.compilation
-    assert info["mode"] == "default" and info["at_step"] == compiling.WARMUP_STEPS + compiling.TIMED_STEPS
+    assert info["mode"] == "default" and info["at_step"] == step_timing.WARMUP_STEPS + step_timing.TIMED_STEPS
     assert info["speedup"] == pytest.approx(2)
     _same_weights(compiled, eager)
 
@@ -517,7 +593,7 @@ def test_a_rank_whose_compiled_step_fails_takes_every_rank_back_to_eager(monkeyp
 
     _auto_everywhere(monkeypatch, Decision(True, "test"), backend=fails_on_rank_1)
     timings = iter([(0.002, 0.5), (0.001, 0.5)])  # rank 0's compiled steps are faster
-    monkeypatch.setattr(compiling.StepTimings, "result", lambda self: next(timings))
+    monkeypatch.setattr(step_timing.StepTimings, "result", lambda self: next(timings))
     eager = Net()
     _ddp_fit(eager, compile=False)
     model = Net()
@@ -538,7 +614,7 @@ def test_under_ddp_a_model_of_torchs_own_classes_compiles_too(monkeypatch, tmp_p
 
     _auto_everywhere(monkeypatch, Decision(True, "test"), backend=recording)
     timings = iter([(0.002, 0.5), (0.001, 0.5)])
-    monkeypatch.setattr(compiling.StepTimings, "result", lambda self: next(timings))
+    monkeypatch.setattr(step_timing.StepTimings, "result", lambda self: next(timings))
     eager = _model()
     _ddp_fit(eager, compile=False)
     assert not list(tmp_path.iterdir())

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from gpunb import Trainer
-from gpunb.runtime.step import compiling
+from gpunb.runtime.step import compile_decision, step_timing
 
 pytestmark = pytest.mark.cuda
 
@@ -77,7 +77,7 @@ def test_cuda_graphs_with_gradient_accumulation_follow_eager():
 def test_auto_times_a_small_model_finds_it_launch_bound_and_captures_the_whole_step():
     result = _fit("auto", steps=60)
     info = result.compilation
-    assert info["at_step"] == compiling.WARMUP_STEPS + compiling.TIMED_STEPS
+    assert info["at_step"] == step_timing.WARMUP_STEPS + step_timing.TIMED_STEPS
     assert "launch-bound" in info["reason"]  # a 32-64-2 MLP: microsecond kernels, the host is slower
     assert info["mode"] == "step-graph", info["reason"]  # the graph was faster, and kept
     assert info["eager_step_ms"] > info["compiled_step_ms"] > 0 and info["speedup"] > 1
@@ -89,7 +89,7 @@ def test_auto_finds_a_large_step_gpu_bound():
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(4096, 4096) for _ in range(4)))
     x = torch.randn(4 * 4096, 4096)
-    result = Trainer(max_steps=compiling.SHORTEST_RUN, batch_size=4096, precision="bf16-mixed", track=False,
+    result = Trainer(max_steps=compile_decision.SHORTEST_RUN, batch_size=4096, precision="bf16-mixed", track=False,
                      compile="auto").fit(model, (x, x), loss_fn=nn.MSELoss())
     assert "GPU-bound: the GPU was busy" in result.compilation["reason"], result.compilation["reason"]
 

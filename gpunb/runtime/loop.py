@@ -90,7 +90,7 @@ class _Run:
     state: RunState
     callbacks: Callbacks
     model: torch.nn.Module  # the user's module
-    train_model: torch.nn.Module  # what the loop calls (compiled / DDP-wrapped)
+    train_model: torch.nn.Module  # what the loop trains (DDP-wrapped); compiled forms: the stepper's engine
     objective: Objective
     precision: Precision
     feed: object
@@ -98,7 +98,7 @@ class _Run:
     stepper: Stepper
     best: BestCheckpoints | None = None  # save_top_k: the best checkpoints kept so far
     checkpointer: Checkpointer | None = None  # with checkpoint_dir: saves, and holds the run directory
-    compilation: Compilation | None = None  # which module the step calls: eager or compiled
+    compilation: Compilation | None = None  # which engine the step runs on: eager, compiled, one CUDA graph
     continued: object = None  # the ContinueState this fit goes on from (continue_from)
     losses: StepLosses = field(default_factory=StepLosses)  # step losses since the last log
     eta: EtaClock = field(default_factory=EtaClock)
@@ -149,7 +149,7 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
     run = _Run(config, plan, dist, state, Callbacks(list(user_callbacks)), model, train_model, objective,
                precision, feed, val_feed, state.stepper, best=state.best)
     _add_checkpointer_and_schedule(run, schedule)
-    run.compilation = Compilation(run, device, dist.world_size)  # now, or under "auto" once timing says it pays
+    _choose_engine(run)  # now, or under "auto" once timing says it pays
     if carried is not None:
         run.continued = carried
         continuing.restore(run, carried)
@@ -247,6 +247,7 @@ def _train(run: _Run) -> TrainResult:
 def _train_epoch(run: _Run, epoch: int, skip: int, timer, interrupt) -> bool:
     """One epoch of optimizer steps (the rest of it after `skip` batches, on resume); whether the run goes on."""
     state, callbacks, stepper = run.state, run.callbacks, run.stepper
+    compilation = run.compilation  # compile=: which engine the step runs on
     val_every_steps = validation.every_steps(run)  # None: no pass within epochs (the common case)
     log_every = run.plan.log_every
     samples_in = run.objective.samples  # batch_size_fn, or the target's first dimension
@@ -274,6 +275,8 @@ def _train_epoch(run: _Run, epoch: int, skip: int, timer, interrupt) -> bool:
             if val_every_steps and (state.step % val_every_steps == 0 or state.step == state.total_steps):
                 validation.at_step(run, timer)  # before on_step_end: its checkpoints hold the pass
             callbacks.call("on_step_end", state)
+            if compilation.asking:  # compile="auto" asks for another engine, or is done (step/compiling.py)
+                _answer_compilation(run)
             if state.step % log_every == 0:
                 _log(run, timer)  # syncs
             if interrupt.raised:
@@ -300,6 +303,26 @@ def _finish(run: _Run, timer) -> TrainResult:
     if stepper.ema is not None and run.config.ema_apply and not state.result.restored_best:
         stepper.ema.copy_to_model()
     return state.result
+
+
+def _choose_engine(run: _Run) -> None:
+    """compile=: a forced mode's engine from the first step; under "auto", a callback that times
+    the first steps and asks for an engine once timing says it pays."""
+    state = run.state
+    run.compilation = Compilation(run.config, run.stepper, run.dist, run.model, run.feed, run.batch_size,
+                                  state.total_steps, state.device)
+    _answer_compilation(run)
+    if run.compilation.timing:
+        run.callbacks.add(run.compilation)
+
+
+def _answer_compilation(run: _Run) -> None:
+    """At a step boundary: the engine step/compiling.py asks for, and its leave once it is done."""
+    engine, done = run.compilation.take_request()
+    if engine is not None:
+        run.stepper.switch(engine)
+    if done:
+        run.callbacks.remove(run.compilation)
 
 
 def _schedule(spec, optimizer, config, total_steps, val_names, carried):

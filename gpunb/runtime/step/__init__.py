@@ -8,6 +8,9 @@
     schedule.py    the fit's schedule: a shorthand (`lr_schedule`) or the user's own scheduler
     ema.py         an exponential moving average of the weights, kept on the device
     wrap.py        what the loop calls instead of the user's module: checkpointed, distributed
-    compiling.py   torch.compile in a run: forced, or `compile="auto"` when it pays
+    engines.py     how the step runs: eager, compiled, or whole as one CUDA graph (one interface)
+    compiling.py   compile=: which engine, asked of the loop at a step boundary; what the result says
+    compile_decision.py  whether compile="auto" compiles, and how, from eager timings and the steps left
+    step_timing.py       steps timed one by one: wall time and, behind a GPU sleep, the GPU's busy time
     step_graph.py  the whole step as one CUDA graph, replayed for batches of the same shapes
 """

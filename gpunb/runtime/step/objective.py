@@ -41,7 +41,6 @@ class Objective:
                              "compute the loss inside `step(model, batch)`, or drop `step`.")
         check_kinds({"loss_fn": loss_fn, "step": step})
         self.loss_fn, self.step_fn = loss_fn, step
-        self.train_loss_fn = loss_fn  # what training steps apply: its compiled form while compiled (compiling.py)
         self.metrics, stateful = _metric_functions(metrics)
         self.stateful = StatefulMetrics(stateful) if stateful else None  # torchmetrics
         self.val_names = None  # the names evaluate() gave, once it has run (see monitor.py)
@@ -51,14 +50,15 @@ class Objective:
         # the label accuracy leaves out: the loss's own (CrossEntropyLoss(ignore_index=...)), else -100
         self.ignore_index = getattr(loss_fn, "ignore_index", IGNORE_INDEX)
 
-    def loss(self, model, batch) -> torch.Tensor:
-        """The scalar training loss of `batch`."""
+    def loss(self, model, batch, loss_fn: Callable | None = None) -> torch.Tensor:
+        """The scalar training loss of `batch`; `loss_fn`: a compiled form of the loss_fn (engines.py)."""
         __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
         if self.step_fn is not None:
             return _step_loss(self.step_fn(model, batch))
         if self.loss_fn is not None:
             output, target = self._forward(model, batch)
-            return _scalar(self._apply_loss(self.train_loss_fn, output, target), "loss_fn(output, target)")
+            loss_fn = self.loss_fn if loss_fn is None else loss_fn
+            return _scalar(self._apply_loss(loss_fn, output, target), "loss_fn(output, target)")
         return _scalar(_call(model, batch), "the model's forward", tuples=True)
 
     def evaluate(self, model, batch, score: bool = True) -> dict[str, torch.Tensor]:

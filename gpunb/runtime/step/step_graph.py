@@ -92,6 +92,7 @@ class StepGraph:
             for group, lr in zip(self.groups, self.lrs):
                 group["lr"] = lr
             stepper.clear_grads()  # the graph keeps writing them; no eager step may add to them
+            self.stepper = None  # replays need none of it: no reference cycle through the stepper that holds this
 
     def replay(self, batch) -> torch.Tensor | None:
         """The step on `batch`; returns its loss (a tensor of its own), or None when `batch` has

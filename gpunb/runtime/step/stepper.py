@@ -5,20 +5,25 @@ dropped, each loaded batch is cut into twice as many pieces, and the step is rep
 from its first batch. Each piece's loss is weighted by its share of the step, so the
 gradient, and hence the whole run, is the same as with the smaller batch from the start.
 An epoch's last step may hold fewer than `grad_accum` batches: its gradient and loss are
-rescaled to the mean over the batches it really had. The same replay serves a compiled
-model that fails: `on_model_error` switches the step to the eager module (compiling.py),
-and the step so far runs again.
+rescaled to the mean over the batches it really had.
+
+The step runs on one engine at a time (engines.py: eager, compiled, or the whole step as
+one CUDA graph); `switch` changes it between steps. An engine that fails (a compiled forward
+that raises, a step that cannot be captured) is left for the eager one it came from, with a
+warning, and the step so far runs again; `failure` keeps what happened for the result.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
 from gpunb.errors import GpunbError
 from gpunb.runtime.feed.inputs import split_batch
-from gpunb.runtime.step.step_graph import CaptureError, StepGraph
+from gpunb.runtime.step.engines import EagerEngine
+from gpunb.runtime.step.step_graph import CaptureError
 
 
 _NO_CONTEXT = contextlib.nullcontext()
@@ -43,7 +48,7 @@ class Stepper:
 
     def __init__(self, model, optimizer, objective, precision, schedule, config, marks=Unmarked,
                  no_sync=None, split_on_oom: bool = True, ema=None):
-        self.model, self.optimizer, self.objective = model, optimizer, objective
+        self.model, self.optimizer, self.objective = model, optimizer, objective  # model: as trained, uncompiled
         self.precision, self.schedule, self.config = precision, schedule, config
         self.marks = marks  # `marks.profile`: name the step's phases for a profiler (the RunState's flag)
         self.ema = ema  # runtime.ema.WeightEma, averaged after each optimizer step
@@ -59,46 +64,43 @@ class Stepper:
         # a DDP micro-batch skips its all-reduce), so that common case runs with none.
         self.bare = precision.dtype is None and precision.scaler is None
         self.weight = 1.0 / config.grad_accum  # each loaded batch's share of an optimizer step
-        self.cuda_graphs = self.stable_grads = False  # the model replays CUDA graphs (see use_model)
         # An optimizer with a zero_grad of its own (a subclass's, or one set on it) has it called (clear_grads).
         self.own_zero_grad = getattr(optimizer.zero_grad, "__func__", None) is not torch.optim.Optimizer.zero_grad
-        # error -> True when the step should be replayed with the model it switched to (compiling.py)
-        self.on_model_error = None
-        # The whole step as one CUDA graph (step_graph.py): captured at the first step after
-        # use_step_graph(True) once the optimizer has state, then replayed for batches of its shapes.
-        self.capture, self.graph, self.replayed = False, None, False
-        self.on_graph_error = None  # CaptureError -> None: the graph is given up (compiling.py), the step runs eagerly
-        self.before_step = None  # called once at the next step's start, then dropped (compiling.py's probe)
+        self.replayed = False  # the engine took the whole step, update included
+        self.failure = None  # (engine, error): the engine that failed, left for eager (compiling.py reports it)
+        self._use(EagerEngine(model, objective))
 
     def phase(self, name: str):
         """The profiler range of phase `name` while profiling, else a shared no-op context."""
         return phase_range(name) if self.marks.profile else _NO_CONTEXT
 
-    def use_model(self, model, cuda_graphs: bool = False) -> None:
-        """Call `model` from the next micro-batch on (eager or compiled). `cuda_graphs`: its outputs
-        live in memory the next replay overwrites, so the kept loss is a copy; and with gradient
-        accumulation the gradients live in buffers of their own, zeroed rather than dropped
-        after each step (a .grad made by a graph would be overwritten by the next micro-batch's)."""
-        self.model, self.cuda_graphs = model, cuda_graphs
-        self.stable_grads = cuda_graphs and self.config.grad_accum > 1
+    def switch(self, engine) -> None:
+        """Run `engine` from the next step on (a step runs on one engine: only between steps)."""
+        if self.pending or self.step_loss is not None:
+            raise RuntimeError("Stepper.switch is for step boundaries; a step is in progress.")
+        if engine is not self.engine:
+            self.engine.close()
+            self._use(engine)
+
+    def _use(self, engine) -> None:
+        """`engine.graphed`: its outputs live in memory the next replay overwrites, so the kept loss
+        is a copy; and with gradient accumulation the gradients live in buffers of their own, zeroed
+        rather than dropped after each step (a .grad made by a graph would be overwritten by the
+        next micro-batch's)."""
+        self.engine, self.cuda_graphs = engine, engine.graphed
+        self.whole_step = engine.whole_step if engine.whole_steps else None  # checked once a micro-batch
+        self.stable_grads = engine.graphed and self.config.grad_accum > 1
         if self.stable_grads:
             for group in self.optimizer.param_groups:
                 for p in group["params"]:
                     if p.requires_grad and p.grad is None:
                         p.grad = torch.zeros_like(p)
 
-    def use_step_graph(self, on: bool) -> None:
-        """Run the whole step as one CUDA graph from the next step on (captured then), or no longer."""
-        self.capture, self.graph = on, None
-
     def accumulate(self, batch, last_in_step: bool) -> None:
-        """Forward and backward of one loaded batch (in `splits` pieces); with a step graph, the
-        whole step when the batch has the graph's shapes."""
+        """Forward and backward of one loaded batch (in `splits` pieces), or the whole step when
+        the engine takes it."""
         __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
-        if self.before_step is not None:
-            self.before_step()
-            self.before_step = None
-        if self.capture and self._replay_graph(batch):
+        if self.whole_step is not None and self._take_whole_step(batch):
             return
         self.pending.append(batch)
         try:
@@ -110,27 +112,31 @@ class Stepper:
             self._recover_from_oom(batch)
             self._replay(last_in_step)
         except Exception as error:  # a compiled model that cannot run: replayed eagerly
-            if self.on_model_error is None or not self.on_model_error(error):
-                raise
+            if not self.engine.compiles:
+                raise  # the model's own error
+            self._fall_back(error)
             self._drop_step()
             self._replay(last_in_step)
 
-    def _replay_graph(self, batch) -> bool:
-        """The step on `batch` by the graph (captured first if need be); False: run it eagerly."""
+    def _take_whole_step(self, batch) -> bool:
+        """The step on `batch` by the engine at once; False: run it micro-batch by micro-batch."""
         try:
-            if self.graph is None:
-                if not self.optimizer.state:  # capture needs the state an eager step makes
-                    return False
-                self.graph = StepGraph(self, batch)
-            loss = self.graph.replay(batch)
+            loss = self.whole_step(self, batch)
         except CaptureError as error:
-            self.use_step_graph(False)
-            self.on_graph_error(error)
+            self._fall_back(error)
             return False
-        if loss is None:  # another shape (an epoch's partial last batch)
+        if loss is None:  # not taken (a graph's first step; another shape, as an epoch's partial last batch)
             return False
         self.step_loss, self.replayed = loss, True
         return True
+
+    def _fall_back(self, error: BaseException) -> None:
+        """The engine failed: eager from now on, with a warning that says why."""
+        failed = self.engine
+        self.failure = (failed, error)
+        failed.close()
+        self._use(failed.eager)
+        warnings.warn(failed.failure_warning(error), RuntimeWarning, stacklevel=3)
 
     def _replay(self, last_in_step: bool) -> None:
         """The whole step so far again, in smaller pieces (halved again on each further OOM)."""
@@ -146,7 +152,7 @@ class Stepper:
     def update(self) -> torch.Tensor:
         """Clip, step the optimizer, the schedule and the weight average; returns the step's mean
         loss (on device)."""
-        if self.replayed:  # the graph took the optimizer step
+        if self.replayed:  # the engine (a CUDA graph) took the optimizer step
             self.replayed = False
             self._after_update()
         else:
@@ -187,7 +193,7 @@ class Stepper:
 
     def clear_grads(self) -> None:
         """`optimizer.zero_grad()`: the gradients set to None (zeroed in place for CUDA graphs with
-        accumulation, see use_model). torch's own method enters a profiler range on every call,
+        accumulation, see _use). torch's own method enters a profiler range on every call,
         which on a small CPU step costs several times the loop over the parameters itself
         (benchmarks/RESULTS.md), so an optimizer that does not override zero_grad has its
         gradients dropped here directly."""
@@ -227,14 +233,14 @@ class Stepper:
         if self.cuda_graphs:  # a new iteration: the graphs may reuse the last one's memory
             torch.compiler.cudagraph_mark_step_begin()
         if self.bare and (sync or self.no_sync is None) and not self.marks.profile:
-            loss = self.objective.loss(self.model, piece)  # as a plain loop: no context to enter
+            loss = self.engine.loss(piece)  # as a plain loop: no context to enter
             if weight != 1.0:  # skipping the multiply keeps the common case one op shorter
                 loss = loss * weight
             loss.backward()
         else:
             with _NO_CONTEXT if sync or self.no_sync is None else self.no_sync():
                 with self.phase("forward"), self.autocast:
-                    loss = self.objective.loss(self.model, piece)
+                    loss = self.engine.loss(piece)
                 if weight != 1.0:
                     loss = loss * weight
                 with self.phase("backward"):

@@ -1,4 +1,4 @@
-"""What the loop calls instead of the user's module: checkpointed, distributed (compiled: compiling.py).
+"""What the loop calls instead of the user's module: checkpointed, distributed (compiled: engines.py).
 
 Every change is undone by the returned `unwrap()`, so the notebook's model object is
 left as it was given (same class, same state_dict keys), only trained.

@@ -95,4 +95,5 @@ def _evaluate(run) -> dict:
     __tracebackhide__ = True  # noqa: F841
     ema = run.stepper.ema
     with ema.swapped() if ema is not None else contextlib.nullcontext():  # validate the averaged weights
-        return validation_pass(run.train_model, run.val_feed, run.objective, run.precision, run.dist.reduce_sums)
+        model = run.stepper.engine.eval_model  # the module, or under a forced compile its compiled form
+        return validation_pass(model, run.val_feed, run.objective, run.precision, run.dist.reduce_sums)
