@@ -246,17 +246,15 @@ def test_a_run_that_compiles_lets_go_of_its_run_without_the_garbage_collector(mo
     _auto_everywhere(monkeypatch, Decision(True, "test"))
     _fit(_model(), max_steps=20)  # first imports inside a fit hold its frames until gc
     runs, train = [], loop._train
-    # (the stepper is left out here: the run's state and its stepper hold each other, state.stepper
-    # and the stepper's marks, a cycle of their own that only the garbage collector breaks)
     monkeypatch.setattr(loop, "_train", lambda run: runs.extend(
-        weakref.ref(part) for part in (run, run.compilation, run.callbacks)) or train(run))
+        weakref.ref(part) for part in (run, run.compilation, run.callbacks, run.state, run.stepper)) or train(run))
     gc.collect()
     gc.disable()
     try:
         result = _fit(_model(), max_steps=20)  # ends while the compiled steps are being timed
         assert result.compilation["mode"] == "default" and result.compilation["speedup"] is None
         del result
-        assert [part() for part in runs] == [None] * 3
+        assert [part() for part in runs] == [None] * 5
     finally:
         gc.enable()
 

@@ -143,8 +143,8 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
                        peak_tflops=device_peak_tflops(device, precision.name),  # live MFU in the progress line
                        rank=dist.rank, world_size=dist.world_size, val_names=val_names,
                        stops_by_vote=dist.stops_by_vote)
-    # the state's `profile`: a profiler asks for the step's phases by name
-    state.stepper = Stepper(train_model, optimizer, objective, precision, schedule, config, state,
+    # the state's marks: a profiler asks for the step's phases by name
+    state.stepper = Stepper(train_model, optimizer, objective, precision, schedule, config, state.marks,
                             getattr(train_model, "no_sync", None), ema=ema)
     run = _Run(config, plan, dist, state, Callbacks(list(user_callbacks)), model, train_model, objective,
                precision, feed, val_feed, state.stepper, best=state.best)
@@ -261,7 +261,7 @@ def _train_epoch(run: _Run, epoch: int, skip: int, timer, interrupt) -> bool:
     # Per step, only host bookkeeping beside what a plain loop does (kept to a few
     # attribute updates: on sub-millisecond steps each call shows).
     with closing(run.feed.epoch(epoch, skip)) as batches:
-        steps = EpochSteps(batches, run.config.grad_accum, timer, state, remaining)
+        steps = EpochSteps(batches, run.config.grad_accum, timer, state.marks, remaining)
         for batch, last_in_step in steps:
             state.batch_in_epoch += 1
             state.samples_seen += samples_in(batch) * state.world_size

@@ -50,6 +50,17 @@ def own(default=None, *, relayed: bool = False, factory=None):
     return field(default=default, metadata=meta)
 
 
+class PhaseMarks:
+    """Whether a profiler watches the run (the loop then names the step's phases). The stepper
+    holds this, not the RunState: a state that holds its stepper, which held the state back,
+    was a cycle that kept the model and optimizer until the garbage collector ran."""
+
+    __slots__ = ("profile",)
+
+    def __init__(self) -> None:
+        self.profile = False
+
+
 _OBJECT = {"relayed": False}  # a carried object: saved by its state_dict, never sent to the kernel
 
 
@@ -100,12 +111,21 @@ class RunState:
     registry_run: str | None = moment()  # this fit's id in the run registry (set by its recorder, runs/)
     continues_run: str | None = moment()  # a continued fit: the run registry's id of the run it goes on with
     resumed: dict | None = moment(relayed=True)  # what the run resumed from: path, run, run_name, step, ...
-    profile: bool = moment(False)  # set by a profiler: the loop marks its phases with named ranges
+    marks: PhaseMarks = moment(factory=PhaseMarks)  # `profile`, below: what the stepper reads
     # ranks: a stop asked for on one rank waits for a vote (see request_stop), so all stop together
     stops_by_vote: bool = moment(False)
     pending_stop: str | None = moment()  # asked for on this rank, not yet voted on
     # callbacks' own notes (a GPU sample, energy_j, log_dir, ...); the runtime neither reads nor writes them
     extras: dict = moment(factory=dict, relayed=True, merged=True)
+
+    @property
+    def profile(self) -> bool:
+        """Set by a profiler: the loop marks its phases with named ranges."""
+        return self.marks.profile
+
+    @profile.setter
+    def profile(self, on: bool) -> None:
+        self.marks.profile = on
 
     @property
     def should_stop(self) -> bool:
