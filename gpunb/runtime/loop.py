@@ -28,6 +28,7 @@ from gpunb.runtime.epoch import EpochSteps, Timer
 from gpunb.runtime.eta import EtaClock
 from gpunb.runtime.events import Callbacks, FitState
 from gpunb.runtime.interrupt import InterruptFlag
+from gpunb.runtime.memory_measures import MemoryFallback, apply_plan, plan_run
 from gpunb.runtime.monitor import monitor_of, validation_names
 from gpunb.runtime.nan_guard import StepLosses
 from gpunb.runtime.objective import Objective
@@ -153,12 +154,18 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
     if config.max_steps is not None:
         total_steps = min(total_steps or config.max_steps, config.max_steps)
     validation.warn_unused(config, val is not None, total_steps, dist.rank)
-    schedule = _schedule(scheduler, optimizer, config, total_steps, val_names, carried)
-    config = config.replace(log_every=config.resolved_log_every(total_steps, steps_per_epoch))
-
     # one forward + backward, undone; FSDP: the whole model's step may not fit on one device
     summary = summarize(model, optimizer, objective, precision, train, device, batch_size, config,
                         measure=not (dist.world_size > 1 and config.strategy == "fsdp"))
+    # the memory plan: measures chosen from the summary's estimate, before the schedule binds the optimizer
+    plan = plan_run(summary, model, optimizer, objective, precision, config, dist, device, scheduler=scheduler,
+                    continuing=carried is not None or bool(config.resume))
+    if plan is not None and plan.measures:
+        optimizer, teardown.memory = apply_plan(plan, model, optimizer, objective, config)
+        summary.plan = plan.text()
+    schedule = _schedule(scheduler, optimizer, config, total_steps, val_names, carried)
+    config = config.replace(log_every=config.resolved_log_every(total_steps, steps_per_epoch))
+
     # a continued fit goes on under the name of the fit it continues; the class: before FSDP renames it
     run_name = config.name or (carried.run_name if carried is not None else None) or type(model).__name__
     train_model, teardown.unwrap = wrap_model(model, config, dist, device)  # undone whatever happens next
@@ -172,6 +179,9 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
     no_sync = getattr(train_model, "no_sync", None)
     ema = _weight_ema(model, config, carried)
     stepper = Stepper(train_model, optimizer, objective, precision, schedule, config, state, no_sync, ema=ema)
+    if plan is not None and config.memory_plan:
+        stepper.memory_fallback = MemoryFallback(plan, model, objective)
+        teardown.memory = _then(teardown.memory, stepper.memory_fallback.restore)
     callbacks = Callbacks(list(user_callbacks))
     batch_size = feed.batch_size or batch_size  # a user's DataLoader batches by its own size
     run = _Run(config, dist, state, callbacks, model, train_model, objective, precision,
@@ -287,6 +297,22 @@ def _weight_ema(model, config, carried):
     return WeightEma(model, config.ema, config.ema_warmup)
 
 
+def _then(first, second):
+    """Undo `second`, then `first` (either may be None)."""
+    def both():
+        second()
+        if first is not None:
+            first()
+    return both
+
+
+def _plan_text(run: _Run) -> str:
+    """The summary's plan, and what an OOM added to it."""
+    fallback = run.stepper.memory_fallback
+    notes = fallback.notes if fallback is not None else []
+    return "; ".join([p for p in (run.state.extras["summary"].get("plan", ""), *notes) if p])
+
+
 def _finished(state: FitState) -> bool:
     return state.total_steps is not None and state.step >= state.total_steps
 
@@ -349,7 +375,7 @@ def _result(run: _Run, timer) -> TrainResult:
         wall_time_s=timer.elapsed(), data_wait_s=timer.data_wait, validation_s=timer.validation,
         compute_s=max(0.0, timer.elapsed() - timer.data_wait - timer.validation),
         peak_memory_mb=peak, peak_tflops=state.extras.get("peak_tflops"),
-        oom_recoveries=run.stepper.oom_recoveries,
+        oom_recoveries=run.stepper.oom_recoveries, memory_plan=_plan_text(run),
         skipped_steps=run.precision.skipped_steps, checkpoint_path=state.checkpoint_path,
         resumed_from=state.resumed,
         interrupted=state.stop_reason == "interrupted", stop_reason=state.stop_reason,

@@ -44,6 +44,8 @@ class Objective:
                                  "pass e.g. `loss_fn=torch.nn.CrossEntropyLoss()`.")
         self.loss_fn, self.step_fn = loss_fn, step
         self.train_loss_fn = loss_fn  # what training steps apply: its compiled form while compiled (compiling.py)
+        # the memory plan's loss for a model that computes its own (chunked_loss.py); None: the model's
+        self.model_loss = None
         self.metrics, stateful = _metric_functions(metrics)
         self.stateful = StatefulMetrics(stateful) if stateful else None  # torchmetrics
         self.val_names = None  # the names evaluate() gave, once it has run (see monitor.py)
@@ -61,6 +63,8 @@ class Objective:
         if self.loss_fn is not None:
             output, target = self._forward(model, batch)
             return _scalar(self._apply_loss(self.train_loss_fn, output, target), "loss_fn(output, target)")
+        if self.model_loss is not None:
+            return self.model_loss(model, batch)
         return _scalar(_call(model, batch), "the model's forward", tuples=True)
 
     def evaluate(self, model, batch, score: bool = True) -> dict[str, torch.Tensor]:
