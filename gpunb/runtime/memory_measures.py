@@ -271,7 +271,7 @@ class MemoryFallback:
     def _said(self, measure: str, step: int) -> bool:
         note = f"out of memory at step {step} though the estimate fit: added {measure}"
         self.notes.append(note)
-        warnings.warn(f"{note.capitalize()} (the memory plan's next measure); the step is replayed.",
+        warnings.warn(f"{note[0].upper()}{note[1:]} (the memory plan's next measure); the step is replayed.",
                       UserWarning, stacklevel=4)
         return True
 

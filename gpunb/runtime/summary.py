@@ -196,11 +196,11 @@ def _measure(summary, model, objective, precision, data, device, batch_size, con
     # the batch is drawn inside too: a collate function or stream that draws random numbers
     # (masking, random windows) would otherwise start training one batch ahead
     with Untouched(model, device):
-        # a batch of its own (not a view into the data), so that saved storages are the batch's
-        batch = map_tensors(first_batch(data, batch_size, device), torch.clone)
+        batch = map_tensors(first_batch(data, batch_size, device), torch.clone)  # transforms may work in place
         if config.transforms:  # as the feed applies them: the model sees transformed batches
             batch = apply_transforms(batch, config.transforms)
-        sample = small_sample(batch, MEASURED_SAMPLES)
+        # tensors of its own (not views into the data), so that saved storages are the sample's
+        sample = map_tensors(small_sample(batch, MEASURED_SAMPLES), torch.clone)
         try:
             model.train()
             try:
@@ -208,10 +208,10 @@ def _measure(summary, model, objective, precision, data, device, batch_size, con
             except torch.OutOfMemoryError:
                 raise
             except Exception:  # noqa: BLE001 - a model that takes only whole batches: measured whole
-                if sample is batch:
+                if batch_size_of(sample) == batch_size_of(batch):
                     raise
                 _restore(grads)
-                sample = batch
+                sample = map_tensors(batch, torch.clone)
                 saved, flops = _step(model, objective, precision, sample, device, held)
         finally:
             held.clear()
