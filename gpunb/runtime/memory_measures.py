@@ -157,9 +157,9 @@ def _why_not_torchao(optimizer) -> str | None:
         return f"torchao's states replace Adam or AdamW, and the optimizer is {type(optimizer).__name__}"
     if any(group.get("amsgrad") for group in optimizer.param_groups):
         return "amsgrad is not in torchao's 8-bit AdamW"
-    try:
-        import torchao.optim  # noqa: F401
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:  # not imported here: a plan that needs none stays light
         return "torchao is not installed (`pip install gpunb[llm]`)"
     return None
 

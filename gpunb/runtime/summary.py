@@ -136,7 +136,8 @@ def summarize(model, optimizer, objective, precision, data, device, batch_size: 
 def dry_run(config, context, model, train_data, val_data=None, *, optimizer=None, loss_fn=None, step=None,
             metrics=None) -> RunSummary:
     """The summary fit would show, without training: fit's set-up and checks, the batch size
-    (an "auto" probe restores everything it touches), one forward + backward, undone.
+    (an "auto" probe restores everything it touches), one forward + backward, undone, and the
+    memory plan fit would take (raising, as fit does, when nothing can fit).
     No optimizer step, no checkpoint, no run in the registry; the model is moved to the device."""
     __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
     from gpunb.runtime.batch_size import find_batch_size
@@ -151,7 +152,14 @@ def dry_run(config, context, model, train_data, val_data=None, *, optimizer=None
     if batch_size == "auto":
         batch_size = find_batch_size(model, ready.optimizer, objective, ready.precision, train, ready.device,
                                      config.replace(extras=dict(config.extras)))
-    return summarize(model, ready.optimizer, objective, ready.precision, train, ready.device, batch_size, config)
+    summary = summarize(model, ready.optimizer, objective, ready.precision, train, ready.device, batch_size, config)
+    from gpunb.runtime.memory_measures import plan_run
+
+    plan = plan_run(summary, model, ready.optimizer, objective, ready.precision, config, context, ready.device,
+                    continuing=bool(config.resume))
+    if plan is not None and plan.measures:
+        summary.plan = plan.text()  # what fit would take, not taken here
+    return summary
 
 
 def optimizer_state_bytes(optimizer) -> tuple[int | None, str]:
