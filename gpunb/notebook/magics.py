@@ -39,6 +39,10 @@ class GpuMagics(Magics):
               help="torch.compile: auto (default: on one GPU, once timing shows it pays), on, off, "
                    "reduce-overhead (CUDA graphs), max-autotune or step-graph (the whole step as one CUDA graph)")
     @argument("--checkpointing", action="store_true", help="activation checkpointing (saves memory)")
+    @argument("--memory-budget", help="memory the run may use, e.g. 24GiB (default: the device's free memory)")
+    @argument("--no-memory-plan", action="store_true",
+              help="take no memory-saving measure on gpunb's own (checkpointing, 8-bit states, ...)")
+    @argument("--optimizer-states", help="auto (default), full, 8bit (torchao) or cpu (on the host)")
     @argument("--checkpoint-dir", help="write checkpoints here")
     @argument("--checkpoint-every", type=int, help="optimizer steps between checkpoints (default: each epoch)")
     @argument("--resume", nargs="?", const="last", help="resume from a checkpoint path, 'best', or the last one")
@@ -195,6 +199,7 @@ def _config(args):
         "name": args.name, "save_top_k": args.save_top_k, "monitor": args.monitor, "mode": args.mode,
         "val_every_steps": args.val_every_steps, "compile": args.compile,
         "loggers": args.log, "log_dir": args.log_dir,
+        "memory_budget": args.memory_budget, "optimizer_states": args.optimizer_states,
     }
     chosen = {k: v for k, v in fields.items() if v is not None}
     chosen.update({k: True for k, flag in (("activation_checkpointing", args.checkpointing),
@@ -202,6 +207,8 @@ def _config(args):
                                             ("restore_best", args.restore_best)) if flag})
     if args.no_track:
         chosen["track"] = False
+    if args.no_memory_plan:
+        chosen["memory_plan"] = False
     try:
         return TrainConfig(**chosen)
     except GpunbError as error:
