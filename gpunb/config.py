@@ -78,6 +78,9 @@ class TrainConfig:
     # at the end, load the averaged weights into the model (else: result.ema_state_dict); restore_best
     # goes first: it loads the best checkpoint's averaged weights, the ones validated
     ema_apply: bool = False
+    # a peft model (LoRA, ...): at the end, merge the trained adapters into the base weights (peft's
+    # merge_and_unload); the merged base model is result.model
+    merge_adapters: bool = False
     # --- data
     num_workers: Union[int, str] = "auto"  # DataLoader workers, or "auto"
     gpu_resident: Union[bool, str] = "auto"  # keep tensor data on the GPU: "auto", True or False

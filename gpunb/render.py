@@ -57,6 +57,8 @@ def result_text(result) -> str:
             f"precision={result.precision}, batch={result.effective_batch_size})")
     metrics = "  ".join(f"{k}={fmt(v)}" for k, v in sorted(result.final_metrics.items()))
     lines = [head, f"  {metrics}" if metrics else "  no metrics"]
+    if result.frozen_params:  # a model with a frozen part (LoRA adapters on a base): what trained
+        lines.append(f"  parameters: {parameters_text(result)}")
     if result.oom_recoveries or result.skipped_steps:
         lines.append(f"  oom_recoveries={result.oom_recoveries} (micro-batch {result.micro_batch_size}), "
                      f"skipped_fp16_steps={result.skipped_steps}")
@@ -65,6 +67,13 @@ def result_text(result) -> str:
     if result.best_step is not None:
         lines.append(f"  best: {best_text(result)}")
     return "\n".join(lines)
+
+
+def parameters_text(r) -> str:
+    """`1,792 trainable (1.94%), 90,432 frozen`, and where the merged model is."""
+    share = 100 * r.trainable_params / max(1, r.trainable_params + r.frozen_params)
+    merged = "; adapters merged into result.model" if getattr(r, "model", None) is not None else ""
+    return f"{r.trainable_params:,} trainable ({share:.3g}%), {r.frozen_params:,} frozen{merged}"
 
 
 def best_text(r) -> str:
@@ -90,6 +99,7 @@ def summary_rows(r) -> list[tuple[str, str]]:
                       f"device(s) (micro-batch {r.micro_batch_size})"),
             *([("batch size", r.batch_size_reason)] if r.batch_size_reason else []),
             ("progress", progress_text(r)),
+            *([("parameters", parameters_text(r))] if r.frozen_params else []),
             ("wall time", f"{r.wall_time_s:.1f} s ({_samples_text(r)}, {r.samples_per_s:,.0f}/s)")]
     if r.wall_time_s:
         share = 100 * r.data_wait_s / r.wall_time_s

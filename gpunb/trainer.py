@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 from gpunb.config import TrainConfig, make_config
+from gpunb.runtime.adapters import check_adapters, merge_adapters
 from gpunb.runtime.context import LocalContext
 from gpunb.runtime.loop import check_model, run
 from gpunb.runtime.result import TrainResult
@@ -56,6 +57,7 @@ class Trainer:
         __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
         check_model(model)
         config = self.config
+        check_adapters(model, config)  # quantized layers without bitsandbytes, merge_adapters without adapters
         arguments = dict(optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, step=step, metrics=metrics)
         if continue_from is not None:  # checked here too: a launch would start processes first
             from gpunb.runtime.continuing import continue_state_of
@@ -73,8 +75,7 @@ class Trainer:
                 named = tuple(item for item in config.loggers if isinstance(item, str))
                 result = launch.fit(config.replace(loggers=named), _rank_entry, model, train_data, val_data,
                                     callbacks=parent, **arguments)
-                return result.attach(model, loss_fn=loss_fn, step=step, metrics=metrics,
-                                     transforms=config.transforms)
+                return _finished(result, model, config, loss_fn=loss_fn, step=step, metrics=metrics)
         context = LocalContext()
         if _in_process_group():
             from gpunb.distributed.context import current_context
@@ -83,7 +84,7 @@ class Trainer:
         if context.rank == 0:
             callbacks = [*callbacks, *loggers]  # last: they see what the others noted (a profile trace)
         result = _rank_entry(config, context, model, train_data, val_data, callbacks=callbacks, **arguments)
-        return result.attach(model, loss_fn=loss_fn, step=step, metrics=metrics, transforms=config.transforms)
+        return _finished(result, model, config, loss_fn=loss_fn, step=step, metrics=metrics)
 
     def summary(self, model, train_data, val_data=None, *, optimizer=None, loss_fn=None, step=None,
                 metrics=None):
@@ -99,6 +100,13 @@ class Trainer:
                        loss_fn=loss_fn, step=step, metrics=metrics)
 
     dry_run = summary
+
+
+def _finished(result, model, config, **objective) -> TrainResult:
+    """The result, ready for predict and evaluate; with merge_adapters, the adapters merged."""
+    if config.merge_adapters:
+        merge_adapters(result, model)
+    return result.attach(result.model or model, transforms=config.transforms, **objective)
 
 
 def _rank_entry(config, context, model, train_data, val_data=None, *, callbacks=(), **arguments) -> TrainResult:

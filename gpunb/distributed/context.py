@@ -25,6 +25,7 @@ import torch
 from gpunb.errors import GpunbError
 from gpunb.runtime.context import LocalContext, optimizer_state_by_index
 from gpunb.runtime.events import FitState
+from gpunb.runtime.trainable import load_weights
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -146,7 +147,7 @@ class ProcessGroupRank:
 
             fsdp.load_model_state(model, state)
         else:
-            model.load_state_dict(state)
+            load_weights(model, state)  # a checkpoint may hold only what trains
 
     def load_optimizer_state(self, model, optimizer, state: dict) -> None:
         if self.strategy == "fsdp":

@@ -33,6 +33,8 @@ class GpuMagics(Magics):
     @argument("--min-lr-ratio", type=float, help="the cosine schedule ends at lr times this (e.g. 0.1; default 0)")
     @argument("--ema", type=float, help="average the weights with this decay (e.g. 0.999); validation uses the average")
     @argument("--ema-apply", action="store_true", help="load the averaged weights into the model at the end")
+    @argument("--merge-adapters", action="store_true",
+              help="a peft (LoRA) model: merge the adapters into the base at the end (result.model)")
     @argument("--continue", dest="continue_fit", action="store_true",
               help="go on from the last %%%%gputrain of this model: its optimizer, schedule, step count, history")
     @argument("--compile", nargs="?", const="on",
@@ -204,6 +206,7 @@ def _config(args):
     chosen = {k: v for k, v in fields.items() if v is not None}
     chosen.update({k: True for k, flag in (("activation_checkpointing", args.checkpointing),
                                             ("ema_apply", args.ema_apply),
+                                            ("merge_adapters", args.merge_adapters),
                                             ("restore_best", args.restore_best)) if flag})
     if args.no_track:
         chosen["track"] = False

@@ -2,7 +2,8 @@
 
 A checkpoint holds everything needed to continue exactly: model, optimizer,
 scheduler, precision (GradScaler) and RNG states, and the position in the run
-(epoch, optimizer step, batches consumed in the epoch).
+(epoch, optimizer step, batches consumed in the epoch). The model's state of a model with
+frozen parameters is what trains, beside a fingerprint of the rest (`frozen`, trainable.py).
 
 Each run writes into a directory of its own, `<checkpoint_dir>/run-<run id>/`, so
 that runs sharing a checkpoint_dir never prune each other's files, and holds the
@@ -27,7 +28,7 @@ import torch
 from gpunb.errors import GpunbError
 
 FORMAT = "gpunb-checkpoint"
-VERSION = 1
+VERSION = 2  # the newest format read here; 2: `model` may hold only what trains (see `frozen`)
 _NAME = re.compile(r"^step-(\d{9})\.pt$")
 _ANY_NAME = re.compile(r"^(?:best-)?step-(\d{9})\.pt$")  # last-N and best checkpoints
 _RUN_DIR = "run-"
@@ -81,7 +82,10 @@ def save_checkpoint(directory: str | os.PathLike, payload: dict, step: int, keep
 
 def write_checkpoint(directory: Path, name: str, payload: dict) -> Path:
     """A checkpoint file (gpunb's format header, then `payload`), written atomically."""
-    return write_atomic(directory, name, {"format": FORMAT, "version": VERSION, **payload})
+    # Whole checkpoints stay version 1, which an older gpunb reads; one that leaves out the frozen
+    # weights is 2, which it refuses, asking for an upgrade, instead of finding weights missing.
+    version = 2 if payload.get("frozen") else 1
+    return write_atomic(directory, name, {"format": FORMAT, "version": version, **payload})
 
 
 def write_atomic(directory: Path, name: str, payload) -> Path:

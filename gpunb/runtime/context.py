@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from gpunb.runtime.events import FitState
+from gpunb.runtime.trainable import load_weights
 
 
 class LocalContext:
@@ -55,7 +56,7 @@ class LocalContext:
         return model.state_dict(), optimizer.state_dict()
 
     def load_model_state(self, model, state: dict) -> None:
-        model.load_state_dict(state)
+        load_weights(model, state)  # a checkpoint may hold only what trains
 
     def load_optimizer_state(self, model, optimizer, state: dict) -> None:
         optimizer.load_state_dict(optimizer_state_by_index(state, model, optimizer))

@@ -17,6 +17,10 @@ reading the device flag to hold it back would be a sync.
 
 `swapped()` puts the averaged weights into the model for a while (validation, saving
 the averaged state) by swapping tensor storage: no copies, no extra memory.
+
+Frozen parameters are left out: their average is themselves, and copying a frozen base
+(a LoRA model's) would double the memory its weights take. The averaged state of a model
+with frozen parameters holds what trains (trainable.py); it loads into the model as it is.
 """
 
 from __future__ import annotations
@@ -25,13 +29,15 @@ import contextlib
 
 import torch
 
+from gpunb.runtime.trainable import load_weights, trainable_part
+
 
 class WeightEma:
     """The averaged weights of `model` (its parameters and buffers), on the model's device."""
 
     def __init__(self, model: torch.nn.Module, decay: float, warmup: bool = True):
         self.model, self.decay, self.warmup = model, decay, warmup
-        self.params = [p for p in model.parameters()]  # deduplicated: tied weights once
+        self.params = [p for p in model.parameters() if p.requires_grad]  # deduplicated: tied weights once
         self.buffers = [b for b in model.buffers()]
         with torch.no_grad():
             self.averaged = [p.detach().clone() for p in self.params]
@@ -94,15 +100,16 @@ class WeightEma:
             self._swap()
 
     def state_dict(self, to_cpu: bool = False) -> dict:
-        """The averaged weights, keyed like `model.state_dict()` (loadable into the model)."""
+        """The averaged weights, keyed like `model.state_dict()` (loadable into the model); a model
+        with frozen parameters: what trains."""
         with self.swapped():
-            state = self.model.state_dict()
+            state = trainable_part(self.model, self.model.state_dict())
             return {name: value.detach().to("cpu", copy=True) if to_cpu else value.detach().clone()
                     for name, value in state.items()}
 
     def load_state_dict(self, state: dict) -> None:
         with self.swapped():
-            self.model.load_state_dict(state)
+            load_weights(self.model, state)
 
     def copy_to_model(self) -> None:
         """Make the averaged weights the model's own (`ema_apply=True` at the end of a fit)."""

@@ -125,6 +125,7 @@ def restore_last_good(state, dist, model, optimizer) -> tuple[tuple[int, str] | 
     """Load the newest readable checkpoint of this run (or the one it resumed from) into the model
     and optimizer. Returns (its step and path, or None) and the newer ones that could not be read."""
     from gpunb.runtime.checkpoint import load_checkpoint
+    from gpunb.runtime.trainable import load_weights
 
     if state.rank != 0 or getattr(dist, "strategy", "ddp") == "fsdp":
         return None, []  # FSDP would need every rank to take part; rank 0's weights are what is returned
@@ -136,7 +137,7 @@ def restore_last_good(state, dist, model, optimizer) -> tuple[tuple[int, str] | 
             unreadable.append(Path(path).name)
             continue
         with torch.no_grad():
-            model.load_state_dict(payload["model"])
+            load_weights(model, payload["model"])  # it may hold only what trains
         try:
             optimizer.load_state_dict(payload["optimizer"])
         except (ValueError, KeyError):  # an optimizer state saved by index under another layout

@@ -53,9 +53,22 @@ class TrainResult:
     summary: object = None  # RunSummary: parameters, FLOPs, memory, measured before the first step
     # with `ema`: the averaged weights on the CPU, keyed like model.state_dict() (`model.load_state_dict(...)`)
     ema_state_dict: dict | None = field(default=None, repr=False)
+    # with merge_adapters: the base model with the trained adapters merged into its weights (peft's
+    # merge_and_unload); the fitted peft model wraps it still
+    model: object = field(default=None, repr=False)
     # what `fit(..., continue_from=result)` goes on from (optimizer, schedule, step; one-process
     # fits); it keeps the optimizer state alive: set it to None to free that memory
     continue_state: object = field(default=None, repr=False)
+
+    @property
+    def trainable_params(self) -> int | None:
+        """Parameters that trained (a LoRA model: its adapters); None without a summary."""
+        return getattr(self.summary, "trainable_params", None)
+
+    @property
+    def frozen_params(self) -> int | None:
+        """Parameters left as they were (`requires_grad=False`: a LoRA model's base)."""
+        return getattr(self.summary, "frozen_params", None)
 
     @property
     def effective_batch_size(self) -> int:
@@ -139,7 +152,7 @@ class TrainResult:
     def __getstate__(self) -> dict:
         # The model and what a continued fit goes on from (optimizer, schedule) stay here.
         state = {k: v for k, v in self.__dict__.items() if k != "_fitted"}
-        state["continue_state"] = None
+        state["continue_state"] = state["model"] = None
         return state
 
     def predict(self, data, **overrides):

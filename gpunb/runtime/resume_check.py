@@ -17,6 +17,7 @@ import torch
 
 from gpunb.errors import GpunbError
 from gpunb.runtime import device as devices
+from gpunb.runtime import trainable
 
 _LISTED = 12  # names shown per kind of mismatch; the count says how many more there are
 
@@ -28,11 +29,18 @@ _POSITION_SETTINGS = ("batch_size", "grad_accum", "drop_last", "shuffle", "seed"
 def check_fits(run, payload: dict, path) -> None:
     """Raise a GpunbError naming every mismatch; return only when everything fits."""
     if getattr(run.dist, "strategy", None) != "fsdp":  # sharded parameters are checked on load
-        problems = model_problems(run.model, payload["model"])
+        frozen = payload.get("frozen")  # a checkpoint of what trains: the fingerprint of the frozen rest
+        problems = model_problems(run.model, payload["model"], frozen)
         if problems:
             raise GpunbError(f"The checkpoint {path!s} does not fit this model:\n" + _bullets(problems),
                              "resume with the model definition it was trained with, or start fresh "
                              "without `resume`.")
+        problems = trainable.base_problems(run.model, frozen) if frozen else []
+        if problems:
+            raise GpunbError(f"The checkpoint {path!s} holds only what trains (adapters, unfrozen layers), and "
+                             "this model's frozen weights are not the ones it was trained on:\n" + _bullets(problems),
+                             "resume onto the same base model it was trained with (the same pretrained weights, "
+                             "dtype and quantization, frozen the same way), or start fresh without `resume`.")
     problems = optimizer_problems(run.stepper.optimizer, payload)
     if problems:
         raise GpunbError(f"The optimizer state in {path!s} does not fit this optimizer:\n" + _bullets(problems),
@@ -53,8 +61,10 @@ def check_fits(run, payload: dict, path) -> None:
                          "fresh run without `resume`.")
 
 
-def model_problems(model: torch.nn.Module, saved: dict) -> list[str]:
-    expected = {name: tuple(value.shape) for name, value in model.state_dict().items()}
+def model_problems(model: torch.nn.Module, saved: dict, frozen: dict | None = None) -> list[str]:
+    """How the weights `saved` differ from `model`'s; `frozen`: the fingerprint of the frozen tensors
+    `saved` leaves out (a checkpoint of what trains), which trainable.base_problems compares."""
+    expected = {name: tuple(value.shape) for name, value in model.state_dict().items() if name not in (frozen or ())}
     missing = [name for name in expected if name not in saved]
     unexpected = [name for name in saved if name not in expected]
     shapes = [f"{name}: checkpoint {tuple(saved[name].shape)}, model {expected[name]}"
@@ -112,7 +122,8 @@ def state_problems(run, payload: dict) -> list[str]:
         if not isinstance(weights, dict) or not isinstance(ema.get("updates"), int):
             problems.append("the weight average ('ema') lacks its weights or update count")
         else:
-            problems += [f"weight average: {line}" for line in model_problems(run.model, weights)]
+            lines = model_problems(run.model, weights, payload.get("frozen"))
+            problems += [f"weight average: {line}" for line in lines]
     return problems
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from gpunb.errors import GpunbError
 from gpunb.runtime import checkpoint as ckpt
 from gpunb.runtime import device as devices
-from gpunb.runtime import resume_check, resume_target
+from gpunb.runtime import resume_check, resume_target, trainable
 from gpunb.runtime.best import entry_path
 from gpunb.runtime.nan_guard import fail
 from gpunb.runtime.run_lock import RunLock
@@ -36,6 +36,9 @@ class Checkpointer:
         self.batches_per_epoch = batches_per_epoch
         self.saved_step = None
         self.failed = False
+        # A model with frozen parameters is saved as what trains plus a fingerprint of the rest
+        # (trainable.py); FSDP's sharded state keeps whole checkpoints.
+        self.trainable_only = getattr(dist, "strategy", None) != "fsdp" and trainable.has_frozen(model)
         self.lock: RunLock | None = None  # on the run's own directory (rank 0)
         if rank == 0:
             ckpt.check_writable(config.checkpoint_dir)
@@ -130,14 +133,18 @@ class Checkpointer:
         if self.best is not None:
             best = {**self.best.state_dict(), "kept": best if best is not None else self.best.kept}
         epoch_complete = self.batches_per_epoch is not None and state.batch_in_epoch >= self.batches_per_epoch
+        frozen, ema = None, stepper.ema.state_dict() if stepper.ema is not None else None
+        if self.trainable_only:
+            model_state, frozen = trainable.split_state(self.model, model_state)
+            ema = trainable.trainable_part(self.model, ema) if ema is not None else None
         return {
             "model": model_state,
+            "frozen": frozen,  # None: `model` is the whole state; else the fingerprint of what it leaves out
             "optimizer": optimizer_state,
             "optimizer_type": type(stepper.optimizer).__name__,
             "scheduler": stepper.schedule.state_dict() if stepper.schedule else None,
             "scheduler_type": type(stepper.schedule.scheduler).__name__ if stepper.schedule else None,
-            "ema": ({"weights": stepper.ema.state_dict(), "updates": stepper.ema.updates}
-                    if stepper.ema is not None else None),
+            "ema": {"weights": ema, "updates": stepper.ema.updates} if ema is not None else None,
             "total_steps": state.total_steps,
             "precision": self.precision.state_dict(),
             "rng": devices.rng_state(state.device),

@@ -27,6 +27,7 @@ from gpunb.runtime.batch_size import count_flops
 from gpunb.runtime.blocks import repeated_blocks
 from gpunb.runtime.inputs import batch_size_of, first_batch, is_mapping, map_tensors
 from gpunb.runtime.preflight import Untouched, small_sample
+from gpunb.runtime.trainable import parameter_count
 
 MEASURED_SAMPLES = 2  # samples of the batch the step before training runs on
 
@@ -54,7 +55,7 @@ class RunSummary:
     optimizer_note: str = ""
     activations_bytes: int | None = None
     activations_note: str = ""
-    ema_bytes: int = 0  # the weight average `ema` keeps: a copy of the weights
+    ema_bytes: int = 0  # the weight average `ema` keeps: a copy of the trainable weights and buffers
     free_bytes: int | None = None  # free GPU memory, or the system's available memory on CPU
     memory_kind: str = "system"  # "GPU" or "system"
     blocks: int = 0  # the model's repeated blocks (a transformer's layers)
@@ -110,13 +111,13 @@ def summarize(model, optimizer, objective, precision, data, device, batch_size: 
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     summary = RunSummary(
-        model=type(model).__name__, trainable_params=sum(p.numel() for p in trainable),
-        frozen_params=sum(p.numel() for p in params if not p.requires_grad), batch_size=batch_size,
+        model=type(model).__name__, trainable_params=sum(parameter_count(p) for p in trainable),
+        frozen_params=sum(parameter_count(p) for p in params if not p.requires_grad), batch_size=batch_size,
         device=device.type, precision=precision.name,
         weights_bytes=sum(_nbytes(t) for t in [*params, *model.buffers()]),
         gradients_bytes=sum(_nbytes(p) for p in trainable))
-    if config.ema is not None:
-        summary.ema_bytes = summary.weights_bytes
+    if config.ema is not None:  # the trainable parameters and the buffers (frozen ones are not averaged)
+        summary.ema_bytes = sum(_nbytes(t) for t in [*trainable, *model.buffers()])
     summary.optimizer_bytes, summary.optimizer_note = optimizer_state_bytes(optimizer)
     summary.free_bytes, summary.memory_kind = free_memory(device)
     if objective.step_fn is not None:
