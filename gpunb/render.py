@@ -59,6 +59,9 @@ def result_text(result) -> str:
     lines = [head, f"  {metrics}" if metrics else "  no metrics"]
     if result.frozen_params:  # a model with a frozen part (LoRA adapters on a base): what trained
         lines.append(f"  parameters: {parameters_text(result)}")
+    plan = getattr(result, "memory_plan", "")
+    if plan:  # the measures the memory plan took, and any an OOM added
+        lines.append(f"  {plan if plan.startswith('plan: ') else 'plan: ' + plan}")
     if result.oom_recoveries or result.skipped_steps:
         lines.append(f"  oom_recoveries={result.oom_recoveries} (micro-batch {result.micro_batch_size}), "
                      f"skipped_fp16_steps={result.skipped_steps}")

@@ -304,3 +304,46 @@ def test_an_oom_the_split_cannot_fix_takes_the_next_measure_and_says_so():
     assert not any("forward" in block.__dict__ for block in model.blocks)  # undone at the end
     with pytest.raises(GpunbError, match="micro-batch of 1 sample"):
         fit(limit=7500, batch_size=4, memory_plan=False)
+
+
+# ---------------------------------------------------------------- the options
+def test_the_budget_reads_sizes_and_the_options_refuse_what_they_cannot_take():
+    from gpunb.config import TrainConfig
+
+    assert TrainConfig(memory_budget="24GiB").memory_budget == 24 * 2**30
+    assert TrainConfig(memory_budget="80 GB").memory_budget == 80 * 10**9
+    assert TrainConfig(memory_budget=1000).memory_budget == 1000
+    assert TrainConfig(optimizer_states="8-bit").optimizer_states == "8bit"
+    with pytest.raises(GpunbError, match="memory_budget must be a number of bytes or a size such as '24GiB'"):
+        TrainConfig(memory_budget="24 gigs")
+    with pytest.raises(GpunbError, match="Unknown optimizer_states 'half'"):
+        TrainConfig(optimizer_states="half")
+
+
+def test_the_magic_takes_the_memory_options():
+    from gpunb.notebook.magics import GpuMagics, _config
+
+    args = GpuMagics.gputrain.parser.parse_args(
+        ["--memory-budget", "24GiB", "--no-memory-plan", "--optimizer-states", "cpu"])
+    config = _config(args)
+    assert (config.memory_budget, config.memory_plan, config.optimizer_states) == (24 * 2**30, False, "cpu")
+
+
+def test_a_step_in_backward_is_dropped_when_the_activations_need_smaller_micro_batches():
+    from gpunb.runtime.context import LocalContext
+    from gpunb.runtime.memory_measures import plan_run
+    from gpunb.runtime.objective import Objective
+    from gpunb.runtime.precision import Precision
+    from gpunb.runtime.summary import RunSummary
+    from gpunb.config import TrainConfig
+
+    # 100 MiB of weights (one tensor a block), 100 of gradients and 200 of states, 500 of activations
+    model = nn.Sequential(*(nn.Linear(1024, 1024, bias=False) for _ in range(25)))
+    summary = RunSummary("M", 25 * 2**20, 0, 8, "cpu", "32", weights_bytes=100 * MiB, gradients_bytes=100 * MiB,
+                         optimizer_bytes=200 * MiB, activations_bytes=500 * MiB, free_bytes=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # no torchao states: in backward is what saves most
+    config = TrainConfig(memory_budget=500 * MiB)
+    plan = plan_run(summary, model, optimizer, Objective(nn.MSELoss()), Precision("32", torch.device("cpu")),
+                    config, LocalContext(), torch.device("cpu"))
+    assert not plan.fits and plan.names == () and plan.unavailable["optimizer_in_backward"] == \
+        "smaller micro-batches are needed"

@@ -46,6 +46,12 @@ def plan_run(summary, model, optimizer, objective, precision, config, dist, devi
     if not config.memory_plan:  # only what the user set
         unavailable = {m: "memory_plan=False" for m in MEASURES if m not in kept}
     plan = plan_memory(footprint, budget, unavailable, kept)
+    if not plan.fits and plan.has("optimizer_in_backward"):
+        # the activations are left for smaller micro-batches, which a step in backward cannot take
+        unavailable = {**unavailable, "optimizer_in_backward": "smaller micro-batches are needed"}
+        split = plan_memory(footprint, budget, unavailable, kept)
+        if split.fits or split.fixed_after <= SAFETY * budget:
+            plan = split
     if not plan.fits and plan.fixed_after > SAFETY * budget:
         raise does_not_fit(plan, footprint)
     return plan
