@@ -172,10 +172,15 @@ def test_hugging_face_layers_are_checkpointed_one_by_one_with_the_same_gradients
     assert torch.equal(plain[0], checkpointed[0]) and all(map(torch.equal, plain[1], checkpointed[1]))
 
 
-def test_the_chunked_loss_equals_the_models_own_loss_and_gradients():
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_chunked_loss_equals_the_models_own_loss_and_gradients(lora):
     from gpunb.runtime.chunked_loss import chunked_loss, unsupported_reason
 
     model, batch = tiny_llama(), token_batch()
+    if lora:  # the adapters are in the base model's layers: the chunks go through them
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                           init_lora_weights=False))
     assert unsupported_reason(model) is None and unsupported_reason(Net()) == "not a Hugging Face causal LM"
     own = gradients(model, lambda m: m(**batch).loss)
     chunked = gradients(model, lambda m: chunked_loss(m, batch, chunks=4))

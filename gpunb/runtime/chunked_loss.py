@@ -8,7 +8,9 @@ exist at a time, in backward too. The value is the model's own (labels shifted i
 ignored, the mean over the counted labels), up to the order of the sums.
 
 Only architectures whose loss is exactly that (no logit soft-capping or scaling, no auxiliary
-loss) take this path; `unsupported_reason` says why another does not.
+loss) take this path; `unsupported_reason` says why another does not. A compiled model's
+wrapper is passed over here (the base model and the head are called as they are), so under
+`compile` the chunked loss runs eagerly.
 """
 
 from __future__ import annotations
@@ -26,8 +28,7 @@ PLAIN_HEADS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "s
 
 def causal_lm(model):
     """The Hugging Face causal LM in `model` (itself, or a PEFT model's base with its adapters)."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return inner
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def unsupported_reason(model) -> str | None:

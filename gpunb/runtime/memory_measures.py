@@ -109,11 +109,15 @@ def unavailable_measures(model, optimizer, objective, precision, config, world_s
         out["chunked_loss"] = "the loss is computed by loss_fn or step, not by the model"
     elif chunked.unsupported_reason(model) is not None:
         out["chunked_loss"] = chunked.unsupported_reason(model)
+    elif world_size > 1:  # it calls the base model and the head apart: a DDP / FSDP wrapper's forward would be skipped
+        out["chunked_loss"] = "several processes train through their wrapper's forward"
     replaced = _why_not_replaced(optimizer, scheduler, continuing)
     in_backward = replaced or _why_not_in_backward(precision, config, world_size)
     if in_backward:
         out["optimizer_in_backward"] = in_backward
     lean = replaced or _why_not_torchao(optimizer)
+    if world_size > 1:  # torchao's states under DDP / FSDP2 shards: not tried yet
+        lean = lean or "torchao's optimizers are used on one device only for now"
     if config.optimizer_states == "full":
         out["states_8bit"] = out["states_cpu"] = "optimizer_states='full'"
     for name in ("states_8bit", "states_cpu", "bf16_weights"):
@@ -124,7 +128,10 @@ def unavailable_measures(model, optimizer, objective, precision, config, world_s
     if "bf16_weights" not in out and precision.name != "bf16-mixed":
         out["bf16_weights"] = "bf16 weights need bf16 autocast (`precision='bf16-mixed'`)"
     # switching a DDP run to FSDP mid-set-up is not done: the plan names it, the user passes it
-    out["fsdp"] = "pass `strategy='fsdp'` to shard" if world_size > 1 and config.strategy == "ddp" else "one device"
+    if world_size < 2:
+        out["fsdp"] = "one device"
+    elif config.strategy == "ddp":
+        out["fsdp"] = "pass `strategy='fsdp'` to shard"
     return out
 
 
