@@ -352,3 +352,29 @@ def test_a_step_in_backward_is_dropped_when_the_activations_need_smaller_micro_b
                     config, LocalContext(), torch.device("cpu"))
     assert not plan.fits and plan.names == () and plan.unavailable["optimizer_in_backward"] == \
         "smaller micro-batches are needed"
+
+
+def test_a_ddp_run_that_fits_only_sharded_is_told_to_shard():
+    from gpunb.config import TrainConfig
+    from gpunb.runtime.memory_measures import plan_run
+    from gpunb.runtime.objective import Objective
+    from gpunb.runtime.precision import Precision
+    from gpunb.runtime.summary import RunSummary
+
+    class FourRanks:  # what plan_run asks of a process group's context
+        world_size = 4
+
+        @staticmethod
+        def smallest(value):
+            return value
+
+    model = nn.Linear(8, 8)
+    summary = RunSummary("M", 64, 0, 8, "cpu", "32", weights_bytes=100 * MiB, gradients_bytes=100 * MiB,
+                         optimizer_bytes=200 * MiB, activations_bytes=10 * MiB, free_bytes=0)
+    with pytest.raises(GpunbError) as error:
+        plan_run(summary, model, torch.optim.AdamW(model.parameters()), Objective(nn.MSELoss()),
+                 Precision("32", torch.device("cpu")), TrainConfig(memory_budget=200 * MiB), FourRanks(),
+                 torch.device("cpu"))
+    # 400 MiB whole on each device; a quarter each sharded: 100 + 10 of activations
+    assert "Sharded with FSDP the estimate is 110.0 MiB" in str(error.value)
+    assert "pass `strategy='fsdp'`" in error.value.hint

@@ -53,7 +53,11 @@ def plan_run(summary, model, optimizer, objective, precision, config, dist, devi
         if split.fits or split.fixed_after <= SAFETY * budget:
             plan = split
     if not plan.fits and plan.fixed_after > SAFETY * budget:
-        raise does_not_fit(plan, footprint)
+        sharded = None
+        if dist.world_size > 1 and config.strategy == "ddp":  # the switch is the user's: the message names it
+            allowed = {m: why for m, why in unavailable.items() if m != "fsdp"}
+            sharded = plan_memory(footprint, budget, allowed, (*kept, "fsdp"))
+        raise does_not_fit(plan, footprint, sharded)
     return plan
 
 
@@ -177,8 +181,17 @@ def _why_not_torchao(optimizer) -> str | None:
     return None
 
 
-def does_not_fit(plan: Plan, footprint: Footprint) -> GpunbError:
+def does_not_fit(plan: Plan, footprint: Footprint, sharded: Plan | None = None) -> GpunbError:
     used = " + ".join(m.text for m in plan.measures) or "no measure available"
+    if sharded is not None and sharded.fits:
+        return GpunbError(
+            f"This run does not fit in memory under DDP, which keeps the whole model on each of the "
+            f"{footprint.world_size} devices: the weights, gradients and optimizer state alone need "
+            f"{format_bytes(plan.fixed_after)} ({used}), over {format_bytes(int(SAFETY * plan.budget))} usable "
+            f"of a {format_bytes(plan.budget)} budget. Sharded with FSDP the estimate is "
+            f"{format_bytes(sharded.after)} ({sharded.text()}).",
+            "pass `strategy='fsdp'` (`--strategy fsdp`): each device then holds its share of the weights, "
+            "gradients and optimizer state.")
     return GpunbError(
         f"This run does not fit in memory, even with every measure gpunb can take: the weights, "
         f"gradients and optimizer state alone need {format_bytes(plan.fixed_after)} "
