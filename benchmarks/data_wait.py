@@ -81,7 +81,7 @@ class ResNet18(nn.Module):
 
 
 def transforms():
-    from gpunb.runtime.transforms import Normalize, RandomCrop, RandomFlip
+    from gpunb.runtime.feed.transforms import Normalize, RandomCrop, RandomFlip
 
     return [RandomCrop(4), RandomFlip(), Normalize(MEAN, STD)]
 
@@ -118,9 +118,9 @@ def gpu_busy_share(run, data, steps, batch, variant) -> tuple[float, float, str]
 def gpunb_fit(data, steps, batch, variant):
     """(data-wait share, step time in ms) of one gpunb fit of `steps` steps."""
     from gpunb import Trainer
-    from gpunb.runtime import data as feeds
     from gpunb.runtime import loop
-    from gpunb.runtime.prefetch import CudaPrefetcher
+    from gpunb.runtime.feed import feeds
+    from gpunb.runtime.feed.prefetch import CudaPrefetcher
 
     def inline_feed(*args, **kwargs):
         feed = feeds.build_feed(*args, **kwargs)
@@ -158,7 +158,7 @@ def _on_host(data):
 
 def plain_fit(data, steps, batch, _variant):
     """A hand-written bf16 loop, transforms inline: (0, step time in ms); it measures no data wait."""
-    from gpunb.runtime.augment import apply_transforms
+    from gpunb.runtime.feed.augmenter import apply_transforms
 
     x, y = data
     device = x.device

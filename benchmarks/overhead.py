@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from gpunb import Trainer
 from gpunb.demo import digits_cnn, digits_data
-from gpunb.runtime.peak_flops import device_peak_tflops
+from gpunb.runtime.probes.peak_flops import device_peak_tflops
 
 
 class LSTMParity(nn.Module):

@@ -124,7 +124,7 @@ def _time_parts(times: dict, synchronize) -> None:
     import importlib
 
     from gpunb.runtime.events import Callbacks
-    from gpunb.runtime.step import Stepper
+    from gpunb.runtime.step.stepper import Stepper
 
     def timed(label, function, once=False):
         def wrapper(*args, **kwargs):

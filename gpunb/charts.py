@@ -27,16 +27,14 @@ def line_chart(metric: str, names: list[str], series: list[list[tuple[float, flo
     numbers only (default: when x_label is "step"); `log_y` forces the y scale (default:
     `log_scale` of the values).
     """
-    _W, _H, _LEGEND = width, height, legend
-    _LEFT, _RIGHT, _TOP, _BOTTOM = 60, 16, 12, 40
     points = [point for line in series for point in line if math.isfinite(point[1])]
     series = [[point for point in line if math.isfinite(point[1])] for line in series]
-    total_width = _W + _LEGEND
-    parts = [(f"<svg xmlns='http://www.w3.org/2000/svg' width='{total_width}' height='{_H}' "
-              f"viewBox='0 0 {total_width} {_H}' font-family='sans-serif' font-size='11' "
+    total_width = width + legend
+    parts = [(f"<svg xmlns='http://www.w3.org/2000/svg' width='{total_width}' height='{height}' "
+              f"viewBox='0 0 {total_width} {height}' font-family='sans-serif' font-size='11' "
               "fill='currentColor'>")]
     if not points:
-        parts.append(f"<text x='{_LEFT}' y='{_H / 2}'>No {html.escape(metric)} values recorded "
+        parts.append(f"<text x='{_LEFT}' y='{height / 2}'>No {html.escape(metric)} values recorded "
                      f"{html.escape(empty)}.</text></svg>")
         return "".join(parts)
     xs, ys = [x for x, _ in points], [y for _, y in points]
@@ -47,32 +45,65 @@ def line_chart(metric: str, names: list[str], series: list[list[tuple[float, flo
     to_y = math.log10 if log_y else float
     if x_range is not None:
         xs += list(x_range)
-    x_low, x_high = _padded(min(xs), max(xs), 0.0)
-    y_low, y_high = _padded(to_y(min(ys)), to_y(max(ys)), 0.05)
-    plot_w, plot_h = _W - _LEFT - _RIGHT, _H - _TOP - _BOTTOM
+    frame = _Frame(width, height, _padded(min(xs), max(xs), 0.0), _padded(to_y(min(ys)), to_y(max(ys)), 0.05), to_y)
+    parts += _grid(frame, integer_x, log_y)
+    parts.append(_axes(frame, metric, x_label, log_y))
+    parts += _lines_and_legend(frame, names, series)
+    parts.append("</svg>")
+    return "".join(parts)
 
-    def px(x: float) -> float:
-        return _LEFT + (x - x_low) / (x_high - x_low) * plot_w
 
-    def py(y: float) -> float:
-        return _TOP + (1 - (to_y(y) - y_low) / (y_high - y_low)) * plot_h
+_LEFT, _RIGHT, _TOP, _BOTTOM = 60, 16, 12, 40  # the margins of a chart's plot area
 
-    for tick in _ticks(x_low, x_high, integers=integer_x):
+
+class _Frame:
+    """A chart's plot area, and where a data point (x, y) lands in it."""
+
+    def __init__(self, width: int, height: int, x_span: tuple, y_span: tuple, to_y):
+        self.width, self.height = width, height
+        self.plot_w, self.plot_h = width - _LEFT - _RIGHT, height - _TOP - _BOTTOM
+        (self.x_low, self.x_high), (self.y_low, self.y_high), self.to_y = x_span, y_span, to_y
+
+    def px(self, x: float) -> float:
+        return _LEFT + (x - self.x_low) / (self.x_high - self.x_low) * self.plot_w
+
+    def py(self, y: float) -> float:
+        return _TOP + (1 - (self.to_y(y) - self.y_low) / (self.y_high - self.y_low)) * self.plot_h
+
+
+def _grid(frame: _Frame, integer_x: bool, log_y: bool) -> list[str]:
+    """Grid lines with their tick labels: x ticks below the plot, y ticks on its left."""
+    px, py, plot_w, plot_h = frame.px, frame.py, frame.plot_w, frame.plot_h
+    parts = []
+    for tick in _ticks(frame.x_low, frame.x_high, integers=integer_x):
         label = f"{int(tick)}" if integer_x else f"{tick:g}"
         parts.append(f"<line x1='{px(tick):.1f}' x2='{px(tick):.1f}' y1='{_TOP}' y2='{_TOP + plot_h}' "
                      f"stroke='currentColor' stroke-opacity='0.15'/><text x='{px(tick):.1f}' "
                      f"y='{_TOP + plot_h + 14}' text-anchor='middle'>{label}</text>")
+    y_low, y_high = frame.y_low, frame.y_high
     y_ticks = [10 ** t for t in _ticks(y_low, y_high, integers=True)] if log_y else _ticks(y_low, y_high)
     for tick in y_ticks:
         parts.append(f"<line x1='{_LEFT}' x2='{_LEFT + plot_w}' y1='{py(tick):.1f}' y2='{py(tick):.1f}' "
                      f"stroke='currentColor' stroke-opacity='0.15'/><text x='{_LEFT - 6}' "
                      f"y='{py(tick) + 4:.1f}' text-anchor='end'>{tick:.3g}</text>")
-    parts.append(f"<rect x='{_LEFT}' y='{_TOP}' width='{plot_w}' height='{plot_h}' fill='none' "
-                 "stroke='currentColor' stroke-opacity='0.5'/>"
-                 f"<text x='{_LEFT + plot_w / 2}' y='{_H - 6}' text-anchor='middle'>{html.escape(x_label)}</text>"
-                 f"<text x='14' y='{_TOP + plot_h / 2}' text-anchor='middle' "
-                 f"transform='rotate(-90 14 {_TOP + plot_h / 2})'>{html.escape(metric)}"
-                 f"{' (log)' if log_y else ''}</text>")
+    return parts
+
+
+def _axes(frame: _Frame, metric: str, x_label: str, log_y: bool) -> str:
+    """The plot's border and the two axis titles (the y one turned upright)."""
+    plot_w, plot_h = frame.plot_w, frame.plot_h
+    return (f"<rect x='{_LEFT}' y='{_TOP}' width='{plot_w}' height='{plot_h}' fill='none' "
+            "stroke='currentColor' stroke-opacity='0.5'/>"
+            f"<text x='{_LEFT + plot_w / 2}' y='{frame.height - 6}' text-anchor='middle'>{html.escape(x_label)}</text>"
+            f"<text x='14' y='{_TOP + plot_h / 2}' text-anchor='middle' "
+            f"transform='rotate(-90 14 {_TOP + plot_h / 2})'>{html.escape(metric)}"
+            f"{' (log)' if log_y else ''}</text>")
+
+
+def _lines_and_legend(frame: _Frame, names: list[str], series: list) -> list[str]:
+    """One line per series (a dot where it has one point), and its legend entry right of the plot."""
+    px, py, width = frame.px, frame.py, frame.width
+    parts = []
     for i, (name, line) in enumerate(zip(names, series)):
         colour = PALETTE[i % len(PALETTE)]
         if len(line) == 1:
@@ -82,11 +113,10 @@ def line_chart(metric: str, names: list[str], series: list[list[tuple[float, flo
             parts.append(f"<polyline points='{coords}' fill='none' stroke='{colour}' stroke-width='1.5'/>")
         label = name if len(name) <= 24 else name[:23] + "…"
         y = _TOP + 8 + 16 * i
-        parts.append(f"<line x1='{_W + 4}' x2='{_W + 22}' y1='{y}' y2='{y}' stroke='{colour}' "
-                     f"stroke-width='2'/><text x='{_W + 28}' y='{y + 4}'>{html.escape(label)}"
+        parts.append(f"<line x1='{width + 4}' x2='{width + 22}' y1='{y}' y2='{y}' stroke='{colour}' "
+                     f"stroke-width='2'/><text x='{width + 28}' y='{y + 4}'>{html.escape(label)}"
                      f"{'' if line else ' (no data)'}</text>")
-    parts.append("</svg>")
-    return "".join(parts)
+    return parts
 
 
 IMAGE_INK = "#808080"  # labels and grid inside an <img>: readable on light and dark pages

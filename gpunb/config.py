@@ -63,7 +63,7 @@ class TrainConfig:
     # "step-graph": the whole step (forward, backward, optimizer) captured as one CUDA graph
     compile: Union[bool, str] = "auto"
     activation_checkpointing: bool = False  # recompute each child module's activations in backward
-    # choose memory-saving measures when the estimate does not fit (runtime/memory_plan.py); False: off
+    # choose memory-saving measures when the estimate does not fit (runtime/memory/plan.py); False: off
     memory_plan: bool = True
     memory_budget: Union[int, str, None] = None  # bytes or "24GiB" the run may use; None: the device's free memory
     optimizer_states: str = "auto"  # "auto" (the plan's choice), "full", "8bit" (torchao) or "cpu" (on the host)

@@ -15,8 +15,9 @@ import os
 from gpunb.config import TrainConfig, make_config
 from gpunb.runtime.adapters import check_adapters, merge_adapters
 from gpunb.runtime.context import LocalContext
-from gpunb.runtime.loop import check_model, run
+from gpunb.runtime.loop import run
 from gpunb.runtime.result import TrainResult
+from gpunb.runtime.roles import check_model
 
 
 class Trainer:
@@ -60,7 +61,7 @@ class Trainer:
         check_adapters(model, config)  # quantized layers without bitsandbytes, merge_adapters without adapters
         arguments = dict(optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, step=step, metrics=metrics)
         if continue_from is not None:  # checked here too: a launch would start processes first
-            from gpunb.runtime.continuing import continue_state_of
+            from gpunb.runtime.state.continuing import continue_state_of
 
             continue_state_of(continue_from, model, config, world_size=1)
             arguments["continue_from"] = continue_from
@@ -93,7 +94,7 @@ class Trainer:
         size) against free memory. One forward + backward, undone: no optimizer step, no
         checkpoint, no registry run. Returns a RunSummary (in one process: this device's view)."""
         __tracebackhide__ = True  # noqa: F841
-        from gpunb.runtime.summary import dry_run
+        from gpunb.runtime.probes.summary import dry_run
 
         check_model(model)
         return dry_run(self.config, LocalContext(), model, train_data, val_data, optimizer=optimizer,

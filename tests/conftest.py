@@ -68,6 +68,16 @@ def pytest_addoption(parser):
                           "to a temporary directory and the checkout is left as it was)")
 
 
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """The local Slurm cluster (tests/slurm_support.py): `.ci/run`'s, or one started for this
+    session where Slurm is installed and this runs as root; skips with the reason otherwise."""
+    from slurm_support import session_cluster
+
+    with session_cluster() as cluster:
+        yield cluster
+
+
 @pytest.fixture
 def screenshots(request, tmp_path):
     """Where the browser tests save screenshots: docs/ with `--docs-images`, else a temp dir."""

@@ -12,10 +12,10 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from gpunb import TrainConfig
-from gpunb.runtime.augment import Augmenter
-from gpunb.runtime.data import EpochOrder, LoaderFeed, TensorFeed, build_feed
-from gpunb.runtime.prefetch import CudaPrefetcher
-from gpunb.runtime.transforms import Normalize, RandomCrop, RandomFlip
+from gpunb.runtime.feed.augmenter import Augmenter
+from gpunb.runtime.feed.feeds import EpochOrder, LoaderFeed, TensorFeed, build_feed
+from gpunb.runtime.feed.prefetch import CudaPrefetcher
+from gpunb.runtime.feed.transforms import Normalize, RandomCrop, RandomFlip
 
 CPU = torch.device("cpu")
 
@@ -55,7 +55,7 @@ def test_seeded_transforms_neither_read_nor_move_the_global_rng():
 def test_seeded_transforms_draw_what_the_global_rng_seeded_per_batch_would():
     """gpunb's transforms draw from the generator they are given; seeded per batch, it gives the
     draws the global RNGs seeded alike gave (and still give callables that take no generator)."""
-    from gpunb.runtime.augment import batch_rng, transform_seed
+    from gpunb.runtime.feed.augmenter import batch_rng, transform_seed
 
     x = images()[0][:16].float()
     with batch_rng(transform_seed(5, 1, 2), CPU):
@@ -87,7 +87,7 @@ def test_without_a_seed_a_callable_without_a_generator_draws_from_the_global_rng
 
 
 def test_only_transforms_that_take_a_generator_keep_off_the_global_rng():
-    from gpunb.runtime.augment import takes_generator
+    from gpunb.runtime.feed.augmenter import takes_generator
 
     def own(x, generator=None):
         return x
@@ -303,7 +303,7 @@ def test_batches_whose_transforms_take_a_generator_are_prepared_in_a_thread(monk
 
 
 def test_a_loop_that_stops_early_stops_the_producer_thread(monkeypatch):
-    from gpunb.runtime.data import closing
+    from gpunb.runtime.feed.feeds import closing
 
     streams = FakeStreams(monkeypatch)
     feed = TensorFeed((torch.arange(100).view(100, 1), torch.arange(100)), 1, EpochOrder(100, False, 0),

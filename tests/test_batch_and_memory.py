@@ -7,7 +7,7 @@ from torch import nn
 
 from gpunb import Trainer
 from gpunb.render import summary_rows
-from gpunb.runtime import batch_size as auto
+from gpunb.runtime.probes import batch_size as auto
 
 
 class OOMAbove(nn.Module):
@@ -78,8 +78,8 @@ def test_auto_batch_size_leaves_model_optimizer_and_rng_exactly_as_before():
     opt_state = {k: {f: t.clone() for f, t in v.items()} for k, v in optimizer.state_dict()["state"].items()}
     rng = torch.get_rng_state()
 
-    from gpunb.runtime.objective import Objective
-    from gpunb.runtime.precision import Precision
+    from gpunb.runtime.step.objective import Objective
+    from gpunb.runtime.step.precision import Precision
 
     config = __import__("gpunb").TrainConfig(batch_size="auto")
     chosen = auto.find_batch_size(model, optimizer, Objective(nn.CrossEntropyLoss()),
@@ -152,8 +152,8 @@ def test_auto_batch_size_on_a_gpu_takes_the_smallest_size_near_the_best_throughp
 
 def test_the_probe_steps_with_fits_stepper_and_an_oom_means_does_not_fit():
     from gpunb import TrainConfig
-    from gpunb.runtime.objective import Objective
-    from gpunb.runtime.precision import Precision
+    from gpunb.runtime.step.objective import Objective
+    from gpunb.runtime.step.precision import Precision
 
     model = OOMAbove(limit=8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

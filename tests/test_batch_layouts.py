@@ -110,7 +110,7 @@ def test_an_oom_does_not_cut_a_batch_whose_tensors_are_not_one_row_per_sample():
 
 
 def test_samples_are_counted_from_the_target_of_each_layout():
-    from gpunb.runtime.inputs import batch_size_of
+    from gpunb.runtime.feed.inputs import batch_size_of
 
     text, offsets, labels = collate_batch(text_rows(5, seed=0))
     assert len(text) > 5
@@ -159,7 +159,7 @@ def test_nanogpt_on_shifted_slices_of_one_tensor_trains_like_a_plain_loop():
 
 
 def test_the_check_before_training_gathers_its_batch_as_training_does():
-    from gpunb.runtime.inputs import first_batch
+    from gpunb.runtime.feed.inputs import first_batch
 
     tokens = torch.arange(40).view(4, 10)
     x, y = first_batch((tokens[:, :-1], tokens[:, 1:]), 2, torch.device("cpu"))
@@ -216,7 +216,7 @@ def pad_to_16(rows):
 
 
 def test_a_mapping_batch_is_counted_cut_and_moved_keeping_its_type():
-    from gpunb.runtime.inputs import batch_size_of, move_batch, split_batch
+    from gpunb.runtime.feed.inputs import batch_size_of, move_batch, split_batch
 
     batch = pad_to_16(text_rows(6, seed=0))
     assert batch_size_of(batch) == 6
@@ -240,7 +240,7 @@ def test_a_mapping_batch_reaches_the_gpu_eagerly_and_in_a_step_graph():
 
 
 def test_a_batch_size_fn_that_would_read_the_device_each_step_is_refused():
-    from gpunb.runtime.objective import _checked_count
+    from gpunb.runtime.step.objective import _checked_count
 
     count = _checked_count(lambda batch: torch.tensor(8, device="meta"))
     with pytest.raises(GpunbError, match="reading it waits for the device at every step"):

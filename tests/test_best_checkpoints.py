@@ -18,10 +18,11 @@ from torch import nn
 
 from gpunb import TrainConfig, Trainer
 from gpunb.errors import GpunbError
-from gpunb.runtime.best import BestCheckpoints
-from gpunb.runtime.callbacks import EarlyStopping
-from gpunb.runtime.checkpoint import find_checkpoint, list_checkpoints, load_checkpoint
-from gpunb.runtime.monitor import Monitor, default_mode
+from gpunb.runtime.state.best_k import BestCheckpoints
+from gpunb.runtime.state.checkpoint_files import list_checkpoints, load_checkpoint
+from gpunb.runtime.state.resume_target import find_checkpoint
+from gpunb.runtime.validation.early_stopping import EarlyStopping
+from gpunb.runtime.validation.monitor import Monitor, default_mode
 
 
 def fit(model=None, epochs=6, val=True, callbacks=(), **options):

@@ -12,7 +12,7 @@ from torch import nn
 
 from gpunb import Trainer
 from gpunb.errors import GpunbError
-from gpunb.runtime.checkpoint import list_checkpoints, load_checkpoint
+from gpunb.runtime.state.checkpoint_files import list_checkpoints, load_checkpoint
 
 
 def dropout_mlp(seed=0):

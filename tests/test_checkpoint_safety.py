@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpunb import Trainer
 from gpunb.errors import GpunbError
-from gpunb.runtime.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from gpunb.runtime.state.checkpoint_files import list_checkpoints, load_checkpoint, save_checkpoint
 
 
 def dropout_mlp(seed=0, classes=3):

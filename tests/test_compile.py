@@ -13,9 +13,9 @@ from torch import nn
 from gpunb import Trainer
 from gpunb.config import TrainConfig
 from gpunb.errors import GpunbError
-from gpunb.runtime import compiling
-from gpunb.runtime.compiling import Decision, decide, expected_compile_s, signature_of
-from gpunb.runtime.step import Stepper
+from gpunb.runtime.step import compiling
+from gpunb.runtime.step.compiling import Decision, decide, expected_compile_s, signature_of
+from gpunb.runtime.step.stepper import Stepper
 
 
 @pytest.fixture(autouse=True)
@@ -108,8 +108,8 @@ def test_expected_compile_time_is_an_estimate_then_what_was_measured(monkeypatch
 
 def _stepper(optimizer=None, device="cuda", **config):
     """A Stepper as fit builds one (nothing of it touches the device until a step runs)."""
-    from gpunb.runtime.objective import Objective
-    from gpunb.runtime.precision import Precision
+    from gpunb.runtime.step.objective import Objective
+    from gpunb.runtime.step.precision import Precision
 
     model = _model()
     optimizer = optimizer or torch.optim.AdamW(model.parameters())
@@ -119,8 +119,8 @@ def _stepper(optimizer=None, device="cuda", **config):
 
 
 def test_what_keeps_a_step_from_being_one_cuda_graph():
-    from gpunb.runtime import step_graph
-    from gpunb.runtime.schedule import Schedule
+    from gpunb.runtime.step import step_graph
+    from gpunb.runtime.step.schedule import Schedule
 
     assert step_graph.blocker(_stepper(), world_size=1) is None
     assert "between processes" in step_graph.blocker(_stepper(), world_size=2)
@@ -244,8 +244,8 @@ def test_a_partial_last_batch_counts_a_second_compile():
     class Run:  # what _partial_last_batch reads
         pass
 
-    from gpunb.runtime.augment import Augmenter
-    from gpunb.runtime.data import EpochOrder, TensorFeed
+    from gpunb.runtime.feed.augmenter import Augmenter
+    from gpunb.runtime.feed.feeds import EpochOrder, TensorFeed
 
     run, cpu = Run(), torch.device("cpu")
 
@@ -357,8 +357,8 @@ def test_the_loss_is_compiled_as_well_and_validation_keeps_the_eager_one(monkeyp
 
 def _graphed_stepper(model, loss_fn) -> Stepper:
     """fit's step over `model` as if it replayed CUDA graphs: SGD, fp32, two micro-batches a step."""
-    from gpunb.runtime.objective import Objective
-    from gpunb.runtime.precision import Precision
+    from gpunb.runtime.step.objective import Objective
+    from gpunb.runtime.step.precision import Precision
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     stepper = Stepper(model, optimizer, Objective(loss_fn, None, None), Precision("32", torch.device("cpu")),
@@ -552,7 +552,7 @@ def test_under_ddp_a_model_of_torchs_own_classes_compiles_too(monkeypatch, tmp_p
 def test_the_frame_in_front_of_torchs_forward_is_there_only_while_wrapped():
     from types import SimpleNamespace
 
-    from gpunb.runtime.wrap import wrap_model
+    from gpunb.runtime.step.wrap import wrap_model
 
     ddp = SimpleNamespace(world_size=2, wrap=lambda model, device: nn.Module())  # a wrapper, as DDP is
     sequential, net, x = _model(), Net(), torch.randn(4, 8)

@@ -44,7 +44,7 @@ def test_resume_last_needs_a_directory():
 def test_to_dict_is_json_safe():
     import json
 
-    from gpunb.runtime.transforms import RandomFlip
+    from gpunb.runtime.feed.transforms import RandomFlip
 
     text = json.dumps(TrainConfig(transforms=(RandomFlip(),)).to_dict())
     assert "RandomFlip" in text

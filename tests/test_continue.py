@@ -1,11 +1,9 @@
 """Continue training: fit(..., continue_from=result) and %%gputrain --continue."""
 
-import IPython
 import pytest
 import torch
 from conftest import classification_data, mlp
 from IPython.core.error import UsageError
-from IPython.testing.globalipapp import get_ipython
 from torch import nn
 from torch.optim.lr_scheduler import StepLR
 

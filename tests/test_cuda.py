@@ -12,7 +12,7 @@ pytestmark = pytest.mark.cuda
 
 
 def test_prefetcher_creates_one_stream_and_frees_memory_between_epochs():
-    from gpunb.runtime.prefetch import CudaPrefetcher
+    from gpunb.runtime.feed.prefetch import CudaPrefetcher
 
     device = torch.device("cuda")
     prefetch = CudaPrefetcher(device)
@@ -35,7 +35,7 @@ def test_prefetcher_creates_one_stream_and_frees_memory_between_epochs():
 
 
 def test_prefetched_values_are_exactly_the_host_values():
-    from gpunb.runtime.prefetch import CudaPrefetcher
+    from gpunb.runtime.feed.prefetch import CudaPrefetcher
 
     batches = [(torch.full((1024, 256), float(i)),) for i in range(16)]
     got = [b[0][0, 0].item() for b in CudaPrefetcher(torch.device("cuda"))(iter(batches))]
@@ -43,7 +43,7 @@ def test_prefetched_values_are_exactly_the_host_values():
 
 
 def test_small_tensor_data_lives_on_the_gpu():
-    from gpunb.runtime.data import build_feed
+    from gpunb.runtime.feed.feeds import build_feed
 
     x, y = classification_data(n=256)
     feed = build_feed((x, y), batch_size=32, device=torch.device("cuda"),
@@ -91,8 +91,8 @@ def test_dataloader_path_uses_pinned_memory_and_prefetcher():
             return self.x[i], self.y[i]
 
     from gpunb.config import TrainConfig
-    from gpunb.runtime.data import LoaderFeed, build_feed
-    from gpunb.runtime.inputs import adapt_data
+    from gpunb.runtime.feed.feeds import LoaderFeed, build_feed
+    from gpunb.runtime.feed.inputs import adapt_data
 
     device = torch.device("cuda", torch.cuda.current_device())
     feed = build_feed(adapt_data(Pairs(), "train_data"), batch_size=64, device=device,
@@ -108,7 +108,7 @@ def test_dataloader_path_uses_pinned_memory_and_prefetcher():
 
 
 def test_a_gpu_run_reports_mfu_against_this_gpus_peak():
-    from gpunb.runtime.peak_flops import device_peak_tflops
+    from gpunb.runtime.probes.peak_flops import device_peak_tflops
 
     x, y = classification_data(n=1024)
     result = Trainer(epochs=1, batch_size=64, track=False).fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss())
@@ -130,14 +130,14 @@ def uint8_images(n=512, size=32):
 
 
 def augmentations():
-    from gpunb.runtime.transforms import Normalize, RandomCrop, RandomFlip
+    from gpunb.runtime.feed.transforms import Normalize, RandomCrop, RandomFlip
 
     return (RandomCrop(4), RandomFlip(), Normalize([127.0] * 3, [64.0] * 3))
 
 
 def augmented_feed(data, **options):
     from gpunb import TrainConfig
-    from gpunb.runtime.data import build_feed
+    from gpunb.runtime.feed.feeds import build_feed
 
     config = TrainConfig(transforms=augmentations(), num_workers=0, **options)
     return build_feed(data, batch_size=64, device=torch.device("cuda"), config=config)
@@ -191,7 +191,7 @@ def test_side_stream_transforms_keep_one_stream_and_free_their_memory_between_ep
 
 def test_host_tensors_are_gathered_straight_into_pinned_memory(monkeypatch):
     from gpunb import TrainConfig
-    from gpunb.runtime.data import build_feed
+    from gpunb.runtime.feed.feeds import build_feed
 
     x, y = uint8_images()
     feed = build_feed((x, y), batch_size=64, device=torch.device("cuda"),
@@ -207,7 +207,7 @@ def test_host_tensors_are_gathered_straight_into_pinned_memory(monkeypatch):
 
 
 def test_random_crop_on_the_gpu_takes_one_window_of_the_padded_sample():
-    from gpunb.runtime.transforms import RandomCrop
+    from gpunb.runtime.feed.transforms import RandomCrop
 
     x = uint8_images(n=200, size=6)[0].cuda()
     got = RandomCrop(2)(x).cpu()
@@ -223,7 +223,7 @@ def test_random_crop_on_the_gpu_takes_one_window_of_the_padded_sample():
 
 def test_resident_data_without_transforms_is_gathered_inline():
     from gpunb import TrainConfig
-    from gpunb.runtime.data import build_feed
+    from gpunb.runtime.feed.feeds import build_feed
 
     plain = build_feed(uint8_images(), batch_size=64, device=torch.device("cuda"), config=TrainConfig())
     assert plain.tensors[0].is_cuda and plain.prefetch is None
@@ -303,7 +303,7 @@ def filled_with(batches) -> list:
 
 
 def test_the_side_stream_waits_for_what_the_consumer_stream_made_before_preparing_it():
-    from gpunb.runtime.prefetch import CudaPrefetcher
+    from gpunb.runtime.feed.prefetch import CudaPrefetcher
 
     prefetch = CudaPrefetcher(torch.device("cuda"))
     prepared = [batch.clone() for batch in prefetch(consumer_made(6), prepare=lambda x: x + 0)]
@@ -311,7 +311,7 @@ def test_the_side_stream_waits_for_what_the_consumer_stream_made_before_preparin
 
 
 def test_a_prefetch_thread_waits_for_what_the_consumer_stream_made_for_the_epoch():
-    from gpunb.runtime.prefetch import CudaPrefetcher
+    from gpunb.runtime.feed.prefetch import CudaPrefetcher
 
     def epoch() -> list:
         prefetch = CudaPrefetcher(torch.device("cuda"))
@@ -329,7 +329,7 @@ def test_a_prefetch_thread_waits_for_what_the_consumer_stream_made_for_the_epoch
 
 @pytest.mark.parametrize("ahead", ["in the loop's thread", "in a thread"])
 def test_the_consumer_stream_waits_for_each_prepared_batch(ahead):
-    from gpunb.runtime.prefetch import CudaPrefetcher
+    from gpunb.runtime.feed.prefetch import CudaPrefetcher
 
     prefetch = CudaPrefetcher(torch.device("cuda"))
     prepared = prefetch if ahead == "in the loop's thread" else prefetch.in_thread
@@ -341,7 +341,7 @@ def test_the_consumer_stream_waits_for_each_prepared_batch(ahead):
 def test_a_batch_in_use_on_the_consumer_stream_is_not_overwritten_by_a_later_one():
     """The consumer stream is still busy with a batch the loop has let go: its memory must not be
     handed to a batch prepared later (record_stream), or that batch's write lands in it first."""
-    from gpunb.runtime.prefetch import CudaPrefetcher
+    from gpunb.runtime.feed.prefetch import CudaPrefetcher
 
     prefetch = CudaPrefetcher(torch.device("cuda"))
     read = []
@@ -363,7 +363,7 @@ def identity(x):
 
 def slowed_copy(monkeypatch):
     """Each host batch's copy to the GPU queued behind a sleep on the side stream."""
-    from gpunb.runtime.prefetch import CudaPrefetcher
+    from gpunb.runtime.feed.prefetch import CudaPrefetcher
 
     copy = CudaPrefetcher.copy
 
@@ -395,8 +395,8 @@ class Rows(torch.utils.data.Dataset):
 ])
 def test_each_prepared_batch_holds_its_rows_when_its_copy_is_slow(source, options, monkeypatch):
     from gpunb import TrainConfig
-    from gpunb.runtime.data import build_feed
-    from gpunb.runtime.inputs import adapt_data
+    from gpunb.runtime.feed.feeds import build_feed
+    from gpunb.runtime.feed.inputs import adapt_data
 
     slowed_copy(monkeypatch)
     x, y = numbered_rows()

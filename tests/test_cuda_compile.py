@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from gpunb import Trainer
-from gpunb.runtime import compiling
+from gpunb.runtime.step import compiling
 
 pytestmark = pytest.mark.cuda
 
@@ -124,7 +124,7 @@ def test_a_step_graph_in_bf16_follows_eager():
 def test_graphs_captured_while_a_thread_prepares_the_batches_follow_eager(mode):
     # RandomFlip takes its generator: the next batches are gathered and flipped in the feed's
     # thread on its side stream, while the loop captures the step on its own
-    from gpunb.runtime.transforms import RandomFlip
+    from gpunb.runtime.feed.transforms import RandomFlip
 
     eager = _fit(False, steps=30, transforms=[RandomFlip()])
     graphed = _fit(mode, steps=30, transforms=[RandomFlip()])

@@ -27,9 +27,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorData
 
 from gpunb import TrainConfig, Trainer
 from gpunb.distributed import launch
-from gpunb.notebook.export import export_script
 from gpunb.errors import GpunbError
-from gpunb.runtime.checkpoint import list_checkpoints, load_checkpoint
+from gpunb.notebook.export import export_script
+from gpunb.runtime.state.checkpoint_files import list_checkpoints, load_checkpoint
 
 CPU2 = dict(devices=2, accelerator="cpu", track=False)
 ATOL = 1e-5  # fp32: gradients averaged in another order
@@ -626,7 +626,7 @@ def test_the_exported_script_runs_under_torchrun_and_matches_the_notebook_run(tm
 def test_export_follows_the_magic_names_and_says_what_it_cannot_find(tmp_path):
     cells = [
         "import torch\nimport numpy as np\nfrom torch import nn",
-        "from gpunb.runtime.objective import accuracy as acc",
+        "from gpunb.runtime.step.objective import accuracy as acc",
         ("torch.manual_seed(3)\nfeatures = torch.randn(64, 10)\nfeatures /= features.std()\n"
          "labels = torch.zeros(64, dtype=torch.long)"),
         "net = nn.Linear(10, 2)\nnet.requires_grad_(True)\nplt_like = print",
@@ -641,7 +641,7 @@ def test_export_follows_the_magic_names_and_says_what_it_cannot_find(tmp_path):
     text = script.read_text()
     assert "define them here: class_weights" in text
     assert "features /= features.std()" in text and "net.requires_grad_(True)" in text
-    assert "from gpunb.runtime.objective import accuracy as acc" in text and "numpy" not in text
+    assert "from gpunb.runtime.step.objective import accuracy as acc" in text and "numpy" not in text
     assert ".fit(net, train_data, loss_fn=loss_fn, metrics=metrics)" in text
     assert "TrainConfig(epochs=2)" in text and "save_weights(net," in text
     compile(text, "run.py", "exec")

@@ -9,8 +9,9 @@ from torch import nn
 from gpunb import Trainer, TrainConfig
 from gpunb.demo import digits_cnn, digits_data
 from gpunb.errors import GpunbError
-from gpunb.runtime import checkpoint as ckpt
-from gpunb.runtime.ema import WeightEma
+from gpunb.runtime.state import checkpoint_files as ckpt
+from gpunb.runtime.state.resume_target import find_checkpoint
+from gpunb.runtime.step.ema import WeightEma
 
 
 def fit(model, data, val=None, **options):
@@ -124,7 +125,7 @@ def test_resume_with_ema_is_bit_for_bit(tmp_path):
     straight_model = mlp()
     straight = fit(straight_model, (x, y), epochs=3, ema=0.95)
     fit(mlp(), (x, y), epochs=3, ema=0.95, checkpoint_dir=tmp_path, callbacks=[StopAt(9)])
-    saved = ckpt.load_checkpoint(ckpt.find_checkpoint("last", tmp_path))
+    saved = ckpt.load_checkpoint(find_checkpoint("last", tmp_path))
     assert saved["ema"]["updates"] == 9 and set(saved["ema"]["weights"]) == set(straight_model.state_dict())
     resumed_model = mlp(seed=7)
     resumed = fit(resumed_model, (x, y), epochs=3, ema=0.95, checkpoint_dir=tmp_path, resume="last")
@@ -138,7 +139,7 @@ def test_resume_with_ema_is_bit_for_bit(tmp_path):
 def test_resuming_a_checkpoint_without_an_average_starts_one_from_the_resumed_weights(tmp_path):
     x, y = classification_data(n=96)
     fit(mlp(), (x, y), epochs=2, checkpoint_dir=tmp_path, callbacks=[StopAt(6)])
-    saved = ckpt.load_checkpoint(ckpt.find_checkpoint("last", tmp_path))
+    saved = ckpt.load_checkpoint(find_checkpoint("last", tmp_path))
     assert saved["ema"] is None
     model = mlp(seed=7)
     # One more step with a slow average: it is (nearly) the resumed weights, not the model's own.
@@ -181,7 +182,7 @@ def test_ddp_ranks_average_alike_and_send_the_average_back():
 
 
 def test_an_fp16_step_the_loss_scaler_skips_does_not_move_the_average():
-    from gpunb.runtime.precision import Precision
+    from gpunb.runtime.step.precision import Precision
 
     model = nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -100,7 +100,7 @@ def test_a_ragged_stream_names_the_padding_fix_too():
 
 
 def test_a_layer_given_a_scalar_is_explained():
-    from gpunb.runtime.explain import layer_hint
+    from gpunb.runtime.probes.explain import layer_hint
 
     hint = layer_hint("0", nn.Linear(4, 2), (torch.tensor(1.0),))
     assert "`0` (Linear) cannot take" in hint

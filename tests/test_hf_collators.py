@@ -231,7 +231,7 @@ def test_two_ranks_train_on_collator_batches_like_one_process(tokenizer):
 
 
 def test_transforms_keep_a_batch_encoding():
-    from gpunb.runtime.augment import apply_transforms
+    from gpunb.runtime.feed.augmenter import apply_transforms
 
     batch = transformers.BatchEncoding({"pixel_values": torch.ones(2, 3), "labels": torch.tensor([0, 1])})
     out = apply_transforms(batch, [lambda x: x * 2])
@@ -240,7 +240,7 @@ def test_transforms_keep_a_batch_encoding():
 
 
 def test_moving_slicing_and_counting_keep_a_batch_encoding():
-    from gpunb.runtime.inputs import batch_size_of, move_batch, split_batch
+    from gpunb.runtime.feed.inputs import batch_size_of, move_batch, split_batch
 
     batch = transformers.BatchEncoding({"input_ids": torch.arange(12).view(4, 3), "labels": torch.arange(4)})
     assert batch_size_of(batch) == 4

@@ -209,7 +209,7 @@ def test_two_ranks_train_a_tiny_gpt2_on_dict_batches_like_one_process():
 
 
 def test_gpu_transforms_act_on_the_pixel_values_of_a_dict_batch():
-    from gpunb.runtime.augment import apply_transforms
+    from gpunb.runtime.feed.augmenter import apply_transforms
 
     batch = {"pixel_values": torch.ones(2, 3), "labels": torch.tensor([0, 1])}
     out = apply_transforms(batch, [lambda x: x * 2])
@@ -219,7 +219,7 @@ def test_gpu_transforms_act_on_the_pixel_values_of_a_dict_batch():
 
 
 def test_a_dict_batch_with_a_column_of_strings_counts_and_splits_by_sample():
-    from gpunb.runtime.inputs import batch_size_of, split_batch
+    from gpunb.runtime.feed.inputs import batch_size_of, split_batch
 
     batch = {"text": ["a", "b", "c", "d"], "input_ids": torch.arange(8).view(4, 2), "labels": [0, 1, 0, 1]}
     assert batch_size_of(batch) == 4 and batch_size_of((["a", "b", "c"], torch.zeros(3))) == 3

@@ -15,7 +15,7 @@ from torch import nn
 
 from gpunb import TrainConfig, Trainer
 from gpunb.errors import GpunbError
-from gpunb.loggers import CSVLogger, MLflowLogger, TensorBoardLogger, WandbLogger
+from gpunb.loggers import CSVLogger, MLflowLogger, WandbLogger
 from gpunb.runtime.events import FitState
 
 FIT = dict(epochs=2, batch_size=32, log_every=2, track=False, accelerator="cpu")

@@ -10,9 +10,9 @@ from torch import nn
 
 from gpunb import Trainer
 from gpunb.errors import GpunbError
-from gpunb.runtime.blocks import checkpoint_blocks, repeated_blocks
-from gpunb.runtime.memory_plan import Footprint, estimate, plan_memory
-from gpunb.runtime.optim_in_backward import OptimizerInBackward
+from gpunb.runtime.memory.blocks import checkpoint_blocks, repeated_blocks
+from gpunb.runtime.memory.plan import Footprint, estimate, plan_memory
+from gpunb.runtime.memory.in_backward import OptimizerInBackward
 
 MiB = 2**20
 # Hand-made parts (MiB): 100 weights + 100 gradients + 200 AdamW states + 180 activations = 580,
@@ -174,7 +174,7 @@ def test_hugging_face_layers_are_checkpointed_one_by_one_with_the_same_gradients
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_the_chunked_loss_equals_the_models_own_loss_and_gradients(lora):
-    from gpunb.runtime.chunked_loss import chunked_loss, unsupported_reason
+    from gpunb.runtime.memory.chunked_loss import chunked_loss, unsupported_reason
 
     model, batch = tiny_llama(), token_batch()
     if lora:  # the adapters are in the base model's layers: the chunks go through them
@@ -336,10 +336,10 @@ def test_the_magic_takes_the_memory_options():
 
 def test_a_step_in_backward_is_dropped_when_the_activations_need_smaller_micro_batches():
     from gpunb.runtime.context import LocalContext
-    from gpunb.runtime.memory_measures import plan_run
-    from gpunb.runtime.objective import Objective
-    from gpunb.runtime.precision import Precision
-    from gpunb.runtime.summary import RunSummary
+    from gpunb.runtime.memory.measures import plan_run
+    from gpunb.runtime.step.objective import Objective
+    from gpunb.runtime.step.precision import Precision
+    from gpunb.runtime.probes.summary import RunSummary
     from gpunb.config import TrainConfig
 
     # 100 MiB of weights (one tensor a block), 100 of gradients and 200 of states, 500 of activations
@@ -356,10 +356,10 @@ def test_a_step_in_backward_is_dropped_when_the_activations_need_smaller_micro_b
 
 def test_a_ddp_run_that_fits_only_sharded_is_told_to_shard():
     from gpunb.config import TrainConfig
-    from gpunb.runtime.memory_measures import plan_run
-    from gpunb.runtime.objective import Objective
-    from gpunb.runtime.precision import Precision
-    from gpunb.runtime.summary import RunSummary
+    from gpunb.runtime.memory.measures import plan_run
+    from gpunb.runtime.step.objective import Objective
+    from gpunb.runtime.step.precision import Precision
+    from gpunb.runtime.probes.summary import RunSummary
 
     class FourRanks:  # what plan_run asks of a process group's context
         world_size = 4

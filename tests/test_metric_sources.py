@@ -11,7 +11,7 @@ from torch.utils.data import Dataset
 
 import gpunb
 from gpunb import Trainer
-from gpunb.runtime.metrics import accuracy, divide_counted
+from gpunb.runtime.step.metrics import accuracy, divide_counted
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -212,7 +212,7 @@ def test_accuracy_leaves_out_labels_of_minus_100():
 
 
 def test_causal_lms_are_told_from_other_hugging_face_heads_through_wrappers_and_subclasses():
-    from gpunb.runtime.metrics import shifts_labels
+    from gpunb.runtime.step.metrics import shifts_labels
 
     class MyLM(transformers.GPT2LMHeadModel):
         pass

@@ -4,7 +4,6 @@ import re
 
 import pytest
 import torch
-from conftest import classification_data, mlp
 from torch import nn
 
 from gpunb import Trainer, render
@@ -12,9 +11,9 @@ from gpunb.config import TrainConfig
 from gpunb.runtime import device as devices
 from gpunb.runtime import loop
 from gpunb.runtime.events import FitState
-from gpunb.runtime.peak_flops import device_peak_tflops, peak_tflops, precision_kind
+from gpunb.runtime.probes.peak_flops import device_peak_tflops, peak_tflops, precision_kind
+from gpunb.runtime.probes.summary import RunSummary, tokens_per_sample
 from gpunb.runtime.result import TrainResult
-from gpunb.runtime.summary import RunSummary, tokens_per_sample
 
 
 @pytest.mark.parametrize("name, kind, peak", [

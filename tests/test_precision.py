@@ -7,11 +7,11 @@ from torch import nn
 
 from gpunb import TrainConfig, Trainer
 from gpunb.runtime import device as devices
-from gpunb.runtime.checkpoint import load_checkpoint
 from gpunb.runtime.context import LocalContext
 from gpunb.runtime.loop import run
-from gpunb.runtime.precision import Precision, resolve_precision
 from gpunb.runtime.setup import setup
+from gpunb.runtime.state.checkpoint_files import load_checkpoint
+from gpunb.runtime.step.precision import Precision, resolve_precision
 
 CUDA = torch.device("cuda", 0)
 
@@ -78,7 +78,7 @@ def test_fp16_skipped_steps_are_counted_and_scaler_state_checkpointed(tmp_path):
 
 
 def result_checkpoint(directory):
-    from gpunb.runtime.checkpoint import list_checkpoints
+    from gpunb.runtime.state.checkpoint_files import list_checkpoints
 
     return list_checkpoints(directory)[-1]
 
@@ -146,4 +146,4 @@ def test_nothing_replaces_a_precisions_scaler_after_it_is_built():
     root = pathlib.Path(gpunb.__file__).parent
     assigned = [str(path.relative_to(root)) for path in root.rglob("*.py")
                 if re.search(r"\.scaler\s*=[^=]", path.read_text())]
-    assert assigned == ["runtime/precision.py"]
+    assert assigned == ["runtime/step/precision.py"]

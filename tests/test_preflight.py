@@ -185,10 +185,10 @@ def test_the_check_changes_nothing_in_training(monkeypatch):
 def test_modules_keep_their_own_mode():
     model = mlp()
     model[0].eval()  # e.g. a frozen BatchNorm the user keeps in eval mode
-    from gpunb.runtime.objective import Objective
-    from gpunb.runtime.precision import Precision
-    from gpunb.runtime.preflight import preflight
     from gpunb.config import TrainConfig
+    from gpunb.runtime.probes.preflight import preflight
+    from gpunb.runtime.step.objective import Objective
+    from gpunb.runtime.step.precision import Precision
 
     preflight(model, classification_data(), None, Objective(nn.CrossEntropyLoss()),
               Precision("32-true", torch.device("cpu")), torch.device("cpu"), TrainConfig(batch_size=8))
@@ -300,7 +300,7 @@ def test_gpunb_never_imports_pandas():
     import subprocess
     import sys
 
-    code = ("import sys, gpunb, gpunb.trainer, gpunb.runtime.preflight; "
+    code = ("import sys, gpunb, gpunb.trainer, gpunb.runtime.probes.preflight; "
             "sys.exit('pandas' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
@@ -311,7 +311,7 @@ def test_non_numeric_numpy_arrays_are_refused():
 
 
 def test_the_checked_batches_see_the_transforms_the_feed_applies():
-    from gpunb.runtime.transforms import Normalize
+    from gpunb.runtime.feed.transforms import Normalize
 
     images = torch.randint(0, 255, (64, 1, 4, 4), dtype=torch.uint8)  # bytes until Normalize makes floats
     model = nn.Sequential(nn.Flatten(), nn.Linear(16, 3))

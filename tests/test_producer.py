@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from gpunb.runtime.producer import Producer
+from gpunb.runtime.feed.producer import Producer
 
 
 def threads_named(name):

@@ -10,7 +10,7 @@ from conftest import charts_in
 import gpunb
 from gpunb.charts import sparkline
 from gpunb.render import ProgressPrinter, html_table
-from gpunb.runtime.lr_find import LRFinderResult
+from gpunb.runtime.probes.lr_find import LRFinderResult
 from gpunb.runtime.result import TrainResult
 
 PACKAGE = Path(gpunb.__file__).parent

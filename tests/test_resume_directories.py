@@ -17,7 +17,7 @@ from torch import nn
 
 from gpunb import Trainer
 from gpunb.errors import GpunbError
-from gpunb.runtime.checkpoint import list_checkpoints, load_checkpoint
+from gpunb.runtime.state.checkpoint_files import list_checkpoints, load_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -238,7 +238,7 @@ def test_resume_last_refuses_a_live_runs_directory_and_adopts_it_once_that_run_i
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_does_not_keep_a_released_run_directory_locked(tmp_path):
-    from gpunb.runtime.run_lock import RunLock
+    from gpunb.runtime.state.run_lock import RunLock
 
     lock = RunLock.acquire(tmp_path, {"run_name": "mine"})
     assert RunLock.acquire(tmp_path, {}) is None  # held (even against this process)

@@ -105,7 +105,7 @@ def uint8_images(n=96):
 
 
 def augmentations():
-    from gpunb.runtime.transforms import Normalize, RandomCrop, RandomFlip
+    from gpunb.runtime.feed.transforms import Normalize, RandomCrop, RandomFlip
 
     return [RandomCrop(2), RandomFlip(), Normalize([127.0] * 3, [64.0] * 3)]
 
@@ -139,7 +139,7 @@ def damage(path, change):
     ("numpy", lambda rng: rng.update(numpy_meta=["PCG64", 0, 0, 0.0])),
 ], ids=["torch-truncated", "torch-float", "python-short", "numpy-short", "numpy-other-kind"])
 def test_a_damaged_rng_state_is_refused_before_the_weights_are_touched(tmp_path, part, change):
-    from gpunb.runtime.checkpoint import find_checkpoint
+    from gpunb.runtime.state.resume_target import find_checkpoint
 
     x, y = classification_data(n=96)
     fit(dropout_mlp(), (x, y), epochs=1, checkpoint_dir=tmp_path)
@@ -163,7 +163,7 @@ def test_a_resume_with_fewer_batches_an_epoch_warns_that_epochs_no_longer_line_u
 
 
 def test_a_damaged_weight_average_is_refused_before_the_weights_are_touched(tmp_path):
-    from gpunb.runtime.checkpoint import find_checkpoint
+    from gpunb.runtime.state.resume_target import find_checkpoint
 
     x, y = classification_data(n=96)
     fit(dropout_mlp(), (x, y), epochs=1, ema=0.9, checkpoint_dir=tmp_path)
@@ -178,7 +178,7 @@ def test_a_damaged_weight_average_is_refused_before_the_weights_are_touched(tmp_
 @pytest.mark.cuda
 def test_a_cuda_rng_state_is_checked_in_a_scratch_generator():
     from gpunb.runtime import device as devices
-    from gpunb.runtime.resume_check import rng_problems
+    from gpunb.runtime.state.resume_check import rng_problems
 
     device = torch.device("cuda", torch.cuda.current_device())
     state = devices.rng_state(device)

@@ -1,11 +1,9 @@
 """Your own scheduler: per step, per epoch, on a plateau; factories; checkpoints; errors; the magic."""
 
-import IPython
 import pytest
 import torch
 from conftest import classification_data, mlp
 from IPython.core.error import UsageError
-from IPython.testing.globalipapp import get_ipython
 from test_checkpoint import StopAt
 from torch import nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
@@ -161,7 +159,7 @@ def test_ranks_build_a_factorys_scheduler_on_their_own_optimizer():
 def cosine_lrs(total, warmup, **ratio):
     """The rate each optimizer step uses under lr_schedule='cosine', and the rate after the last."""
     from gpunb.config import TrainConfig
-    from gpunb.runtime.schedule import build_schedule
+    from gpunb.runtime.step.schedule import build_schedule
 
     optimizer = torch.optim.SGD(mlp().parameters(), lr=0.1)
     config = TrainConfig(lr_schedule="cosine", warmup_steps=warmup, **ratio)
@@ -292,7 +290,7 @@ def test_a_one_cycle_factory_resumed_for_more_epochs_is_refused_before_anything_
 def test_a_scheduler_state_of_another_class_is_refused(tmp_path, old_file):
     fit(mlp(), lambda opt, n: StepLR(opt, step_size=3), checkpoint_dir=tmp_path)
     if old_file:  # written before checkpoints named the scheduler's class
-        from gpunb.runtime.checkpoint import find_checkpoint
+        from gpunb.runtime.state.resume_target import find_checkpoint
 
         path = find_checkpoint("last", tmp_path)
         payload = torch.load(path, weights_only=True)

@@ -14,9 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpunb import Trainer
 from gpunb.runtime import epoch as epochs
-from gpunb.runtime import precision as precisions
-from gpunb.runtime import step as steps
 from gpunb.runtime.events import Callbacks
+from gpunb.runtime.step import precision as precisions
+from gpunb.runtime.step import stepper as steps
 
 
 class Lookups:

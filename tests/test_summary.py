@@ -11,9 +11,9 @@ from gpunb import Trainer
 from gpunb.config import TrainConfig
 from gpunb.render import ProgressPrinter, format_bytes, free_memory_text
 from gpunb.runtime.events import FitState
-from gpunb.runtime.objective import Objective
-from gpunb.runtime.precision import Precision
-from gpunb.runtime.summary import RunSummary, optimizer_state_bytes, summarize
+from gpunb.runtime.probes.summary import RunSummary, optimizer_state_bytes, summarize
+from gpunb.runtime.step.objective import Objective
+from gpunb.runtime.step.precision import Precision
 
 CPU = torch.device("cpu")
 

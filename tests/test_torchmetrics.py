@@ -12,8 +12,8 @@ from torchmetrics.classification import BinaryAUROC, MulticlassAccuracy, Multicl
 
 from gpunb import Trainer
 from gpunb.errors import GpunbError
-from gpunb.runtime.data import EpochOrder
-from gpunb.runtime.objective import Objective
+from gpunb.runtime.feed.feeds import EpochOrder
+from gpunb.runtime.step.objective import Objective
 
 FIT = dict(epochs=1, batch_size=16, track=False, accelerator="cpu", log_every=5)
 
@@ -137,7 +137,7 @@ def test_a_users_distributed_sampler_says_which_rank_repeats_a_sample(rank, padd
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     from gpunb import TrainConfig
-    from gpunb.runtime.data import build_feed
+    from gpunb.runtime.feed.feeds import build_feed
 
     dataset = TensorDataset(torch.arange(5.0))
     loader = DataLoader(dataset, batch_size=2, sampler=DistributedSampler(dataset, num_replicas=2, rank=rank))

@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from gpunb import Trainer, TrainResult
 from gpunb.errors import GpunbError
-from gpunb.runtime.optim import default_optimizer
+from gpunb.runtime.step.optimizer import default_optimizer
 
 # Losses of the first 8 steps of a seeded 2-layer MLP (batch 16, AdamW 1e-3, fp32, CPU).
 RECORDED = [1.118733, 1.053832, 1.0929, 1.098509, 1.067541, 1.057247, 1.032906, 1.108601]
@@ -130,7 +130,7 @@ def test_every_data_type_trains_the_same_number_of_samples(kind):
 
 
 def test_numpy_data_is_taken_without_a_copy():
-    from gpunb.runtime.inputs import adapt_data
+    from gpunb.runtime.feed.inputs import adapt_data
 
     x = np.random.rand(10, 3).astype(np.float32)
     tensors = adapt_data((x, np.arange(10)))
@@ -221,7 +221,7 @@ def test_custom_metrics_and_builtin_accuracy():
 
 
 def test_early_stopping_stops_and_says_why():
-    from gpunb.runtime.callbacks import EarlyStopping
+    from gpunb.runtime.validation.early_stopping import EarlyStopping
 
     x, y = classification_data(n=64)
     _, result = fit(data=(x, y), val_data=(x, torch.randint(0, 3, (64,))), epochs=50, lr=0.05,
@@ -370,9 +370,9 @@ class _CountingContext:
 
 
 def test_the_runtime_trains_with_the_context_and_only_the_callbacks_it_is_given(monkeypatch):
-    import gpunb.telemetry
     from gpunb.config import TrainConfig
     from gpunb.runtime import run
+    import gpunb.telemetry
 
     heard, made = [], []
     monkeypatch.setattr(gpunb.telemetry, "TelemetryCallback", lambda: made.append("telemetry") or object())

@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 from gpunb import Trainer
-from gpunb.runtime.callbacks import EarlyStopping
-from gpunb.runtime.checkpoint import load_checkpoint
+from gpunb.runtime.state.checkpoint_files import load_checkpoint
+from gpunb.runtime.validation.early_stopping import EarlyStopping
 
 
 class Stream(IterableDataset):

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from gpunb.runtime.workers import for_workers, start_method
+from gpunb.runtime.feed.workers import for_workers, start_method
 
 PRELUDE = textwrap.dedent("""
     import json, multiprocessing, os, sys, threading, warnings

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from gpunb.runtime.wrap import model_blocks
+from gpunb.runtime.step.wrap import model_blocks
 
 
 def shard(model: torch.nn.Module, device: torch.device, world_size: int):

@@ -311,9 +311,9 @@ class _Launch:
 
 def _check_arguments(model, train_data, val_data, optimizer, loss_fn, step, metrics) -> None:
     """The checks a single-process fit makes first, here, before any process starts."""
-    from gpunb.runtime.inputs import adapt_data
-    from gpunb.runtime.objective import Objective
-    from gpunb.runtime.optim import check_optimizer
+    from gpunb.runtime.feed.inputs import adapt_data
+    from gpunb.runtime.step.objective import Objective
+    from gpunb.runtime.step.optimizer import check_optimizer
 
     Objective(loss_fn, step, metrics)
     adapt_data(train_data, "train_data")

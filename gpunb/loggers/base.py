@@ -26,7 +26,7 @@ import warnings
 from pathlib import Path
 
 from gpunb.errors import GpunbError
-from gpunb.runtime.checkpoint import is_disk_full, probe_writable
+from gpunb.runtime.state.checkpoint_files import is_disk_full, probe_writable
 
 LOG_DIR_KEY = "log_dir"  # state.extras: the fit's run directory, shared by its loggers
 _NOT_METRICS = {"step", "steps", "epoch"}  # a log row's counters, not measurements

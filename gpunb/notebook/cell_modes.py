@@ -14,7 +14,7 @@ from gpunb.render import fmt
 
 def evaluate_cell(found: dict, config, args) -> dict:
     """The metrics validation would report, printed on one line (not with --quiet) and returned."""
-    from gpunb.runtime.inputs import adapt_data, data_length
+    from gpunb.runtime.feed.inputs import adapt_data, data_length
     from gpunb.runtime.predict import DEFAULT_BATCH, evaluate
 
     role = "val_data" if found["val_data"] is not None else "train_data"

@@ -45,7 +45,7 @@ def collect(namespace, args, before, named=frozenset(), required=REQUIRED) -> di
                          "torch.optim.Optimizer.\nHINT: e.g. `optimizer = torch.optim.AdamW(model.parameters())`, "
                          "or remove it to use the default AdamW.")
     if found["scheduler"] is not None:
-        from gpunb.runtime.schedule import check_is_schedule
+        from gpunb.runtime.step.schedule import check_is_schedule
 
         try:
             check_is_schedule(found["scheduler"])

@@ -88,7 +88,7 @@ def peek(data):
     import torch
     from torch.utils.data import DataLoader, IterableDataset
 
-    from gpunb.runtime.inputs import first_batch
+    from gpunb.runtime.feed.inputs import first_batch
 
     adapted = _adapted(_head(data))
     dataset = adapted.dataset if isinstance(adapted, DataLoader) else adapted
@@ -117,7 +117,7 @@ def _head(data):
 
 def _adapted(data):
     from gpunb.errors import GpunbError
-    from gpunb.runtime.inputs import adapt_data
+    from gpunb.runtime.feed.inputs import adapt_data
 
     try:
         return adapt_data(data)

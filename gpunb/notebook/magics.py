@@ -268,7 +268,7 @@ def _dashboard_mode(shell) -> str:
 
 
 def _find_lr(found, config):
-    from gpunb.runtime.lr_find import find_lr
+    from gpunb.runtime.probes.lr_find import find_lr
 
     try:
         return find_lr(found["model"], found["train_data"], config=config, optimizer=found["optimizer"],

@@ -147,9 +147,10 @@ def summarise(recorder: Recorder, kind: str) -> ProfileResult:
 
 def _profile_training(train, steps, warmup, save, device) -> ProfileResult:
     from gpunb.config import TrainConfig, make_config
-    from gpunb.runtime import snapshot
     from gpunb.runtime.context import LocalContext
-    from gpunb.runtime.loop import check_model, run
+    from gpunb.runtime.loop import run
+    from gpunb.runtime.roles import check_model
+    from gpunb.runtime.state import rewind
 
     if not isinstance(train, dict):
         raise GpunbError(f"train= must be a dict, got a {type(train).__name__}.",
@@ -186,12 +187,12 @@ def _profile_training(train, steps, warmup, save, device) -> ProfileResult:
     check_model(model)
     # Put the weights and optimizer state back afterwards (anything else, the runtime rejects).
     optimizer = spec.get("optimizer") if isinstance(spec.get("optimizer"), torch.optim.Optimizer) else None
-    saved = snapshot.capture(model, optimizer)
+    saved = rewind.capture(model, optimizer)
     try:
         # One process, the profiler's callback only (no telemetry thread beside the profiled steps).
         run(config, LocalContext(), model, data, callbacks=[callback], **spec)
     finally:
-        snapshot.restore(saved, model, optimizer)
+        rewind.restore(saved, model, optimizer)
     return callback.result()
 
 

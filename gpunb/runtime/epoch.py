@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-from gpunb.runtime.step import phase_range
+from gpunb.runtime.step.stepper import phase_range
 
 
 class EpochSteps:

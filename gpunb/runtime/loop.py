@@ -14,43 +14,43 @@ import torch
 from torch.utils.data import DataLoader
 
 from gpunb.config import TrainConfig
-from gpunb.errors import GpunbError
-from gpunb.runtime import checkpoint as ckpt
-from gpunb.runtime import continuing
 from gpunb.runtime import device as devices
-from gpunb.runtime import validation
-from gpunb.runtime.batch_size import find_batch_size
-from gpunb.runtime.best import BestCheckpoints
-from gpunb.runtime.compiling import Compilation
-from gpunb.runtime.data import build_feed, closing, with_batch_size
-from gpunb.runtime.ema import WeightEma
 from gpunb.runtime.epoch import EpochSteps, Timer
 from gpunb.runtime.eta import EtaClock
 from gpunb.runtime.events import Callbacks, FitState
+from gpunb.runtime.feed.feeds import build_feed, closing, with_batch_size
 from gpunb.runtime.interrupt import InterruptFlag
-from gpunb.runtime.memory_measures import MemoryFallback, apply_plan, plan_run
-from gpunb.runtime.monitor import monitor_of, validation_names
-from gpunb.runtime.nan_guard import StepLosses
-from gpunb.runtime.objective import Objective
-from gpunb.runtime.peak_flops import device_peak_tflops
-from gpunb.runtime.precision import Precision
-from gpunb.runtime.preflight import preflight
+from gpunb.runtime.memory.measures import MemoryFallback, apply_plan, plan_run
+from gpunb.runtime.probes.batch_size import find_batch_size
+from gpunb.runtime.probes.peak_flops import device_peak_tflops
+from gpunb.runtime.probes.preflight import preflight
+from gpunb.runtime.probes.summary import RunSummary, summarize
 from gpunb.runtime.result import TrainResult, epoch_mean_loss, last_epoch_train_loss
-from gpunb.runtime.saving import Checkpointer, resume
-from gpunb.runtime.schedule import build_schedule
+from gpunb.runtime.roles import check_model
 from gpunb.runtime.setup import setup
-from gpunb.runtime.step import Stepper
-from gpunb.runtime.summary import RunSummary, summarize
+from gpunb.runtime.state import continuing
+from gpunb.runtime.state.best_k import BestCheckpoints
+from gpunb.runtime.state.checkpointer import Checkpointer, resume
+from gpunb.runtime.state.nan_guard import StepLosses
+from gpunb.runtime.state.resume_target import find_checkpoint
+from gpunb.runtime.step.compiling import Compilation
+from gpunb.runtime.step.ema import WeightEma
+from gpunb.runtime.step.objective import Objective
+from gpunb.runtime.step.precision import Precision
+from gpunb.runtime.step.schedule import build_schedule
+from gpunb.runtime.step.stepper import Stepper
+from gpunb.runtime.step.wrap import wrap_model
 from gpunb.runtime.teardown import Teardown
-from gpunb.runtime.wrap import wrap_model
+from gpunb.runtime.validation import passes as validation
+from gpunb.runtime.validation.monitor import monitor_of, validation_names
 
 
 def run(config: TrainConfig, context, model, train_data, val_data=None, *, optimizer=None, scheduler=None,
         loss_fn=None, step=None, metrics=None, callbacks=(), continue_from=None) -> TrainResult:
     """Train `model` in this process; returns a TrainResult. The model is trained in place.
 
-    `scheduler`: see runtime/schedule.py; `continue_from`: a TrainResult to go on from
-    (runtime/continuing.py).
+    `scheduler`: see runtime/step/schedule.py; `continue_from`: a TrainResult to go on from
+    (runtime/state/continuing.py).
 
     `context` says where this process stands: `LocalContext()` alone, or one rank of a
     process group (gpunb.distributed.context). `callbacks` are all the callbacks the run
@@ -76,12 +76,6 @@ def run(config: TrainConfig, context, model, train_data, val_data=None, *, optim
         raise  # the teardown never replaces this error (or KeyboardInterrupt)
     teardown(failed=False)
     return result
-
-
-def check_model(model) -> None:
-    if not isinstance(model, torch.nn.Module):
-        raise GpunbError(f"`model` must be a torch.nn.Module, got a {type(model).__name__}.",
-                         "pass the module itself, e.g. `model = nn.Sequential(...)`.")
 
 
 @dataclass
@@ -116,53 +110,26 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
              continue_from=None) -> _Run:
     __tracebackhide__ = True  # noqa: F841
     config = config.replace(extras=dict(config.extras))  # the run's notes stay out of the caller's config
-    carried = None
-    if continue_from is not None:
-        carried = continuing.continue_state_of(continue_from, model, config, dist.world_size)
-        optimizer = continuing.same_optimizer(carried, optimizer)
-        teardown.rollback = continuing.Rollback(carried, model)  # before anything moves
-        config = continuing.extended(config, carried)
+    config, optimizer, carried = _continuation(config, dist, model, optimizer, teardown, continue_from)
     ready = setup(config, dist, model, train_data, val_data, optimizer)
     device, precision, optimizer = ready.device, ready.precision, ready.optimizer
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
-        torch.cuda.reset_peak_memory_stats(device)
-    if objective.stateful is not None:
-        objective.stateful.to(device)  # torchmetrics' states live where the outputs are
-        objective.stateful.reset()  # nothing left from an earlier use of the same objects
+    _ready_device(device, objective)
     # one batch, before any work
     train, val = preflight(model, ready.train, ready.val, objective, precision, device, config)
     val_names = validation_names(objective, val is not None)
     monitor = monitor_of(config)
     if monitor is not None:
         monitor.check_produced(val_names, f"save_top_k={config.save_top_k}")
-
-    batch_size = config.batch_size
-    if batch_size == "auto":
-        batch_size = find_batch_size(model, optimizer, objective, precision, train, device, config)
-        batch_size = dist.smallest(batch_size)  # ranks must agree: the smallest fits on all
-        if isinstance(train, DataLoader):
-            train = with_batch_size(train, batch_size)
-    config = config.replace(batch_size=batch_size, precision=precision.name)
-    feed = build_feed(train, batch_size=batch_size, device=device, config=config,
-                      rank=dist.rank, world_size=dist.world_size)
-    val_feed = (build_feed(val, batch_size=batch_size, device=device, config=config,
-                           rank=dist.rank, world_size=dist.world_size, train=False)
-                if val is not None else None)
-    steps_per_epoch = math.ceil(feed.num_batches / config.grad_accum) if feed.num_batches is not None else None
-    total_steps = steps_per_epoch * config.epoch_limit if steps_per_epoch is not None else None
-    if config.max_steps is not None:
-        total_steps = min(total_steps or config.max_steps, config.max_steps)
+    config, train, batch_size = _batch_size(config, dist, model, optimizer, objective, precision, train, device)
+    feed, val_feed = _feeds(train, val, batch_size, device, config, dist)
+    steps_per_epoch, total_steps = _planned_steps(feed, config)
     validation.warn_unused(config, val is not None, total_steps, dist.rank)
     # one forward + backward, undone; FSDP: the whole model's step may not fit on one device
     summary = summarize(model, optimizer, objective, precision, train, device, batch_size, config,
                         measure=not (dist.world_size > 1 and config.strategy == "fsdp"))
-    # the memory plan: measures chosen from the summary's estimate, before the schedule binds the optimizer
-    plan = plan_run(summary, model, optimizer, objective, precision, config, dist, device, scheduler=scheduler,
-                    continuing=carried is not None or bool(config.resume))
-    if plan is not None and plan.measures:
-        optimizer, teardown.memory = apply_plan(plan, model, optimizer, objective, config)
-        summary.plan = plan.text()
+    # measures chosen from the summary's estimate, before the schedule binds the optimizer
+    plan, optimizer = _memory_plan(summary, model, optimizer, objective, precision, config, dist, device,
+                                   scheduler, teardown, continuing=carried is not None or bool(config.resume))
     schedule = _schedule(scheduler, optimizer, config, total_steps, val_names, carried)
     config = config.replace(log_every=config.resolved_log_every(total_steps, steps_per_epoch))
 
@@ -179,86 +146,112 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
     no_sync = getattr(train_model, "no_sync", None)
     ema = _weight_ema(model, config, carried)
     stepper = Stepper(train_model, optimizer, objective, precision, schedule, config, state, no_sync, ema=ema)
-    if plan is not None and config.memory_plan:
+    if plan is not None and config.memory_plan:  # a real OOM the split cannot fix: the next measure
         stepper.memory_fallback = MemoryFallback(plan, model, objective)
         teardown.memory = _then(teardown.memory, stepper.memory_fallback.restore)
-    callbacks = Callbacks(list(user_callbacks))
     batch_size = feed.batch_size or batch_size  # a user's DataLoader batches by its own size
-    run = _Run(config, dist, state, callbacks, model, train_model, objective, precision,
+    run = _Run(config, dist, state, Callbacks(list(user_callbacks)), model, train_model, objective, precision,
                ready.precision_reason, feed, val_feed, stepper, batch_size,
                best=BestCheckpoints(monitor, config.save_top_k) if monitor is not None else None)
-    if config.checkpoint_dir:  # first: saved before others hear of the step
-        run.checkpointer = Checkpointer(config, dist=dist, model=model, stepper=stepper,
-                                        precision=precision, losses=run.losses,
-                                        batches_per_epoch=feed.num_batches, events=callbacks,
-                                        rank=dist.rank, best=run.best)
-        callbacks.run_first(run.checkpointer)
-    if schedule is not None:  # steps at epoch ends before the checkpoint of that epoch is written
-        callbacks.run_first(schedule)
+    _add_checkpointer_and_schedule(run, schedule)
     run.compilation = Compilation(run, device, dist.world_size)  # now, or under "auto" once timing says it pays
     if carried is not None:
         run.continued = carried
         continuing.restore(run, carried)
     if config.resume:
-        resume(run, ckpt.find_checkpoint(config.resume, config.checkpoint_dir))
+        resume(run, find_checkpoint(config.resume, config.checkpoint_dir))
     return run
+
+
+def _memory_plan(summary, model, optimizer, objective, precision, config, dist, device, scheduler, teardown,
+                 continuing: bool):
+    """The memory plan (None: none made) and the optimizer to train with; its measures in place,
+    undone by the teardown, and said in the summary."""
+    plan = plan_run(summary, model, optimizer, objective, precision, config, dist, device, scheduler=scheduler,
+                    continuing=continuing)
+    if plan is not None and plan.measures:
+        optimizer, teardown.memory = apply_plan(plan, model, optimizer, objective, config)
+        summary.plan = plan.text()
+    return plan, optimizer
+
+
+def _continuation(config, dist, model, optimizer, teardown, continue_from):
+    """A continued fit (`continue_from`): its config extended, its optimizer the previous one's."""
+    if continue_from is None:
+        return config, optimizer, None
+    carried = continuing.continue_state_of(continue_from, model, config, dist.world_size)
+    optimizer = continuing.same_optimizer(carried, optimizer)
+    teardown.rollback = continuing.Rollback(carried, model)  # before anything moves
+    return continuing.extended(config, carried), optimizer, carried
+
+
+def _ready_device(device, objective) -> None:
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and newer
+        torch.cuda.reset_peak_memory_stats(device)
+    if objective.stateful is not None:
+        objective.stateful.to(device)  # torchmetrics' states live where the outputs are
+        objective.stateful.reset()  # nothing left from an earlier use of the same objects
+
+
+def _batch_size(config, dist, model, optimizer, objective, precision, train, device):
+    """The batch size to train with (`"auto"` probed here), written into the run's config."""
+    batch_size = config.batch_size
+    if batch_size == "auto":
+        batch_size = find_batch_size(model, optimizer, objective, precision, train, device, config)
+        batch_size = dist.smallest(batch_size)  # ranks must agree: the smallest fits on all
+        if isinstance(train, DataLoader):
+            train = with_batch_size(train, batch_size)
+    return config.replace(batch_size=batch_size, precision=precision.name), train, batch_size
+
+
+def _feeds(train, val, batch_size, device, config, dist):
+    feed = build_feed(train, batch_size=batch_size, device=device, config=config,
+                      rank=dist.rank, world_size=dist.world_size)
+    val_feed = (build_feed(val, batch_size=batch_size, device=device, config=config,
+                           rank=dist.rank, world_size=dist.world_size, train=False)
+                if val is not None else None)
+    return feed, val_feed
+
+
+def _planned_steps(feed, config) -> tuple[int | None, int | None]:
+    """Optimizer steps per epoch and in all (None where the data has no length)."""
+    steps_per_epoch = math.ceil(feed.num_batches / config.grad_accum) if feed.num_batches is not None else None
+    total_steps = steps_per_epoch * config.epoch_limit if steps_per_epoch is not None else None
+    if config.max_steps is not None:
+        total_steps = min(total_steps or config.max_steps, config.max_steps)
+    return steps_per_epoch, total_steps
+
+
+def _add_checkpointer_and_schedule(run: _Run, schedule) -> None:
+    """Both hear each event before the user's callbacks, the schedule first of all."""
+    config, dist = run.config, run.dist
+    if config.checkpoint_dir:  # first: saved before others hear of the step
+        run.checkpointer = Checkpointer(config, dist=dist, model=run.model, stepper=run.stepper,
+                                        precision=run.precision, losses=run.losses,
+                                        batches_per_epoch=run.feed.num_batches, events=run.callbacks,
+                                        rank=dist.rank, best=run.best)
+        run.callbacks.run_first(run.checkpointer)
+    if schedule is not None:  # steps at epoch ends before the checkpoint of that epoch is written
+        run.callbacks.run_first(schedule)
 
 
 def _train(run: _Run) -> TrainResult:
     """The loop: epochs of optimizer steps, logging at intervals, validation per epoch or N steps."""
     __tracebackhide__ = True  # noqa: F841
-    config, state, callbacks, stepper = run.config, run.state, run.callbacks, run.stepper
+    state, callbacks = run.state, run.callbacks
     timer = Timer()
     state.extras["start_step"] = state.step  # a resumed or continued fit counts on from here
     state.extras["start_samples"] = state.samples_seen
     interrupt = InterruptFlag()
-    val_every_steps = validation.every_steps(run)  # None: no pass within epochs (the common case)
-    log_every = config.log_every
-    samples_in = run.objective.samples  # batch_size_fn, or the target's first dimension
     run.samples_at_log = state.samples_seen  # a resumed run counts on from its checkpoint's
     try:
         with interrupt:
             callbacks.call("on_fit_start", state)
-            for epoch in range(run.start_epoch, config.epoch_limit):
+            for epoch in range(run.start_epoch, run.config.epoch_limit):
                 if state.stop_reason == "interrupted":  # during set-up
                     break
-                state.epoch = epoch
-                skip = run.skip_batches if epoch == run.start_epoch else 0
-                state.batch_in_epoch = skip
-                logged_before = len(state.history)
-                while logged_before and state.history[logged_before - 1].get("epoch") == epoch:
-                    logged_before -= 1  # a resumed epoch: its rows from before the stop count too
-                run.train_model.train()
-                remaining = None if run.feed.num_batches is None else run.feed.num_batches - skip
-                # Per step, only host bookkeeping beside what a plain loop does (kept to a few
-                # attribute updates: on sub-millisecond steps each call shows).
-                with closing(run.feed.epoch(epoch, skip)) as batches:
-                    steps = EpochSteps(batches, config.grad_accum, timer, state, remaining)
-                    for batch, last_in_step in steps:
-                        state.batch_in_epoch += 1
-                        state.samples_seen += samples_in(batch) * state.world_size
-                        stepper.accumulate(batch, last_in_step)
-                        del batch  # let it go before the optimizer step allocates its temporaries
-                        if not last_in_step:
-                            continue
-                        step_loss = stepper.update()  # stays on the device: no sync here
-                        state.step += 1
-                        run.losses.add(step_loss, state.step)  # a list append: no device op
-                        if val_every_steps and (state.step % val_every_steps == 0 or state.step == state.total_steps):
-                            validation.at_step(run, timer)  # before on_step_end: its checkpoints hold the pass
-                        callbacks.call("on_step_end", state)
-                        if state.step % log_every == 0:
-                            _log(run, timer)  # syncs
-                        if interrupt.raised:
-                            state.request_stop("interrupted")
-                        if state.should_stop or _finished(state):
-                            break
-                if run.losses:  # the epoch's last, partial interval
-                    _log(run, timer)
-                if state.should_stop and not steps.exhausted:
-                    break  # any stop mid-epoch (Ctrl-C, the sidebar, a callback): the epoch's end comes on resume
-                _end_epoch(run, state.history[logged_before:], timer)
-                if state.should_stop or _finished(state):
+                if not _train_epoch(run, epoch, timer, interrupt):
                     break
     except KeyboardInterrupt:
         # A second Ctrl-C (or one outside the main thread) lands here mid-step; the
@@ -268,13 +261,64 @@ def _train(run: _Run) -> TrainResult:
     except BaseException as error:
         callbacks.call("on_exception", state, error)
         raise
+    return _finish(run, timer)
+
+
+def _train_epoch(run: _Run, epoch: int, timer, interrupt) -> bool:
+    """One epoch of optimizer steps (the rest of it, on resume); whether the run goes on."""
+    config, state, callbacks, stepper = run.config, run.state, run.callbacks, run.stepper
+    val_every_steps = validation.every_steps(run)  # None: no pass within epochs (the common case)
+    log_every = config.log_every
+    samples_in = run.objective.samples  # batch_size_fn, or the target's first dimension
+    state.epoch = epoch
+    skip = run.skip_batches if epoch == run.start_epoch else 0
+    state.batch_in_epoch = skip
+    logged_before = len(state.history)
+    while logged_before and state.history[logged_before - 1].get("epoch") == epoch:
+        logged_before -= 1  # a resumed epoch: its rows from before the stop count too
+    run.train_model.train()
+    remaining = None if run.feed.num_batches is None else run.feed.num_batches - skip
+    # Per step, only host bookkeeping beside what a plain loop does (kept to a few
+    # attribute updates: on sub-millisecond steps each call shows).
+    with closing(run.feed.epoch(epoch, skip)) as batches:
+        steps = EpochSteps(batches, config.grad_accum, timer, state, remaining)
+        for batch, last_in_step in steps:
+            state.batch_in_epoch += 1
+            state.samples_seen += samples_in(batch) * state.world_size
+            stepper.accumulate(batch, last_in_step)
+            del batch  # let it go before the optimizer step allocates its temporaries
+            if not last_in_step:
+                continue
+            step_loss = stepper.update()  # stays on the device: no sync here
+            state.step += 1
+            run.losses.add(step_loss, state.step)  # a list append: no device op
+            if val_every_steps and (state.step % val_every_steps == 0 or state.step == state.total_steps):
+                validation.at_step(run, timer)  # before on_step_end: its checkpoints hold the pass
+            callbacks.call("on_step_end", state)
+            if state.step % log_every == 0:
+                _log(run, timer)  # syncs
+            if interrupt.raised:
+                state.request_stop("interrupted")
+            if state.should_stop or _finished(state):
+                break
+    if run.losses:  # the epoch's last, partial interval
+        _log(run, timer)
+    if state.should_stop and not steps.exhausted:
+        return False  # any stop mid-epoch (Ctrl-C, the sidebar, a callback): the epoch's end comes on resume
+    _end_epoch(run, state.history[logged_before:], timer)
+    return not (state.should_stop or _finished(state))
+
+
+def _finish(run: _Run, timer) -> TrainResult:
+    """The result, heard by on_fit_end; then the EMA weights into the model where asked."""
+    state, stepper = run.state, run.stepper
     try:
         state.result = _result(run, timer)
-        callbacks.call("on_fit_end", state)
+        run.callbacks.call("on_fit_end", state)
     except BaseException as error:  # the end failed (an unreadable best checkpoint): heard as any error
-        callbacks.call("on_exception", state, error)
+        run.callbacks.call("on_exception", state, error)
         raise
-    if stepper.ema is not None and config.ema_apply and not state.result.restored_best:
+    if stepper.ema is not None and run.config.ema_apply and not state.result.restored_best:
         stepper.ema.copy_to_model()
     return state.result
 

@@ -1,7 +1,7 @@
 """predict and evaluate: a model over data, fed the way fit feeds it.
 
 The device, the precision (autocast), the batching, GPU-resident tensors and the CUDA
-prefetcher are training's own (device.select_device, precision.py, data.build_feed), with
+prefetcher are training's own (device.select_device, precision.py, feeds.build_feed), with
 validation's settings: no shuffling, no dropped batch, no train-only transforms. The model
 runs in eval mode under inference_mode, and each module's mode is put back afterwards.
 
@@ -21,13 +21,14 @@ from gpunb.config import TrainConfig
 from gpunb.errors import GpunbError
 from gpunb.runtime import device as devices
 from gpunb.runtime.context import LocalContext
-from gpunb.runtime.data import build_feed, closing, rebuilt_loader
-from gpunb.runtime.evaluation import validation_sums
-from gpunb.runtime.inputs import adapt_data, data_length, is_mapping, map_tensors
-from gpunb.runtime.metrics import divide_counted
-from gpunb.runtime.objective import Objective, model_inputs
-from gpunb.runtime.precision import Precision, resolve_precision
-from gpunb.runtime.preflight import cast_floats, model_dtype
+from gpunb.runtime.feed.feeds import build_feed, closing, rebuilt_loader
+from gpunb.runtime.feed.inputs import adapt_data, data_length, is_mapping, map_tensors
+from gpunb.runtime.probes.preflight import cast_floats, model_dtype
+from gpunb.runtime.roles import check_model
+from gpunb.runtime.step.metrics import divide_counted
+from gpunb.runtime.step.objective import Objective, model_inputs
+from gpunb.runtime.step.precision import Precision, resolve_precision
+from gpunb.runtime.validation.sums import validation_sums
 
 DEFAULT_BATCH = 256  # inference keeps no activations for backward: larger batches than training fit
 
@@ -92,8 +93,6 @@ class _Job:
 
     def __init__(self, model, data, config: TrainConfig):
         __tracebackhide__ = True  # noqa: F841
-        from gpunb.runtime.loop import check_model
-
         check_model(model)
         if config.batch_size == "auto":
             raise GpunbError("predict and evaluate take a fixed batch size, not 'auto'.",

@@ -48,7 +48,7 @@ class TrainResult:
     peak_tflops: float | None = None  # the device's dense peak for the precision used; None: unknown (CPU)
     per_rank: list = field(default_factory=list)  # timings of each rank in multi-process runs
     # torch.compile in this run: requested, mode (None: eager), at_step, compile_s, speedup,
-    # eager_step_ms, compiled_step_ms, reason (see runtime/compiling.py)
+    # eager_step_ms, compiled_step_ms, reason (see runtime/step/compiling.py)
     compilation: dict | None = None
     summary: object = None  # RunSummary: parameters, FLOPs, memory, measured before the first step
     # with `ema`: the averaged weights on the CPU, keyed like model.state_dict() (`model.load_state_dict(...)`)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpunb.errors import GpunbError
+
 
 @dataclass(frozen=True)
 class Role:
@@ -36,3 +38,12 @@ OPTIONAL_SETUP = tuple(name for name in SETUP if name not in REQUIRED)  # fit()'
 
 def by_name(name: str) -> Role:
     return next(role for role in ROLES if role.name == name)
+
+
+def check_model(model) -> None:
+    """The one check of the `model` role, before any work: fit, predict, evaluate and the profiler."""
+    import torch  # here, not at the top: the magics read ROLES without loading torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise GpunbError(f"`model` must be a torch.nn.Module, got a {type(model).__name__}.",
+                         "pass the module itself, e.g. `model = nn.Sequential(...)`.")

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from gpunb.runtime import device as devices
-from gpunb.runtime.inputs import adapt_data
-from gpunb.runtime.optim import check_optimizer, default_optimizer
-from gpunb.runtime.precision import Precision, resolve_precision
+from gpunb.runtime.feed.inputs import adapt_data
+from gpunb.runtime.step.optimizer import check_optimizer, default_optimizer
+from gpunb.runtime.step.precision import Precision, resolve_precision
 
 
 @dataclass

@@ -21,8 +21,8 @@ class Teardown:
         self.matmul_precision = torch.get_float32_matmul_precision()
         self.saved_globals = None  # set once seed_everything has changed them
         self.unwrap = None  # set once wrap_model has changed the module
-        self.memory = None  # set once the memory plan has taken measures (runtime/memory_measures.py)
-        self.rollback = None  # a continued fit: puts what it moved back if it fails (runtime/continuing.py)
+        self.memory = None  # set once the memory plan has taken measures (runtime/memory/measures.py)
+        self.rollback = None  # a continued fit: puts what it moved back if it fails (runtime/state/continuing.py)
 
     def __call__(self, failed: bool, trained: bool = True) -> None:
         steps = [undo for undo in (self.unwrap, self.memory) if undo is not None]

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 
-LAB_HINT = "`pip install gpunb[lab]` (JupyterLab and the Jupyter server behind the GPU sidebar)"
-
 
 def _jupyter_server_extension_points() -> list[dict]:
     return [{"module": "gpunb.server"}]
@@ -24,7 +22,7 @@ def _jupyter_labextension_paths() -> list[dict]:
 
 
 def _load_jupyter_server_extension(server_app) -> None:
-    from .handlers import setup_handlers
+    from .handlers import LAB_HINT, setup_handlers
 
     setup_handlers(server_app.web_app)
     server_app.log.info("gpunb: GPU and run API at %sgpunb/api/", server_app.base_url)

@@ -22,7 +22,7 @@ from gpunb.errors import GpunbError
 from gpunb.runs import Registry, RegistryDamaged, RegistryLocked, default_path
 from gpunb.runs.liveness import whereabouts
 
-from . import LAB_HINT
+LAB_HINT = "`pip install gpunb[lab]` (JupyterLab and the Jupyter server behind the GPU sidebar)"
 
 try:
     from jupyter_server.base.handlers import APIHandler

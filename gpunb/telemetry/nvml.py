@@ -94,7 +94,7 @@ def _clock_mem(handle) -> dict:
 
 
 def _pcie(handle) -> dict:
-    # KB/s over NVML's short sampling window; slow-ish (~20 ms), so not in the sampler.
+    # KB/s over NVML's short sampling window: the call waits out that window, so not in the sampler.
     return {"pcie_tx_kbps": float(pynvml.nvmlDeviceGetPcieThroughput(handle, pynvml.NVML_PCIE_UTIL_TX_BYTES)),
             "pcie_rx_kbps": float(pynvml.nvmlDeviceGetPcieThroughput(handle, pynvml.NVML_PCIE_UTIL_RX_BYTES))}
 

@@ -1,0 +1,223 @@
+"""Checkpoints: one file per save, written atomically, read with weights_only=True.
+
+A checkpoint holds everything needed to continue exactly: model, optimizer,
+scheduler, precision (GradScaler) and RNG states, and the position in the run
+(epoch, optimizer step, batches consumed in the epoch). The model's state of a model with
+frozen parameters is what trains, beside a fingerprint of the rest (`frozen`, trainable.py).
+
+Each run writes into a directory of its own, `<checkpoint_dir>/run-<run id>/`, so
+that runs sharing a checkpoint_dir never prune each other's files, and holds the
+directory's lock while it trains (run_lock.py). Where a resumed run writes is
+decided in resume_target.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import re
+import secrets
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from gpunb.errors import GpunbError
+
+FORMAT = "gpunb-checkpoint"
+VERSION = 2  # the newest format read here; 2: `model` may hold only what trains (see `frozen`)
+_NAME = re.compile(r"^step-(\d{9})\.pt$")
+_ANY_NAME = re.compile(r"^(?:best-)?step-(\d{9})\.pt$")  # last-N and best checkpoints
+_RUN_DIR = "run-"
+_TMP_PREFIX = ".tmp-"
+
+
+def new_run_id() -> str:
+    """Sortable by start time, unique across processes sharing a directory."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def run_directory(checkpoint_dir: str | os.PathLike, run_id: str) -> Path:
+    return Path(checkpoint_dir) / f"{_RUN_DIR}{run_id}"
+
+
+def probe_writable(directory: str | os.PathLike) -> None:
+    """Create `directory` and write (then remove) a probe file there; OSError when it cannot."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    fd, probe = tempfile.mkstemp(prefix=".probe-", dir=directory)
+    os.close(fd)
+    os.unlink(probe)
+
+
+def check_writable(directory: str | os.PathLike) -> None:
+    """Checkpoints can be written in `directory`, checked before any training is done."""
+    try:
+        probe_writable(directory)
+    except OSError as error:
+        raise GpunbError(f"Cannot write checkpoints to {directory!s}: "
+                         f"{type(error).__name__}: {error.strerror or error}.",
+                         "pass a `checkpoint_dir` you can write to (e.g. one under your home "
+                         "directory), or `checkpoint_dir=None` to train without checkpoints.") from error
+
+
+def remove_leftovers(directory: str | os.PathLike) -> None:
+    """Temp files of a save that was killed half-way (only this run writes in its directory)."""
+    directory = Path(directory)
+    if directory.is_dir():
+        for leftover in directory.glob(f"{_TMP_PREFIX}*.pt"):
+            leftover.unlink(missing_ok=True)
+
+
+def save_checkpoint(directory: str | os.PathLike, payload: dict, step: int, keep_last: int) -> Path:
+    """Write `payload` as `step-<step>.pt` in `directory` (the run's own); keep its newest `keep_last`."""
+    directory = Path(directory)
+    target = write_checkpoint(directory, f"step-{step:09d}.pt", payload)
+    for old in run_checkpoints(directory)[:-keep_last]:
+        old.unlink(missing_ok=True)
+    return target
+
+
+def write_checkpoint(directory: Path, name: str, payload: dict) -> Path:
+    """A checkpoint file (gpunb's format header, then `payload`), written atomically."""
+    # Whole checkpoints stay version 1, which an older gpunb reads; one that leaves out the frozen
+    # weights is 2, which it refuses, asking for an upgrade, instead of finding weights missing.
+    version = 2 if payload.get("frozen") else 1
+    return write_atomic(directory, name, {"format": FORMAT, "version": version, **payload})
+
+
+def write_atomic(directory: Path, name: str, payload) -> Path:
+    """torch.save `payload` (or write bytes) as `directory/name`: all of it or nothing."""
+    directory.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(directory)
+    target = directory / name
+    # Write to a temp file in the same directory, fsync, then rename: a crash at any
+    # point leaves either the old checkpoint set or the new file, never half a file.
+    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".pt", dir=directory)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; follow the umask like open() does
+        with os.fdopen(fd, "wb") as f:
+            if isinstance(payload, bytes):
+                f.write(payload)
+            else:
+                torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(directory)
+    return target
+
+
+def is_disk_full(error: BaseException) -> bool:
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def run_checkpoints(directory: Path) -> list[Path]:
+    """Checkpoints of one run (its directory `directory`), oldest step first."""
+    return sorted(p for p in directory.iterdir() if _NAME.match(p.name))
+
+
+def later_checkpoints(directory: str | os.PathLike, step: int) -> list[Path]:
+    """The checkpoints (last-N and best) in `directory` saved after `step`, oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    later = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _ANY_NAME.match(p.name))]
+    return [p for s, p in sorted(later) if s > step]
+
+
+def run_id_of(directory: Path) -> str | None:
+    """The run id a run directory is named after (None: not a run directory)."""
+    return directory.name[len(_RUN_DIR):] if directory.name.startswith(_RUN_DIR) else None
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """Checkpoints in `directory` and in its runs' sub-directories, oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = run_checkpoints(directory)
+    for sub in directory.iterdir():
+        if sub.name.startswith(_RUN_DIR) and sub.is_dir():
+            found += run_checkpoints(sub)
+    return sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
+
+
+def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
+    """Read a gpunb checkpoint; a corrupt or foreign file is a GpunbError that says so."""
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise GpunbError(
+            f"gpunb will not load {path!s}: it holds Python objects other than tensors and plain "
+            f"containers, and unpickling those could run code ({_refused_object(error)}).",
+            "if you trust the file, load it yourself and save only state: "
+            "`torch.save({'model': model.state_dict()}, 'weights.pt')` (state_dicts, tensors, "
+            "numbers and strings), then load the weights with `model.load_state_dict(...)`.") from None
+    except Exception as error:
+        raise GpunbError(f"Cannot read the checkpoint {path!s}: it is corrupt or not a torch file "
+                         f"({type(error).__name__}: {_first_line(error)}).",
+                         "resume from an earlier checkpoint in the same directory, "
+                         "or start fresh without `resume`.") from error
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise GpunbError(f"{path!s} is a torch file but not a gpunb checkpoint.",
+                         "to load plain weights use `model.load_state_dict(torch.load(path))` "
+                         "and train without `resume`.")
+    if payload.get("version", 0) > VERSION:
+        raise GpunbError(f"{path!s} was written by a newer gpunb (format {payload['version']}).",
+                         "upgrade gpunb to resume from it.")
+    missing = [key for key in REQUIRED if key not in payload]
+    if missing:
+        raise GpunbError(f"The checkpoint {path!s} is incomplete: it has no {', '.join(map(repr, missing))} "
+                         f"(it has {', '.join(map(repr, sorted(payload)))}).",
+                         "resume from another checkpoint of the run, or start fresh without `resume`.")
+    payload["config"] = json.loads(payload.get("config", "{}"))
+    return payload
+
+
+REQUIRED = ("model", "optimizer", "scheduler", "precision", "rng", "epoch", "batch_in_epoch", "step",
+            "samples_seen", "splits", "history", "epochs")
+
+
+def _refused_object(error: BaseException) -> str:
+    """What torch's weights_only unpickler refused, without its advice to turn the check off."""
+    for line in str(error).splitlines():
+        line = line.split(" Please use")[0].strip().rstrip(".")
+        if line and not any(word in line.lower() for word in ("weights_only", "weights only", "documentation")):
+            return line
+    return "an object the safe loader does not allow"
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).splitlines() if "weights_only" not in line]
+    return lines[0] if lines else type(error).__name__
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def config_json(config) -> str:
+    """The config as JSON text (weights_only loading accepts strings, not arbitrary objects)."""
+    return json.dumps(config.to_dict(), default=repr)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename itself durable (POSIX); harmless where directories cannot be opened."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

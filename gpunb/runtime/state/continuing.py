@@ -1,0 +1,222 @@
+"""Continue training: a fit that goes on where the last one (of the same model) stopped.
+
+`Trainer.fit(model, data, continue_from=previous_result)` keeps the previous fit's
+optimizer (the default AdamW too, with its moments), its schedule, its weight average,
+the loss scaler, the random number generators, the step count and the history: steps
+and epochs are numbered on, and `epochs` / `max_steps` count what this fit adds (after a
+stop mid-epoch, the rest of that epoch comes first, with its validation and epoch-end
+schedule step). It needs no checkpoint: the objects stay in memory, in
+`result.continue_state` (set it to None to free the optimizer state).
+One process only; across processes, resume from a checkpoint instead.
+
+A result is continued once: the continuation moves its objects on, so the result it went
+on from is refused after that, pointing to the newer one. A continuation that fails puts
+the objects back as they were when it started (host copies taken first), so the same
+result can be continued again.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+import weakref
+from dataclasses import dataclass, field
+
+from gpunb.errors import GpunbError
+from gpunb.runtime import device as devices
+from gpunb.runtime.state import rewind
+
+
+@dataclass(eq=False)
+class ContinueState:
+    """What a one-process fit leaves for the next one to go on from."""
+
+    model: weakref.ref  # the module trained (weak: the state does not keep it alive)
+    optimizer: object
+    schedule: object  # runtime.schedule.Schedule or None
+    ema: object  # runtime.ema.WeightEma or None
+    precision: dict  # the loss scaler's state
+    step: int
+    next_epoch: int  # the epoch after the last one trained (a partial one counts)
+    samples_seen: int
+    unfinished: int = 0  # a stop mid-epoch: batches of epoch next_epoch - 1 used; the next fit ends that epoch
+    history: list = field(default_factory=list)
+    epochs: list = field(default_factory=list)
+    validations: list = field(default_factory=list)
+    rng: dict | None = None  # every RNG as the fit left it: dropout and shuffling go on, not start over
+    continued_by: str | None = None  # the fit that went on from this state (its objects have moved on)
+    run_name: str | None = None  # the fit's name: a continuation goes on under it
+    run_id: str | None = None  # the fit's row in the run registry (tracked fits): a continuation goes on in it
+
+    def __repr__(self) -> str:
+        return f"ContinueState(step={self.step}, next_epoch={self.next_epoch})"
+
+
+def continue_state_of(previous, model, config, world_size: int) -> ContinueState:
+    """The previous fit's ContinueState, checked against this fit; a GpunbError says why not."""
+    state = getattr(previous, "continue_state", previous)
+    if not isinstance(state, ContinueState):
+        why = ("that fit ran in several processes or was not kept" if hasattr(previous, "continue_state")
+               else f"got a {type(previous).__name__}")
+        raise GpunbError(f"continue_from needs the TrainResult of an earlier one-process fit ({why}).",
+                         "pass the result of the fit to continue, `continue_from=result`, or start a fresh fit.")
+    if state.continued_by is not None:
+        raise GpunbError(f"This result was already continued by {state.continued_by}: the model, optimizer, "
+                         "schedule and weight average have moved on from it, so continuing it again would "
+                         "number the steps from its end while training from the later state.",
+                         "continue from the newer fit's result (`continue_from=<its result>`; after "
+                         "`%%gputrain --continue` it is `gputrain_result`), or start a fresh fit.")
+    if state.model() is not model:
+        raise GpunbError("continue_from is the result of a fit of another model: its optimizer state and "
+                         "step count belong to that model's parameters.",
+                         "continue with the same model object that fit trained, or start a fresh fit "
+                         "without `continue_from`.")
+    if world_size > 1 or config.devices != 1:
+        raise GpunbError("Continuing a fit keeps its optimizer in this process, so it works in one process only.",
+                         "train with `devices=1`, or use `checkpoint_dir` and `resume='last'` across processes.")
+    if config.resume:
+        raise GpunbError("continue_from and resume were both given: a fit goes on from one of them.",
+                         "drop `resume` to continue the fit in memory, or drop `continue_from` to load the checkpoint.")
+    return state
+
+
+def same_optimizer(state: ContinueState, optimizer):
+    """The optimizer goes on: the previous fit's, which the caller may pass again, but not another."""
+    if optimizer is not None and optimizer is not state.optimizer:
+        raise GpunbError("A continued fit goes on with the optimizer of the fit it continues, and "
+                         "another optimizer was given.",
+                         "leave `optimizer` out (or pass the same one) to continue, or start a fresh fit "
+                         "without `continue_from` to train with the new optimizer.")
+    return state.optimizer
+
+
+def kept_schedule(state: ContinueState, total_steps: int | None):
+    """The previous schedule, going on; a built-in one is fitted to the longer run."""
+    schedule = state.schedule
+    if schedule is None or schedule.builtin is None:
+        _check_room(schedule, total_steps)
+        return schedule
+    planned = planned_steps(schedule)
+    if total_steps is None or planned == total_steps:
+        return schedule
+    if schedule.builtin == "one-cycle":
+        raise GpunbError(f"The fit to continue followed a one-cycle schedule planned for {planned} steps; "
+                         f"going on to step {total_steps} would step it past its end.",
+                         "give this fit a schedule of its own: `lr_schedule='cosine'` or "
+                         "`scheduler=lambda opt, steps: ...` (built on the continued optimizer).")
+    before, after = stretch_cosine(schedule.scheduler, total_steps)
+    warnings.warn(f"The cosine schedule was planned for {planned} steps and the continued run has "
+                  f"{total_steps}: it now decays to zero at step {total_steps} (learning rate "
+                  f"{before:.3g} -> {after:.3g} at step {state.step}).", RuntimeWarning, stacklevel=2)
+    return schedule
+
+
+def _check_room(schedule, total_steps: int | None) -> None:
+    """A user's OneCycleLR (its `total_steps` fixed when built) must not be stepped past its end."""
+    length = getattr(getattr(schedule, "scheduler", None), "total_steps", None)
+    if length is None or schedule.interval != "step" or total_steps is None or total_steps <= length:
+        return
+    raise GpunbError(f"The fit to continue follows a {type(schedule.scheduler).__name__} built for {length} steps "
+                     f"(its `total_steps`, fixed when it is built); going on to step {total_steps} would step "
+                     "it past its end, and torch would raise there.",
+                     "give this fit a schedule of its own (`scheduler=lambda opt, steps: ...`, built on the "
+                     "continued optimizer, or `lr_schedule='cosine'`), or continue for at most "
+                     f"{length} steps in all.")
+
+
+def planned_steps(schedule) -> int | None:
+    scheduler = schedule.scheduler
+    if hasattr(scheduler, "total_steps"):  # OneCycleLR
+        return scheduler.total_steps
+    lambdas = getattr(scheduler, "lr_lambdas", [None])
+    return getattr(lambdas[0], "total_steps", None)
+
+
+def stretch_cosine(scheduler, total_steps: int) -> tuple[float, float]:
+    """Make a warmup-cosine LambdaLR decay to zero at `total_steps`; (lr before, lr after)."""
+    optimizer = scheduler.optimizer
+    before = optimizer.param_groups[0]["lr"]
+    for schedule in scheduler.lr_lambdas:
+        schedule.total_steps = total_steps
+    lrs = [base * schedule(scheduler.last_epoch) for base, schedule in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
+    return before, lrs[0]
+
+
+def extended(config, state: ContinueState):
+    """`config` with `epochs` / `max_steps` counted from where the previous fit ended."""
+    overrides = {}
+    if config.max_steps is not None:
+        overrides["max_steps"] = state.step + config.max_steps
+    if config.epochs is not None or config.max_steps is None:
+        overrides["epochs"] = state.next_epoch + (config.epochs or 1)
+    return config.replace(**overrides)
+
+
+def restore(run, state: ContinueState) -> None:
+    """Put the run's counters and history where the previous fit left them."""
+    fit = run.state
+    run.start_epoch = state.next_epoch - 1 if state.unfinished else state.next_epoch
+    run.skip_batches = state.unfinished  # the stopped epoch's batches already used
+    fit.batch_in_epoch = state.unfinished  # a stop before the first step keeps that place
+    fit.step, fit.samples_seen, fit.epoch = state.step, state.samples_seen, run.start_epoch
+    fit.history[:] = state.history
+    fit.epochs[:] = state.epochs
+    fit.validations[:] = state.validations
+    fit.continues_run = state.run_id
+    run.precision.load_state_dict(state.precision)
+    if state.rng is not None:
+        devices.set_rng_state(state.rng, fit.device)
+
+
+def capture(run, carried: ContinueState | None = None) -> ContinueState | None:
+    """The ContinueState of a finished fit (None in multi-process runs); `carried`, the state
+    this fit went on from, is marked as continued."""
+    fit = run.state
+    if fit.world_size > 1:
+        return None
+    if carried is not None:
+        carried.continued_by = (f"the fit of {fit.run_name!r} that went on from step {carried.step} "
+                                f"to step {fit.step}")
+    next_epoch = fit.epoch + 1 if fit.step > 0 else fit.epoch  # a partly trained epoch is not repeated
+    ended = bool(fit.epochs) and fit.epochs[-1]["epoch"] == fit.epoch
+    unfinished = fit.batch_in_epoch if fit.step > 0 and not ended else 0  # stopped mid-epoch: ended on continue
+    return ContinueState(weakref.ref(run.model), run.stepper.optimizer, run.stepper.schedule, run.stepper.ema,
+                         run.precision.state_dict(), fit.step, next_epoch, fit.samples_seen, unfinished,
+                         list(fit.history), list(fit.epochs), list(fit.validations),
+                         devices.rng_state(fit.device), run_name=fit.run_name, run_id=fit.extras.get("run_id"))
+
+
+class Rollback:
+    """Host copies of what a continued fit moves; called when that fit fails, puts them back.
+
+    The model, the optimizer (state and learning rates), the schedule (also a stretched
+    cosine's length) and the weight average return to the step the continuation started
+    from, so continuing the same result again is exact. The counters and the history live
+    in the ContinueState, which the fit only reads.
+    """
+
+    def __init__(self, state: ContinueState, model):
+        self.state, self.model = state, model
+        self.saved = rewind.capture(model, state.optimizer)
+        self.schedule = copy.deepcopy(state.schedule.state_dict()) if state.schedule is not None else None
+        ema = state.ema
+        self.ema = None if ema is None else (ema.state_dict(to_cpu=True), ema.updates, ema.decay, ema.warmup)
+
+    def __call__(self, announce: bool = True) -> None:
+        """Put everything back; `announce`: say so (not when set-up refused the fit before it trained)."""
+        state = self.state
+        state.continued_by = None  # also when the failure came after the fit's result was made
+        rewind.restore(self.saved, self.model, state.optimizer)
+        if self.schedule is not None:
+            state.schedule.load_state_dict(self.schedule)
+        if self.ema is not None:
+            weights, state.ema.updates, state.ema.decay, state.ema.warmup = self.ema
+            state.ema.load_state_dict(weights)
+        if announce:
+            warnings.warn(f"The continued fit failed. So that the result it went on from can be continued "
+                          f"again, the model's weights, its optimizer, schedule and weight average are back as "
+                          f"they were at step {state.step}, where this fit started (its own checkpoints keep "
+                          "what it trained after that).", RuntimeWarning, stacklevel=2)

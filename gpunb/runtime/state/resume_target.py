@@ -1,0 +1,114 @@
+"""Which checkpoint a resumed run starts from (`resume=`), and which run directory it writes into.
+
+A resumed run goes on in the directory of the checkpoint it resumed when that checkpoint
+is the directory's newest (nothing after it to lose) and no live run holds the
+directory. Otherwise it starts a new run directory, and its checkpoints record where it
+came from (`origin`). It never writes into the other directory: the checkpoints saved
+there after the resumed step (the future the resume abandons) are kept as they are, and
+a live run there goes on undisturbed. `resume="last"` and `resume="best"`, which pick a
+checkpoint by themselves, refuse to pick a live run's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gpunb.errors import GpunbError
+from gpunb.runtime.state import checkpoint_files as ckpt
+from gpunb.runtime.state.best_k import find_best
+from gpunb.runtime.state.run_lock import RunLock, describe, owner_of
+
+
+def find_checkpoint(resume, checkpoint_dir) -> Path:
+    """The file `resume` points at: True/"last" is the newest in checkpoint_dir (any run);
+    "best" the best checkpoint of the newest run that kept best ones (best_k.py)."""
+    if resume == "best":
+        return find_best(checkpoint_dir)
+    if resume in (True, "last"):
+        found = ckpt.list_checkpoints(checkpoint_dir)
+        if not found:
+            raise GpunbError(f"resume='last' found no checkpoint in {checkpoint_dir!s}.",
+                             "train once with `checkpoint_dir` set, or drop `resume` to start fresh.")
+        return found[-1]
+    path = Path(resume)
+    if path.is_dir():
+        found = ckpt.list_checkpoints(path)
+        if not found:
+            raise GpunbError(f"No checkpoint (step-*.pt) in the directory {path!s}.",
+                             "point `resume` at a checkpoint file or at a directory that has one.")
+        return found[-1]
+    if not path.exists():
+        raise GpunbError(f"The checkpoint {path!s} does not exist.",
+                         "check the path, or use `resume='last'` with `checkpoint_dir`.")
+    return path
+
+
+def refuse_live_pick(config, path: Path) -> None:
+    """Before anything loads: a checkpoint that `resume="last"`/`"best"` picked in a live run's
+    directory is refused, naming that run (a path given on purpose starts a new directory)."""
+    if config.resume not in (True, "last", "best") or not config.checkpoint_dir:
+        return
+    lock, live = _try_lock(path.parent, None)
+    if lock is not None:
+        lock.release()  # free: claim() takes it again once everything has loaded
+    if live is not None:
+        raise _live_run_error(config.resume, path, live)
+
+
+def claim(config, state, path: Path, payload: dict) -> tuple[RunLock | None, dict]:
+    """Decide where the run resumed from `path` writes (rank 0). Returns the lock on the
+    directory it goes on in (None for a new directory, locked at its first save) and the notes
+    for `result.resumed_from`: `directory`, `origin` and, for a new directory, `note`."""
+    source = path.parent
+    lock, live = _try_lock(source, state.run_name)
+    later = ckpt.later_checkpoints(source, payload["step"])
+    if lock is not None and not later and _own_run_directory(config, source):
+        state.checkpoint_run = ckpt.run_id_of(source)
+        return lock, {"directory": str(source), "origin": payload.get("origin")}
+    if lock is not None:
+        lock.release()
+    state.checkpoint_run = ckpt.new_run_id()
+    directory = ckpt.run_directory(config.checkpoint_dir, state.checkpoint_run)
+    origin = {"run": payload.get("run_id") or ckpt.run_id_of(source), "path": str(path), "step": payload["step"]}
+    return None, {"directory": str(directory), "origin": origin,
+                  "note": _why_new(config, source, directory, payload["step"], later, live)}
+
+
+def _try_lock(directory: Path, run_name: str | None) -> tuple[RunLock | None, dict | None]:
+    """The lock on a run directory, or (None, what the live run holding it recorded)."""
+    if ckpt.run_id_of(directory) is None:
+        return None, None
+    try:
+        lock = RunLock.acquire(directory, {"run_name": run_name})
+    except OSError:  # a directory we may read but not write: not one to go on in
+        return None, None
+    return (lock, None) if lock is not None else (None, owner_of(directory))
+
+
+def _own_run_directory(config, directory: Path) -> bool:
+    """Whether `directory` is a run directory of this run's checkpoint_dir."""
+    inside = Path(config.checkpoint_dir) / directory.name
+    return inside.exists() and inside.resolve() == directory.resolve()
+
+
+def _why_new(config, source: Path, directory: Path, step: int, later: list[Path], live: dict | None) -> str:
+    new = f"this run writes its checkpoints into a new directory, {directory.name}"
+    if live is not None:
+        who = describe(live)
+        return f"{who[0].upper()}{who[1:]}, still trains in {source.name}: {new}."
+    if later:
+        return (f"{source.name} holds {len(later)} checkpoint(s) saved after step {step} (up to "
+                f"{later[-1].name}); they are kept, and {new}, which records where it came from.")
+    if not _own_run_directory(config, source):
+        return f"{source} is not a run directory of checkpoint_dir={str(config.checkpoint_dir)!r}: {new}."
+    return f"{source.name} cannot be written: {new}."
+
+
+def _live_run_error(resume, path: Path, live: dict) -> GpunbError:
+    return GpunbError(
+        f"resume={resume!r} picked {path}, a checkpoint of {describe(live)}. That run is still "
+        f"training in {path.parent}: resuming it here would have two runs write, and prune, the same "
+        "checkpoints.",
+        "wait for that run to end (or stop it), resume your own run's checkpoint by its path "
+        f"(`resume='<path>'`), or use another `checkpoint_dir`. `resume='{path}'` starts a new run "
+        "directory from that checkpoint and leaves the live run alone.")
