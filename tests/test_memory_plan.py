@@ -378,3 +378,14 @@ def test_a_ddp_run_that_fits_only_sharded_is_told_to_shard():
     # 400 MiB whole on each device; a quarter each sharded: 100 + 10 of activations
     assert "Sharded with FSDP the estimate is 110.0 MiB" in str(error.value)
     assert "pass `strategy='fsdp'`" in error.value.hint
+
+
+def test_a_run_with_the_step_in_backward_resumes_from_its_checkpoint(tmp_path):
+    # its checkpoints hold the state of the AdamW it stands for: a resumed run (planned or not) loads them
+    _, planned = fit(budget="3.9MiB", checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    assert planned.memory_plan.startswith("plan: optimizer step fused into backward")
+    torch.manual_seed(0)
+    model = Net()
+    resumed = Trainer(max_steps=3, batch_size=64, track=False, checkpoint_dir=str(tmp_path), resume="last").fit(
+        model, (torch.randn(256, 64), torch.randint(0, 3, (256,))), loss_fn=nn.CrossEntropyLoss())
+    assert resumed.steps == 3 and resumed.resumed_from["step"] == 3

@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 import gpunb
 from gpunb import Trainer
 from gpunb.errors import GpunbError
-from gpunb.runtime.checkpoint import list_checkpoints, load_checkpoint
+from gpunb.runtime.state.checkpoint_files import list_checkpoints, load_checkpoint
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -224,7 +224,7 @@ def test_resuming_onto_a_base_of_another_dtype_names_the_tensors(tmp_path):
 
 
 def test_a_whole_checkpoint_written_before_trainable_only_ones_still_resumes(tmp_path, monkeypatch):
-    from gpunb.runtime import saving
+    from gpunb.runtime.state import checkpointer as saving
 
     straight = lora_llama()
     fit(straight, epochs=3)

@@ -39,6 +39,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         first = self._layout[0][0] if self._layout and self._layout[0] else None
         self.defaults = dict(first.defaults) if first is not None else {}
         self.inner_type = type(first).__name__ if first is not None else "Optimizer"
+        self.checkpoint_type = self.inner_type  # its state_dict() is one of those: a checkpoint says so
         # torch.optim.Optimizer's bookkeeping that torch's schedulers and hooks read
         self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
         self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = OrderedDict(), OrderedDict()

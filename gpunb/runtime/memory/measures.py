@@ -115,7 +115,8 @@ def unavailable_measures(model, optimizer, objective, precision, config, world_s
         out["chunked_loss"] = chunked.unsupported_reason(model)
     elif world_size > 1:  # it calls the base model and the head apart: a DDP / FSDP wrapper's forward would be skipped
         out["chunked_loss"] = "several processes train through their wrapper's forward"
-    replaced = _why_not_replaced(optimizer, scheduler, continuing)
+    # a resumed run takes the states it saved: optimizer_states="8bit" / "cpu" set again are kept
+    replaced = _why_not_replaced(optimizer, scheduler, continuing and config.optimizer_states in ("auto", "full"))
     in_backward = replaced or _why_not_in_backward(precision, config, world_size)
     if in_backward:
         out["optimizer_in_backward"] = in_backward

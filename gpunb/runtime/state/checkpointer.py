@@ -142,7 +142,8 @@ class Checkpointer:
             "model": model_state,
             "frozen": frozen,  # None: `model` is the whole state; else the fingerprint of what it leaves out
             "optimizer": optimizer_state,
-            "optimizer_type": type(stepper.optimizer).__name__,
+            # the optimizer in backward saves the state of the optimizer it stands for (memory/in_backward.py)
+            "optimizer_type": getattr(stepper.optimizer, "checkpoint_type", type(stepper.optimizer).__name__),
             "scheduler": stepper.schedule.state_dict() if stepper.schedule else None,
             "scheduler_type": type(stepper.schedule.scheduler).__name__ if stepper.schedule else None,
             "ema": {"weights": ema, "updates": stepper.ema.updates} if ema is not None else None,
