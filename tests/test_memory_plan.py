@@ -252,12 +252,12 @@ def test_8bit_states_follow_the_fp32_update():
 
 
 # ---------------------------------------------------------------- the plan in fit
-def fit(budget=None, limit=None, batch_size=64, **options):
+def fit(budget=None, limit=None, batch_size=64, max_steps=3, **options):
     torch.manual_seed(0)
     model = Net()
     model.limit = limit
     x, y = torch.randn(256, 64), torch.randint(0, 3, (256,))
-    result = Trainer(max_steps=3, batch_size=batch_size, track=False, memory_budget=budget, **options).fit(
+    result = Trainer(max_steps=max_steps, batch_size=batch_size, track=False, memory_budget=budget, **options).fit(
         model, (x, y), loss_fn=nn.CrossEntropyLoss())
     return model, result
 
@@ -384,8 +384,7 @@ def test_a_run_with_the_step_in_backward_resumes_from_its_checkpoint(tmp_path):
     # its checkpoints hold the state of the AdamW it stands for: a resumed run (planned or not) loads them
     _, planned = fit(budget="3.9MiB", checkpoint_dir=str(tmp_path), checkpoint_every=1)
     assert planned.memory_plan.startswith("plan: optimizer step fused into backward")
-    torch.manual_seed(0)
-    model = Net()
-    resumed = Trainer(max_steps=3, batch_size=64, track=False, checkpoint_dir=str(tmp_path), resume="last").fit(
-        model, (torch.randn(256, 64), torch.randint(0, 3, (256,))), loss_fn=nn.CrossEntropyLoss())
-    assert resumed.steps == 3 and resumed.resumed_from["step"] == 3
+    resumed, result = fit(max_steps=4, checkpoint_dir=str(tmp_path), resume="last")
+    straight, _ = fit(max_steps=4, memory_plan=False)
+    assert result.resumed_from["step"] == 3 and result.steps == 4
+    assert all(map(torch.equal, resumed.parameters(), straight.parameters()))
