@@ -11,8 +11,8 @@ from torch import nn
 from gpunb import Trainer
 from gpunb.errors import GpunbError
 from gpunb.runtime.memory.blocks import checkpoint_blocks, repeated_blocks
-from gpunb.runtime.memory.plan import Footprint, estimate, plan_memory
 from gpunb.runtime.memory.in_backward import OptimizerInBackward
+from gpunb.runtime.memory.plan import Footprint, estimate, plan_memory
 
 MiB = 2**20
 # Hand-made parts (MiB): 100 weights + 100 gradients + 200 AdamW states + 180 activations = 580,
@@ -335,12 +335,12 @@ def test_the_magic_takes_the_memory_options():
 
 
 def test_a_step_in_backward_is_dropped_when_the_activations_need_smaller_micro_batches():
+    from gpunb.config import TrainConfig
     from gpunb.runtime.context import LocalContext
     from gpunb.runtime.memory.measures import plan_run
+    from gpunb.runtime.probes.summary import RunSummary
     from gpunb.runtime.step.objective import Objective
     from gpunb.runtime.step.precision import Precision
-    from gpunb.runtime.probes.summary import RunSummary
-    from gpunb.config import TrainConfig
 
     # 100 MiB of weights (one tensor a block), 100 of gradients and 200 of states, 500 of activations
     model = nn.Sequential(*(nn.Linear(1024, 1024, bias=False) for _ in range(25)))
@@ -357,9 +357,9 @@ def test_a_step_in_backward_is_dropped_when_the_activations_need_smaller_micro_b
 def test_a_ddp_run_that_fits_only_sharded_is_told_to_shard():
     from gpunb.config import TrainConfig
     from gpunb.runtime.memory.measures import plan_run
+    from gpunb.runtime.probes.summary import RunSummary
     from gpunb.runtime.step.objective import Objective
     from gpunb.runtime.step.precision import Precision
-    from gpunb.runtime.probes.summary import RunSummary
 
     class FourRanks:  # what plan_run asks of a process group's context
         world_size = 4

@@ -170,7 +170,7 @@ def _memory_plan(summary, model, optimizer, objective, precision, config, dist, 
     plan = plan_run(summary, model, optimizer, objective, precision, config, dist, device, scheduler=scheduler,
                     continuing=continuing)
     if plan is not None and plan.measures:
-        optimizer, teardown.memory = apply_plan(plan, model, optimizer, objective, config)
+        optimizer, teardown.memory = apply_plan(plan, model, optimizer, objective)
         summary.plan = plan.text()
     return plan, optimizer
 

@@ -12,6 +12,7 @@ that smaller micro-batches cannot fix: the next measure that can still be taken 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import warnings
 
 import torch
@@ -20,8 +21,8 @@ from gpunb.errors import GpunbError
 from gpunb.render import format_bytes
 from gpunb.runtime.memory import chunked_loss as chunked
 from gpunb.runtime.memory.blocks import checkpoint_blocks, repeated_blocks
-from gpunb.runtime.memory.plan import LOSS_CHUNKS, MEASURES, SAFETY, Footprint, Plan, plan_memory
 from gpunb.runtime.memory.in_backward import OptimizerInBackward
+from gpunb.runtime.memory.plan import LOSS_CHUNKS, MEASURES, SAFETY, Footprint, Plan, plan_memory
 
 _ADAMS = ("Adam", "AdamW")
 _HYPER = ("lr", "betas", "eps", "weight_decay")
@@ -175,8 +176,6 @@ def _why_not_torchao(optimizer) -> str | None:
         return f"torchao's states replace Adam or AdamW, and the optimizer is {type(optimizer).__name__}"
     if any(group.get("amsgrad") for group in optimizer.param_groups):
         return "amsgrad is not in torchao's 8-bit AdamW"
-    import importlib.util
-
     if importlib.util.find_spec("torchao") is None:  # not imported here: a plan that needs none stays light
         return "torchao is not installed (`pip install gpunb[llm]`)"
     return None
@@ -205,8 +204,9 @@ def does_not_fit(plan: Plan, footprint: Footprint, sharded: Plan | None = None) 
         "(`devices=N, strategy='fsdp'`); or a larger `memory_budget` if it was set too low.")
 
 
-def apply_plan(plan: Plan, model, optimizer, objective, config):
-    """Puts the plan's measures in place; returns (the optimizer to train with, undo)."""
+def apply_plan(plan: Plan, model, optimizer, objective):
+    """Puts the plan's measures in place; returns (the optimizer to train with, undo). bf16 weights
+    stay bf16: they are the trained weights (a copy back to fp32 would need the memory they saved)."""
     undo = []
     names = set(plan.names)
     if "bf16_weights" in names:
