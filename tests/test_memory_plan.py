@@ -388,3 +388,17 @@ def test_a_run_with_the_step_in_backward_resumes_from_its_checkpoint(tmp_path):
     straight, _ = fit(max_steps=4, memory_plan=False)
     assert result.resumed_from["step"] == 3 and result.steps == 4
     assert all(map(torch.equal, resumed.parameters(), straight.parameters()))
+
+
+def test_the_step_in_backward_is_not_captured_as_one_cuda_graph():
+    from types import SimpleNamespace
+
+    from gpunb.runtime.step.step_graph import blocker
+
+    model = Net()
+    optimizer = OptimizerInBackward(torch.optim.AdamW(model.parameters(), capturable=True).param_groups,
+                                    lambda groups: torch.optim.AdamW(groups))
+    stepper = SimpleNamespace(optimizer=optimizer, precision=SimpleNamespace(device=torch.device("cuda"), scaler=None),
+                              config=SimpleNamespace(grad_accum=1), schedule=None)
+    assert blocker(stepper, 1) == "the optimizer steps inside backward, one parameter at a time (the memory plan)"
+    optimizer.close()

@@ -25,6 +25,8 @@ import torch
 class OptimizerInBackward(torch.optim.Optimizer):
     """Per-parameter optimizers made by `make([group])`, for each parameter of `groups`."""
 
+    steps_in_backward = True  # no CUDA graph of the whole step (step_graph.blocker)
+
     def __init__(self, groups: list[dict], make):
         self._layout = []  # per original group: its per-parameter optimizers, in order
         self._hooks = []
