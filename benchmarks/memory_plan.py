@@ -4,13 +4,14 @@ of its own, so that one's OOM leaves nothing behind for the next).
 
     python benchmarks/memory_plan.py                        # 1B, 3B, 8B at 2,048 tokens, bf16, one GPU
     python benchmarks/memory_plan.py --budget 24GiB         # a 24 GB card emulated on a larger one
+    python benchmarks/memory_plan.py --lora --budget 24GiB  # LoRA adapters on bf16 base weights
     python benchmarks/memory_plan.py --tiny                 # tiny shapes on the CPU: proves it runs
 
 Models are built from transformers.LlamaConfig with random weights (no download). Each way
 trains `--steps` steps after `--warmup`, batch `--batch` x `--seq` tokens, and reports its
 peak memory (CUDA), the median step time and tokens/s; then the ratios to the hand-written plan.
   plain:   fp32 weights, bf16 autocast, fused AdamW, model(**batch).loss (expect OOM past ~3B on 80 GB)
-  gpunb:   Trainer(...).fit with its defaults (the memory plan on)
+  gpunb:   Trainer(...).fit with its defaults (the memory plan on), but compile=False: the other two are eager
   by-hand: the measures gpunb's plan chose, written with torch, torchao and transformers directly
 """
 
@@ -32,7 +33,9 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocabulary (Llama 3
 }
 
 
-def model_of(size: str):
+def model_of(size: str, device, lora: bool = False):
+    """Random weights, made on `device` (an 8B model's fp32 init on the host takes minutes); with
+    `lora`, bf16 base weights frozen under LoRA adapters on the attention projections."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -41,7 +44,23 @@ def model_of(size: str):
                          num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
                          max_position_embeddings=8192, use_cache=False)
     torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    default = torch.get_default_dtype()
+    if lora:
+        torch.set_default_dtype(torch.bfloat16)
+    try:
+        with device:
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, task_type="CAUSAL_LM",
+                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+        for p in model.parameters():  # adapters train in fp32 beside the bf16 base
+            if p.requires_grad:
+                p.data = p.data.float()
+    return model
 
 
 class Tokens:
@@ -70,10 +89,15 @@ def one(args) -> dict:
 
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(args.budget) / total))
-    model = model_of(args.size)
+    out = {"size": args.size, "way": args.way}
+    try:
+        model = model_of(args.size, device, args.lora)
+    except torch.OutOfMemoryError as error:
+        out["error"] = f"OutOfMemoryError building the model: {str(error).splitlines()[0][:160]}"
+        return out
     steps = args.warmup + args.steps
     data = Tokens(model.config.vocab_size, args.seq, args.batch * steps)
-    out = {"size": args.size, "way": args.way, "params": sum(p.numel() for p in model.parameters())}
+    out["params"] = sum(p.numel() for p in model.parameters())
     try:
         if args.way == "gpunb":
             times, plan = _gpunb(model, data, args, steps)
@@ -126,10 +150,11 @@ def _plain(model, data, args, device, steps, plan):
     if plan.get("bf16_weights"):
         model.to(torch.bfloat16)
     if plan.get("checkpoint_blocks"):
-        for layer in model.model.layers[:plan["checkpoint_blocks"]]:
+        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        for layer in lm.model.layers[:plan["checkpoint_blocks"]]:
             layer.gradient_checkpointing = True
             layer._gradient_checkpointing_func = lambda f, *a, **k: checkpoint(f, *a, use_reentrant=False, **k)
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]
     make = _optimizer_maker(plan, device)
     if plan.get("in_backward"):
         per_param = {p: make([p]) for p in params}
@@ -147,11 +172,12 @@ def _plain(model, data, args, device, steps, plan):
     def loss_of(batch):
         if not plan.get("chunked_loss"):
             return model(**batch).loss
-        hidden = model.model(input_ids=batch["input_ids"]).last_hidden_state
+        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        hidden = lm.model(input_ids=batch["input_ids"]).last_hidden_state
         targets = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
         total = 0.0
         for h, y in zip(hidden.chunk(8, dim=1), targets.chunk(8, dim=1)):
-            total = total + checkpoint(lambda h, y: F.cross_entropy(model.lm_head(h).float().flatten(0, 1),
+            total = total + checkpoint(lambda h, y: F.cross_entropy(lm.lm_head(h).float().flatten(0, 1),
                                                                     y.flatten(), ignore_index=-100, reduction="sum"),
                                        h, y, use_reentrant=False)
         return total / (targets != -100).sum()
@@ -206,6 +232,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--budget", default=None, help="e.g. 24GiB: a smaller card, emulated")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument("--lora", action="store_true", help="LoRA adapters on bf16 base weights")
     parser.add_argument("--size", help=argparse.SUPPRESS)
     parser.add_argument("--way", help=argparse.SUPPRESS)
     parser.add_argument("--plan", help=argparse.SUPPRESS)
@@ -237,6 +264,7 @@ def _child(args, size, way, plan):
                "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     command += ["--budget", args.budget] if args.budget else []
     command += ["--tiny"] if args.tiny else []
+    command += ["--lora"] if args.lora else []
     command += ["--plan", json.dumps(plan)] if plan else []
     done = subprocess.run(command, capture_output=True, text=True, env=os.environ)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
