@@ -31,7 +31,7 @@ KNOWN = set()
 
 # The runtime's own layers, bottom to top, by the name under gpunb.runtime (a room or a module).
 RUNTIME_LAYERS = [
-    {"events", "context", "device", "roles", "matching", "trainable", "adapters"},  # the words every room uses
+    {"events", "context", "device", "roles", "matching", "trainable"},  # the words every room uses
     {"feed"},  # the user's data into batches on the device
     {"step"},  # one optimizer step
     {"validation"},  # scoring the weights on held-out data
@@ -39,7 +39,7 @@ RUNTIME_LAYERS = [
     {"memory"},  # the measures under which a run fits (the summary's probe finds the blocks with it)
     {"setup"},  # what a run needs before its first batch (the probes build trial runs with it)
     {"probes"},  # what a run learns about itself before its first step
-    {"epoch", "eta", "interrupt", "teardown", "result", "predict", "loop", "__init__"},  # the loop on top
+    {"epoch", "eta", "interrupt", "teardown", "result", "predict", "adapters", "loop", "__init__"},  # on top
 ]
 
 

@@ -7,7 +7,7 @@ The model is a tiny Llama built from a LlamaConfig (nothing is downloaded), wrap
 import pytest
 import torch
 from conftest import classification_data, mlp
-from test_checkpoint import StopAt
+from test_checkpoint import InterruptAt, StopAt
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -224,12 +224,12 @@ def test_resuming_onto_a_base_of_another_dtype_names_the_tensors(tmp_path):
 
 
 def test_a_whole_checkpoint_written_before_trainable_only_ones_still_resumes(tmp_path, monkeypatch):
-    from gpunb.runtime.state import checkpointer as saving
+    from gpunb.runtime.state import checkpointer
 
     straight = lora_llama()
     fit(straight, epochs=3)
     with monkeypatch.context() as patched:  # how checkpoints were written before: the whole model
-        patched.setattr(saving.trainable, "has_frozen", lambda model: False)
+        patched.setattr(checkpointer.trainable, "has_frozen", lambda model: False)
         fit(lora_llama(), epochs=2, checkpoint_dir=tmp_path)
     payload = load_checkpoint(list_checkpoints(tmp_path)[-1])
     assert payload["version"] == 1 and payload["frozen"] is None
@@ -237,6 +237,18 @@ def test_a_whole_checkpoint_written_before_trainable_only_ones_still_resumes(tmp
     resumed = lora_llama(seed=7)
     fit(resumed, epochs=3, checkpoint_dir=tmp_path, resume="last")
     assert_equal_states(trainable_state(resumed), trainable_state(straight))
+
+
+def test_the_fingerprint_reads_values_not_their_layout():
+    from gpunb.runtime.trainable import fingerprint
+
+    weight = torch.randn(64, 32)
+    transposed_twice = weight.t().contiguous().t()  # the same values, not contiguous
+    assert fingerprint({"w": weight}) == fingerprint({"w": transposed_twice})
+    moved = weight.clone()
+    moved[-1, -1] += 1  # the last value is always among the sampled ones
+    assert fingerprint({"w": moved})["w"][2] != fingerprint({"w": weight})["w"][2]
+    assert fingerprint({"w": weight.to(torch.bfloat16)})["w"][:2] == [[64, 32], "bfloat16"]
 
 
 def test_a_model_with_a_frozen_layer_checkpoints_what_trains_and_buffers(tmp_path):
@@ -332,6 +344,15 @@ def test_merge_adapters_gives_the_base_model_with_the_same_outputs():
         torch.testing.assert_close(base(input_ids=ids).logits, kept(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(result.predict(CountingText(n=8, seed=5))["logits"], kept(input_ids=ids).logits.detach(),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_an_interrupted_fit_keeps_its_adapters_and_says_how_to_merge_them():
+    model = lora_llama()
+    with pytest.warns(RuntimeWarning, match=r"interrupted, so the adapters stay separate .*model.merge_and_unload"):
+        result = fit(model, epochs=2, merge_adapters=True, callbacks=[InterruptAt(2)])
+    assert result.interrupted and result.model is None
+    assert result.continue_state is not None  # it can go on
+    assert any("lora_A" in name for name, _ in model.named_parameters())
 
 
 def test_merge_adapters_on_a_model_without_adapters_is_refused_before_any_work(tmp_path):

@@ -364,8 +364,9 @@ def _lost_peer(info: dict) -> bool:
 def _load_into(model, optimizer, final: dict) -> None:
     """Rank 0's weights into the caller's model (wherever its parameters live)."""
     from gpunb.runtime.context import optimizer_state_by_index
+    from gpunb.runtime.trainable import load_weights
 
-    model.load_state_dict(final["model"])
+    load_weights(model, final["model"])  # what trained; the frozen weights never left
     if optimizer is not None and final.get("optimizer") is not None:
         optimizer.load_state_dict(optimizer_state_by_index(final["optimizer"], model, optimizer))
 

@@ -99,6 +99,7 @@ def _join_group(rank: int, plan: Plan) -> None:
 def _fit(rank: int, plan: Plan, args: FitArgs, queue, stop) -> dict:
     from gpunb.distributed.context import ProcessGroupRank, current_context
     from gpunb.runtime.device import select_device
+    from gpunb.runtime.trainable import trainable_part
 
     model, optimizer = args.model, args.optimizer
     if optimizer is not None and optimizer.state:
@@ -114,8 +115,9 @@ def _fit(rank: int, plan: Plan, args: FitArgs, queue, stop) -> dict:
     model_state, optimizer_state = ProcessGroupRank(args.config.strategy).state_dicts(model, returned_optimizer)
     if rank == 0:
         # The weight average travels in the file too: tensors sent over the queue would be shared
-        # through file descriptors that die with this process.
-        torch.save({"model": model_state, "optimizer": optimizer_state, "ema": result.ema_state_dict},
+        # through file descriptors that die with this process. Frozen weights stay behind: the
+        # caller's model has them already (a LoRA model's base is not written out and read back).
+        torch.save({"model": trainable_part(model, model_state), "optimizer": optimizer_state, "ema": result.ema_state_dict},
                    plan.weights_path)
         result.ema_state_dict = None
     timings = {"rank": rank, "device": result.device, "steps": result.steps,

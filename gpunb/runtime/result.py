@@ -51,7 +51,8 @@ class TrainResult:
     # eager_step_ms, compiled_step_ms, reason (see runtime/step/compiling.py)
     compilation: dict | None = None
     summary: object = None  # RunSummary: parameters, FLOPs, memory, measured before the first step
-    # with `ema`: the averaged weights on the CPU, keyed like model.state_dict() (`model.load_state_dict(...)`)
+    # with `ema`: the averaged weights on the CPU, keyed like model.state_dict() (`model.load_state_dict(...)`;
+    # a model with frozen parameters: what trains, `strict=False`)
     ema_state_dict: dict | None = field(default=None, repr=False)
     # with merge_adapters: the base model with the trained adapters merged into its weights (peft's
     # merge_and_unload); the fitted peft model wraps it still

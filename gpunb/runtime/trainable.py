@@ -84,12 +84,15 @@ def _digest(tensor: torch.Tensor) -> str:
     tensor = tensor.detach()
     if tensor.is_meta:
         return "meta"
-    flat = tensor.reshape(-1)  # a view: frozen weights are contiguous
-    count = flat.numel()
+    count = tensor.numel()
     if count == 0:
         return "empty"
-    index = torch.linspace(0, count - 1, min(count, _SAMPLES), device=flat.device).round().long()
-    values = flat[index].to("cpu").contiguous()
+    if tensor.dim() == 0:
+        values = tensor.reshape(1)
+    else:  # picked by their positions: no flattened copy of a non-contiguous tensor
+        index = torch.linspace(0, count - 1, min(count, _SAMPLES), device=tensor.device).round().long()
+        values = tensor[torch.unravel_index(index, tensor.shape)]
+    values = values.to("cpu").contiguous()
     if values.dtype.is_complex:
         values = torch.view_as_real(values).reshape(-1)
     raw = values.view(torch.uint8) if values.element_size() > 1 or values.dtype == torch.bool else values
