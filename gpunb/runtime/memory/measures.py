@@ -18,7 +18,6 @@ import warnings
 import torch
 
 from gpunb.errors import GpunbError
-from gpunb.render import format_bytes
 from gpunb.runtime.memory import chunked_loss as chunked
 from gpunb.runtime.memory.blocks import checkpoint_blocks, repeated_blocks
 from gpunb.runtime.memory.in_backward import OptimizerInBackward
@@ -182,6 +181,8 @@ def _why_not_torchao(optimizer) -> str | None:
 
 
 def does_not_fit(plan: Plan, footprint: Footprint, sharded: Plan | None = None) -> GpunbError:
+    from gpunb.render import format_bytes  # only when it is said: render is not on a run's path otherwise
+
     used = " + ".join(m.text for m in plan.measures) or "no measure available"
     if sharded is not None and sharded.fits:
         return GpunbError(
