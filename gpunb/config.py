@@ -7,7 +7,7 @@ else, so the runtime only ever sees canonical values.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence, Union
 
 from gpunb.errors import GpunbError
@@ -108,7 +108,6 @@ class TrainConfig:
     # --- reproducibility
     seed: int | None = 0  # seeds python, numpy and torch; None leaves RNGs alone
     deterministic: bool = False  # deterministic algorithms (slower; errors on ops without one)
-    extras: dict = field(default_factory=dict)  # free-form notes carried into the result
 
     def __post_init__(self) -> None:
         self.precision = _choice("precision", self.precision, _PRECISION_ALIASES,

@@ -160,15 +160,15 @@ def compute_text(achieved_tflops: float, mfu: float | None, peak_tflops: float |
 
 def live_compute_text(state) -> str | None:
     """compute_text from the summary's FLOPs and the last interval's step time; None when unknown."""
-    extras = getattr(state, "extras", {})  # a state stand-in may carry none
-    per_sample = (extras.get("summary") or {}).get("train_flops")
+    per_sample = (getattr(state, "summary", None) or {}).get("train_flops")  # a stand-in may carry none
     step_ms = state.latest.get("step_time_ms")
-    batch = getattr(state.config, "batch_size", None)
+    plan = getattr(state, "plan", None)
+    batch = plan.batch_size if plan is not None else getattr(state.config, "batch_size", None)
     if not per_sample or not step_ms or not isinstance(batch, int):
         return None
     # FLOPs per optimizer step / seconds per step / 1e12
     achieved = per_sample * batch * state.config.grad_accum * getattr(state, "world_size", 1) / step_ms / 1e9
-    peak = extras.get("peak_tflops")
+    peak = getattr(state, "peak_tflops", None)
     return compute_text(achieved, achieved / peak if peak else None, peak)
 
 
@@ -344,7 +344,7 @@ class ProgressPrinter:
         self._tty = getattr(self.stream, "isatty", lambda: False)()
 
     def on_fit_start(self, state) -> None:
-        plain = state.extras.get("summary")
+        plain = getattr(state, "summary", None)
         if plain:  # the run's summary first: parameters, FLOPs, memory against free memory
             summary = SimpleNamespace(**plain)
             self._write(f"{summary_text(summary)}\n  {free_memory_text(summary)}", final=True)
@@ -408,7 +408,9 @@ def progress_parts(state, with_loss: bool) -> list[str]:
 
 def epochs_suffix(state) -> str:
     """"/3" when the run has a set number of epochs; nothing when max_steps decides."""
-    return f"/{state.config.epochs}" if state.config.epochs else ""
+    plan = getattr(state, "plan", None)  # a continued fit's epochs count on (runtime/plan.py)
+    epochs = plan.epochs if plan is not None else state.config.epochs
+    return f"/{epochs}" if epochs else ""
 
 
 def eta_left(state, now: float | None = None) -> float | None:

@@ -42,14 +42,16 @@ class Trainer:
         self.config = make_config(config, **overrides)
 
     def fit(self, model, train_data, val_data=None, *, optimizer=None, scheduler=None, loss_fn=None, step=None,
-            metrics=None, callbacks=(), continue_from=None) -> TrainResult:
+            metrics=None, callbacks=(), continue_from=None, state_type=None) -> TrainResult:
         """Train `model` on `train_data`; returns a TrainResult. The model is trained in place.
 
         `scheduler`: a torch LR scheduler on `optimizer`, a factory `f(optimizer, total_steps)`,
         or `{"scheduler": ..., "interval": "epoch"}` (stepped per optimizer step by default;
         ReduceLROnPlateau with `"monitor"` at each validation). `continue_from`: the result of
         an earlier fit of this model, to go on with its optimizer, schedule and step count;
-        `epochs` / `max_steps` then count the steps added.
+        `epochs` / `max_steps` then count the steps added. `state_type`: a subclass of
+        gpunb.runtime.run_state.RunState with fields of your own (a curriculum's level, a data
+        cursor): they are checkpointed, resumed, continued and relayed from the ranks as gpunb's are.
 
         `step(model, batch)`: computes the loss itself; it returns the loss, `(loss, output)` or
         `{"loss": loss, "output": output, "target": target}` (no "target": the batch's labels or
@@ -59,7 +61,8 @@ class Trainer:
         check_model(model)
         config = self.config
         check_adapters(model, config)  # quantized layers without bitsandbytes, merge_adapters without adapters
-        arguments = dict(optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, step=step, metrics=metrics)
+        arguments = dict(optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, step=step, metrics=metrics,
+                         state_type=state_type)
         if continue_from is not None:  # checked here too: a launch would start processes first
             from gpunb.runtime.state.continuing import continue_state_of
 

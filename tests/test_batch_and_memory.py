@@ -82,10 +82,12 @@ def test_auto_batch_size_leaves_model_optimizer_and_rng_exactly_as_before():
     from gpunb.runtime.step.precision import Precision
 
     config = __import__("gpunb").TrainConfig(batch_size="auto")
-    chosen = auto.find_batch_size(model, optimizer, Objective(nn.CrossEntropyLoss()),
-                                  Precision("32", torch.device("cpu")), (x, y), torch.device("cpu"), config)
-    assert chosen in {p["batch_size"] for p in config.extras["batch_probe"]}
-    assert config.extras["batch_size_reason"].startswith("auto: ")
+    chosen, reason, probes = auto.find_batch_size(model, optimizer, Objective(nn.CrossEntropyLoss()),
+                                                  Precision("32", torch.device("cpu")), (x, y),
+                                                  torch.device("cpu"), config)
+    assert chosen in {p["batch_size"] for p in probes}
+    assert reason.startswith("auto: ")
+    assert config == __import__("gpunb").TrainConfig(batch_size="auto")  # the config is only read
     for k, v in model.state_dict().items():
         assert torch.equal(v, params[k]), k
     after = optimizer.state_dict()["state"]
@@ -99,7 +101,7 @@ def test_auto_batch_size_respects_fake_gpu_memory_limits(monkeypatch):
     """With OOM above 64 samples, the probe stops there and picks a size that fit."""
     model = OOMAbove(limit=64)
     result = run(model, batch_size="auto", epochs=1)
-    probes = result.config["extras"]["batch_probe"]
+    probes = result.batch_probe
     assert max(p["batch_size"] for p in probes) <= 64
     assert result.batch_size in {p["batch_size"] for p in probes}
     assert result.oom_recoveries == 0

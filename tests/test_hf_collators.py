@@ -185,7 +185,7 @@ def test_auto_batch_size_probes_with_the_collator(tokenizer):
     data = tokenized(tokenizer, 128, seed=0)
     result = Trainer(epochs=1, batch_size="auto", accelerator="cpu", track=False).fit(
         model, DataLoader(data, batch_size=4, shuffle=True, collate_fn=collate))
-    probes = [p["batch_size"] for p in result.config["extras"]["batch_probe"]]
+    probes = [p["batch_size"] for p in result.batch_probe]
     assert len(set(probes)) > 1 and set(probes) <= set(seen)
     assert result.batch_size in probes and 4 < result.batch_size <= 16
     assert result.oom_recoveries == 0 and result.samples == 128

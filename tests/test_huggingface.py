@@ -152,7 +152,7 @@ def test_auto_batch_size_probes_dict_batches():
     x, y = classification_data(n=1024)
     model = DictMLP(limit=64)
     result = Trainer(epochs=1, batch_size="auto", track=False).fit(model, Indexed(x, y))
-    probes = result.config["extras"]["batch_probe"]
+    probes = result.batch_probe
     assert max(p["batch_size"] for p in probes) <= 64
     assert result.batch_size in {p["batch_size"] for p in probes}
     assert result.oom_recoveries == 0
@@ -169,7 +169,7 @@ def test_auto_batch_size_rebuilds_a_dataloader_at_each_probed_size():
     loader = DataLoader(Indexed(x, y), batch_size=8, shuffle=True, collate_fn=collate)
     model = DictMLP(limit=64)
     result = Trainer(epochs=1, batch_size="auto", track=False).fit(model, loader)
-    probes = [p["batch_size"] for p in result.config["extras"]["batch_probe"]]
+    probes = [p["batch_size"] for p in result.batch_probe]
     assert len(set(probes)) > 1 and set(probes) <= set(seen)
     assert result.batch_size in probes and result.batch_size != 8
     assert result.steps == -(-1024 // result.batch_size)

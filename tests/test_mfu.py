@@ -161,13 +161,13 @@ def test_a_cpu_result_shows_achieved_flops_without_mfu():
 def test_the_live_progress_line_shows_mfu_from_the_last_intervals_step_time():
     state = FitState(config=TrainConfig(batch_size=4, grad_accum=2), model=None, optimizer=None,
                      device=torch.device("cpu"), world_size=2)
-    state.extras.update(summary={"train_flops": 10**12}, peak_tflops=800.0)
+    state.summary, state.peak_tflops = {"train_flops": 10**12}, 800.0
     state.latest["step_time_ms"] = 100.0  # 16 samples x 1 TFLOP in 0.1 s
     assert render.live_compute_text(state) == "160 TFLOPS, MFU 20.0% of 800"
     assert "160 TFLOPS, MFU 20.0% of 800" in render.progress_line(state)
-    state.extras["peak_tflops"] = None
+    state.peak_tflops = None
     assert render.live_compute_text(state) == "160 TFLOPS"
-    state.extras["summary"] = {"train_flops": None}
+    state.summary = {"train_flops": None}
     assert render.live_compute_text(state) is None and "TFLOPS" not in render.progress_line(state)
 
 

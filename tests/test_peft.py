@@ -224,12 +224,12 @@ def test_resuming_onto_a_base_of_another_dtype_names_the_tensors(tmp_path):
 
 
 def test_a_whole_checkpoint_written_before_trainable_only_ones_still_resumes(tmp_path, monkeypatch):
-    from gpunb.runtime.state import checkpointer
+    from gpunb.runtime import trainable
 
     straight = lora_llama()
     fit(straight, epochs=3)
     with monkeypatch.context() as patched:  # how checkpoints were written before: the whole model
-        patched.setattr(checkpointer.trainable, "has_frozen", lambda model: False)
+        patched.setattr(trainable, "has_frozen", lambda model: False)
         fit(lora_llama(), epochs=2, checkpoint_dir=tmp_path)
     payload = load_checkpoint(list_checkpoints(tmp_path)[-1])
     assert payload["version"] == 1 and payload["frozen"] is None

@@ -343,7 +343,7 @@ def _state(**overrides):
 
 
 def _recorded(registry: Registry, state) -> dict:
-    return registry.get_run(state.extras["run_id"])
+    return registry.get_run(state.registry_run)
 
 
 def test_recorder_creates_the_row_at_fit_start(registry, clock):
@@ -396,7 +396,7 @@ def test_stop_request_round_trip(registry, clock):
     state.step = 1
     rec.on_log(state, {"loss": 1.0})
     assert rec.flush(10) and state.stop_reason is None
-    assert registry.request_stop(state.extras["run_id"]) is True
+    assert registry.request_stop(state.registry_run) is True
     clock.now += 1.5
     state.step = 2
     rec.on_log(state, {"loss": 0.9})
@@ -412,7 +412,7 @@ def test_a_long_log_interval_still_gets_heartbeats_and_stop_checks(registry, clo
     state, rec = _state(), RunRecorder(registry)
     rec.on_fit_start(state)
     assert rec.flush(10)
-    registry.request_stop(state.extras["run_id"])
+    registry.request_stop(state.registry_run)
     _until(lambda: rec.writer.stop_requested)
     clock.now += recorder.HEARTBEAT_S
     state.step = 7
@@ -433,7 +433,7 @@ def test_a_writer_whose_fit_never_reported_its_end_ends_the_run_as_failed(regist
 
     state, rec = _state(), RunRecorder(registry)
     rec.on_fit_start(state)
-    writer, run_id = rec.writer, state.extras["run_id"]
+    writer, run_id = rec.writer, state.registry_run
     assert writer.flush(10)
     del rec  # the fit raised past its callbacks: the recorder is gone, its on_fit_end never ran
     gc.collect()
@@ -491,7 +491,7 @@ def test_only_rank_zero_records_and_only_when_tracking(registry, clock):
         rec.on_log(state, {"loss": 1.0})
         state.result = SimpleNamespace(interrupted=False, energy_j=None)
         rec.on_fit_end(state)
-        assert "run_id" not in state.extras
+        assert state.registry_run is None
     assert registry.list_runs() == []
 
 
@@ -526,12 +526,12 @@ def test_a_locked_registry_never_delays_training_and_the_run_is_recorded_when_it
         rec.on_log(state, {"loss": 1.0})
         hooks_took = time.perf_counter() - started
         assert not rec.flush(0.5)  # nothing could be written yet
-        assert registry.get_run(state.extras["run_id"]) is None
+        assert registry.get_run(state.registry_run) is None
         holder.execute("ROLLBACK")
         holder.close()
         assert rec.flush(10)
     assert hooks_took < 1.0  # the hooks only hand data to the writer thread (a held lock used to stall them for seconds)
-    run = registry.get_run(state.extras["run_id"])
+    run = registry.get_run(state.registry_run)
     assert (run["status"], run["step"], [p["step"] for p in run["history"]]) == ("running", 1, [1])
     assert len(caplog.records) == 1 and "is locked by another process" in caplog.text
 
@@ -547,11 +547,11 @@ def test_the_end_of_a_run_is_written_in_the_background_if_the_lock_outlasts_the_
     with caplog.at_level(logging.WARNING, logger="gpunb.runs.recorder"):
         rec.on_fit_end(state)  # returns after FINISH_WAIT_S
         assert not rec.writer.finished.is_set()
-        assert registry.get_run(state.extras["run_id"])["status"] == "running"
+        assert registry.get_run(state.registry_run)["status"] == "running"
         holder.execute("ROLLBACK")
         holder.close()
         assert rec.writer.flush(10)
-    run = registry.get_run(state.extras["run_id"])
+    run = registry.get_run(state.registry_run)
     assert (run["status"], run["step"]) == ("completed", 100)
     assert len(caplog.records) == 1 and "as soon as the registry is free" in caplog.text
 
@@ -888,7 +888,7 @@ def test_a_run_in_a_long_step_stays_alive_for_a_prune_from_another_host(registry
     with pytest.warns(UserWarning, match=r"prune\(\) kept 'demo' \(on host gpu-a, last heartbeat 0 s ago\): "
                                          "still running"):
         assert prune(older_than_days=0, keep=0, registry=Registry(registry.path)) == 0
-    assert registry.get_run(state.extras["run_id"])["status"] == "running"
+    assert registry.get_run(state.registry_run)["status"] == "running"
     with pytest.raises(GpunbError, match=r"Cannot remove 'demo' \(on host gpu-a, last heartbeat \d s ago\)"):
         remove("demo", registry=Registry(registry.path))
     state.step = 2  # training goes on, and its record with it
@@ -896,7 +896,7 @@ def test_a_run_in_a_long_step_stays_alive_for_a_prune_from_another_host(registry
     state.result = SimpleNamespace(interrupted=False, energy_j=None)
     rec.on_fit_end(state)
     assert rec.flush(10)
-    run = registry.get_run(state.extras["run_id"])
+    run = registry.get_run(state.registry_run)
     assert (run["status"], [p["step"] for p in run["history"]]) == ("completed", [1, 2])
 
 
@@ -950,7 +950,7 @@ def test_a_stop_request_lands_at_the_next_step_however_long_the_log_interval(reg
     state.step = 1
     rec.on_log(state, {"loss": 1.0})
     assert rec.flush(10)
-    registry.request_stop(state.extras["run_id"])
+    registry.request_stop(state.registry_run)
     deadline = time.monotonic() + 10
     while state.stop_reason is None and time.monotonic() < deadline:
         state.step += 1  # steps without a log, within the same second of the fake clock

@@ -227,7 +227,7 @@ class SidebarStopAt:
             from gpunb.runs.registry import Registry
             from gpunb.runs.writer import RunWriter
 
-            run_id = state.extras["run_id"]
+            run_id = state.registry_run
             assert Registry().request_stop(run_id)
             writer = next(o for o in gc.get_objects() if isinstance(o, RunWriter) and o.run_id == run_id)
             deadline = time.monotonic() + 10

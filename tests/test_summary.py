@@ -144,7 +144,7 @@ def test_the_dashboard_header_shows_the_summary():
 
     summary = summary_of(mlp(), classification_data(n=32))
     state = FitState(config=TrainConfig(batch_size=8, precision="32"), model=None, optimizer=None, device=CPU,
-                     extras={"summary": summary.as_plain()})
+                     summary=summary.as_plain())
     header = _header_html(state)
     assert "451 parameters (451 trainable, 0 frozen)" in header and "free system memory (fits)" in header
     assert RunSummary.from_plain(summary.as_plain()) == summary

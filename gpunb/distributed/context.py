@@ -18,45 +18,20 @@ on either (see runtime/context.py), so it reads the same in both cases:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
 from gpunb.errors import GpunbError
 from gpunb.runtime.context import LocalContext, optimizer_state_by_index
-from gpunb.runtime.events import FitState
 from gpunb.runtime.trainable import load_weights
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-@dataclass
-class SyncedFitState(FitState):
-    """FitState of one rank: a stop asked for on any rank applies on all ranks together.
-
-    Ranks must stop after the same step, or one would wait forever in a collective the
-    others never join. So `request_stop` only notes the request here; the next log
-    interval (or epoch end) votes on it with one all_reduce and every rank stops there.
-    """
-
-    pending_stop: str | None = None  # asked for on this rank, not yet voted on
-
-    def request_stop(self, reason: str = "stopped") -> None:
-        if self.pending_stop is None:
-            self.pending_stop = reason
-
-    def apply_vote(self, stops: float, interrupts: float) -> None:
-        if self.stop_reason is not None or not stops:
-            return
-        # The same decision on every rank ("interrupted" changes control flow; the
-        # wording of other reasons does not, so each rank keeps its own).
-        self.stop_reason = "interrupted" if interrupts else (self.pending_stop or "stopped on another rank")
-
-
 class ProcessGroupRank:
     """One rank of an initialised torch.distributed process group (DDP or FSDP)."""
 
-    state_type = SyncedFitState
+    stops_by_vote = True  # ranks vote on a stop at the next log interval (RunState.request_stop)
 
     def __init__(self, strategy: str):
         import torch.distributed as dist

@@ -11,7 +11,7 @@ The launcher knows nothing of Trainer.
   processes; a TCPStore listening on a free port of 127.0.0.1 only is the rendezvous,
   and the ranks' own gloo/NCCL sockets are kept on the loopback interface too.
 - While they train: rank 0 streams its events over a queue (on_step_end as a
-  progress update at most 4 times a second); here they update a FitState that mirrors
+  progress update at most 4 times a second); here they update a RunState that mirrors
   rank 0's and go to the caller's callbacks (the dashboard, the run registry), which
   run in this process only. A stop asked for here
   (`state.request_stop`, the kernel's stop button) reaches the ranks through a shared
@@ -46,9 +46,10 @@ from gpunb.distributed.context import backend_for, check_config
 from gpunb.distributed.loopback import loopback_store
 from gpunb.distributed.shipping import Couriers, FitArgs, ship
 from gpunb.errors import GpunbError
-from gpunb.runtime.events import Callbacks, FitState
+from gpunb.runtime.events import Callbacks
 from gpunb.runtime.interrupt import InterruptFlag
 from gpunb.runtime.result import TrainResult
+from gpunb.runtime.run_state import RunState
 
 INTERRUPT_GRACE_S = 4.0  # after a Ctrl-C, how long ranks get to reach a log interval and stop
 FAILURE_GRACE_S = 1.0  # after a rank fails, how long the others get to exit before SIGTERM/SIGKILL
@@ -104,15 +105,16 @@ def start_method() -> str:
 
 
 def fit(config, entry, model, train_data, val_data=None, *, optimizer=None, scheduler=None, loss_fn=None,
-        step=None, metrics=None, callbacks=(), method: str | None = None) -> TrainResult:
+        step=None, metrics=None, callbacks=(), state_type=None, method: str | None = None) -> TrainResult:
     """Train on one process per device, each running `entry`; returns rank 0's TrainResult
-    (world_size = N). `callbacks` run here, in this process."""
+    (world_size = N). `callbacks` run here, in this process, on a mirror of rank 0's state
+    (a `state_type`, runtime.run_state.RunState by default)."""
     accelerator, count, backend = plan_devices(config)
     config = config.replace(accelerator=accelerator, devices=count, backend=backend)
     check_config(config)
     _check_arguments(model, train_data, val_data, optimizer, loss_fn, step, metrics)
     args = FitArgs(config.replace(track=False), model, train_data, val_data, optimizer, scheduler, loss_fn,
-                   step, metrics)  # the registry is written here, not by the ranks
+                   step, metrics, state_type)  # the registry is written here, not by the ranks
     launch = _Launch(config, args, callbacks, entry)
     method = method or start_method()
     try:
@@ -129,9 +131,9 @@ class _Launch:
     def __init__(self, config, args: FitArgs, callbacks, entry):
         self.config, self.args, self.entry = config, args, entry
         self.count = config.devices
-        self.state = FitState(config=config, model=args.model, optimizer=args.optimizer,
-                              device=torch.device("cpu"), run_name=config.name or type(args.model).__name__,
-                              world_size=self.count)
+        self.state = (args.state_type or RunState)(
+            config=config, model=args.model, module=args.model, optimizer=args.optimizer,
+            device=torch.device("cpu"), run_name=config.name or type(args.model).__name__, world_size=self.count)
         self.callbacks = Callbacks(list(callbacks))
         self.reports: dict = {}  # rank -> what it sent when done
         self.errors: list = []  # (rank, description) in arrival order
@@ -237,14 +239,8 @@ class _Launch:
         """Bring the mirror up to date with rank 0, then call the callbacks here."""
         state = self.state
         self.training = self.training or event == "on_fit_start"
-        state.history.extend(snapshot.pop("rows"))
-        state.latest.update(snapshot.pop("latest"))
-        state.extras.update(snapshot.pop("extras"))
-        if event == "on_fit_start":
-            state.config = self.config.replace(**snapshot.pop("resolved"))
-            state.device = torch.device(snapshot.pop("device"))
-        for name, value in snapshot.items():
-            setattr(state, name, value)
+        state.history.extend(snapshot["rows"])
+        state.load_relayed(snapshot["fields"])
         self.callbacks.call(event, state, *args)
 
     def _failure(self, error: ProcessException, processes=None) -> GpunbError:
@@ -300,13 +296,7 @@ class _Launch:
         warnings.warn(f"gpunb: {self.abandoned}; the model keeps the weights it had before this run"
                       + (f" (the latest checkpoint is {checkpoint})." if checkpoint else "."),
                       RuntimeWarning, stacklevel=5)
-        return TrainResult(run_name=state.run_name, history=list(state.history),
-                           epochs=list(state.epochs), config=state.config.to_dict(),
-                           device=str(state.device), batch_size=state.config.batch_size
-                           if isinstance(state.config.batch_size, int) else 0,
-                           grad_accum=state.config.grad_accum, world_size=self.count, steps=state.step,
-                           samples=state.samples_seen, checkpoint_path=checkpoint, interrupted=True,
-                           stop_reason="interrupted")
+        return TrainResult.from_state(state, world_size=self.count, interrupted=True, stop_reason="interrupted")
 
 
 def _check_arguments(model, train_data, val_data, optimizer, loss_fn, step, metrics) -> None:

@@ -27,8 +27,10 @@ from gpunb.errors import GpunbError
 from gpunb.runtime.roles import SETUP
 
 
-# What each rank needs to run the same fit: the config and the set-up roles, in their order.
-FitArgs = make_dataclass("FitArgs", [("config", Any), *((name, Any, field(default=None)) for name in SETUP)])
+# What each rank needs to run the same fit: the config, the set-up roles in their order, and the
+# RunState class the run keeps its state in (None: the runtime's own).
+FitArgs = make_dataclass("FitArgs", [("config", Any), *((name, Any, field(default=None)) for name in SETUP),
+                                     ("state_type", Any, field(default=None))])
 FitArgs.__module__ = __name__  # pickled by reference: a spawned rank imports it from here
 
 

@@ -109,7 +109,7 @@ def _fit(rank: int, plan: Plan, args: FitArgs, queue, stop) -> dict:
     callbacks = [Relay(queue, stop)] if rank == 0 else []
     result = plan.entry(args.config, current_context(args.config), model, args.train_data, args.val_data,
                         optimizer=optimizer, scheduler=args.scheduler, loss_fn=args.loss_fn, step=args.step,
-                        metrics=args.metrics, callbacks=callbacks)
+                        metrics=args.metrics, callbacks=callbacks, state_type=args.state_type)
     # Every rank takes part (FSDP gathers the shards); rank 0 writes the weights.
     returned_optimizer = optimizer if plan.return_optimizer else None
     model_state, optimizer_state = ProcessGroupRank(args.config.strategy).state_dicts(model, returned_optimizer)
@@ -140,8 +140,7 @@ class Relay:
 
     def on_fit_start(self, state) -> None:
         self.rows_sent = 0
-        resolved = {"batch_size": state.config.batch_size, "precision": state.config.precision}
-        self._send("on_fit_start", state, resolved=resolved, device=str(state.device))
+        self._send("on_fit_start", state)
 
     def on_step_end(self, state) -> None:
         code = self.stop.value  # a read of shared memory: no lock, no sync
@@ -164,14 +163,9 @@ class Relay:
     def on_checkpoint(self, state, path) -> None:
         self._send("on_checkpoint", state, str(path))
 
-    def _send(self, event: str, state, *args, **fields) -> None:
-        snapshot = {"step": state.step, "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch,
-                    "samples_seen": state.samples_seen, "steps_per_epoch": state.steps_per_epoch,
-                    "total_steps": state.total_steps, "latest": dict(state.latest), "eta": state.eta,
-                    "rows": state.history[self.rows_sent:], "epochs": list(state.epochs),
-                    "validations": list(state.validations), "val_names": state.val_names,
-                    "checkpoint_path": state.checkpoint_path, "resumed": state.resumed,
-                    "extras": {k: v for k, v in state.extras.items() if _plain(v)}, **fields}
+    def _send(self, event: str, state, *args) -> None:
+        """The RunState's relayed fields (RunState.relayed) and the log rows not sent yet."""
+        snapshot = {"fields": state.relayed(), "rows": state.history[self.rows_sent:]}
         self.rows_sent = len(state.history)
         # A deep copy: the queue pickles on its own thread, later, while training goes on.
         self.queue.put(("event", 0, (event, copy.deepcopy(snapshot), copy.deepcopy(args))))
@@ -182,16 +176,3 @@ def describe(error: BaseException) -> dict:
     if isinstance(error, GpunbError):
         info.update(what=error.what, hint=error.hint)
     return info
-
-
-def _plain(value, depth: int = 0) -> bool:
-    """Plain data (what the dashboard reads from state.extras), safe to send and copy."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return True
-    if depth > 4:
-        return False
-    if isinstance(value, (list, tuple)):
-        return all(_plain(v, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
-    return False

@@ -76,9 +76,10 @@ def numbers(row: dict, skip=_NOT_METRICS) -> dict:
 
 
 def flat_config(state) -> dict:
-    """The config as one level of JSON-friendly values (extras as `extras/<key>`) plus the run's name."""
+    """The config as the run used it (RunState.settings), as one level of JSON-friendly values
+    (a dict's entries as `<key>/<entry>`), plus the run's name."""
     flat = {"run_name": state.run_name, "world_size": state.world_size}
-    for key, value in state.config.to_dict().items():
+    for key, value in state.settings().items():
         if isinstance(value, dict):
             flat.update({f"{key}/{k}": _plain(v) for k, v in value.items()})
         else:

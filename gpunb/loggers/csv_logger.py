@@ -35,7 +35,7 @@ class CSVLogger(LocalLogger):
         self.rows, self.columns = [], list(_FIRST)
         (self.dir / "metrics.csv").unlink(missing_ok=True)
         _write_json(self.dir / "config.json", {"run_name": state.run_name, "world_size": state.world_size,
-                                               **state.config.to_dict()})
+                                               **state.settings()})
 
     def write(self, step: int, metrics: dict, state) -> None:
         row = {"step": step, "epoch": state.epoch, **{k: v for k, v in metrics.items() if k != "epoch"}}

@@ -201,16 +201,16 @@ class FailedRun:
 
 
 def _header_html(state) -> str:
-    config = state.config
-    batch = f"{config.batch_size} x {config.grad_accum} accumulation x {state.world_size} device(s)"
+    used = state.settings()  # the batch size and precision chosen
+    batch = f"{used['batch_size']} x {used['grad_accum']} accumulation x {state.world_size} device(s)"
     return (f"<div style='{TEXT_STYLE}'><b>{html.escape(state.run_name)}</b> &middot; "
-            f"{html.escape(str(state.device))} &middot; precision {html.escape(config.precision)} &middot; "
+            f"{html.escape(str(state.device))} &middot; precision {html.escape(used['precision'])} &middot; "
             f"batch {batch}{_summary_html(state)}</div>")
 
 
 def _summary_html(state) -> str:
     """Parameters, FLOPs and memory against free memory (measured before the first step)."""
-    plain = state.extras.get("summary")
+    plain = state.summary
     if not plain:
         return ""
     summary = SimpleNamespace(**plain)

@@ -59,7 +59,7 @@ class RunRecorder:
         self._reset()
         if state.rank != 0 or not getattr(state.config, "track", True):
             return
-        config = state.config.to_dict() if hasattr(state.config, "to_dict") else state.config
+        config = state.settings() if hasattr(state, "settings") else state.config
         if self.registry is None:
             self.registry = Registry()  # only a path: no disk access here
         # A continued fit goes on in the row of the run it continues: one run, its curve unbroken.
@@ -71,7 +71,7 @@ class RunRecorder:
         self._reader = Registry(self.registry.path, timeout=0.0)
         # Usually a few ms: then the run is listed, and can be stopped, from its first step on.
         self.writer.recorded.wait(START_WAIT_S)
-        state.extras["run_id"] = self.run_id
+        state.registry_run = self.run_id
         self._last_write = _now()
 
     def on_step_end(self, state) -> None:

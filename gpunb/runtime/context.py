@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from gpunb.runtime.events import FitState
 from gpunb.runtime.trainable import load_weights
 
 
@@ -27,7 +26,7 @@ class LocalContext:
     rank = 0
     local_rank = 0
     world_size = 1
-    state_type = FitState
+    stops_by_vote = False  # a stop applies at once (RunState.request_stop)
     grad_scaler = None  # Precision's default, torch.amp.GradScaler
 
     def reduce_loss(self, mean_loss: torch.Tensor, state) -> float:

@@ -1,7 +1,7 @@
 """The events a training run emits, and the state every callback receives.
 
 Callbacks are plain objects: the runtime looks up a method named after each event
-with `getattr` and calls it with the `FitState` (no base class to inherit).
+with `getattr` and calls it with the run's `RunState` (no base class to inherit).
 
     on_fit_start(state)            after set-up, before the first step
     on_step_end(state)             after every optimizer step (keep it cheap: no syncs)
@@ -22,10 +22,10 @@ define it (and not `on_step_end`), with a DeprecationWarning once per callback c
 
 from __future__ import annotations
 
-import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
+
+from gpunb.runtime.run_state import RunState
 
 EVENTS = (
     "on_fit_start",
@@ -39,54 +39,9 @@ EVENTS = (
 )
 
 
-@dataclass
-class FitState:
-    """What a callback may read (and the few things it may set) during `fit`."""
-
-    config: Any  # the resolved TrainConfig (batch size and precision chosen)
-    model: Any  # the module being trained (possibly compiled or DDP-wrapped)
-    optimizer: Any
-    device: Any  # torch.device
-    run_name: str = "run"
-    epoch: int = 0  # 0-based epoch in progress
-    step: int = 0  # optimizer steps completed
-    batch_in_epoch: int = 0  # micro-batches consumed in the current epoch
-    steps_per_epoch: int | None = None
-    total_steps: int | None = None  # optimizer steps the run will take, when known
-    samples_seen: int = 0
-    rank: int = 0
-    world_size: int = 1
-    started_at: float = field(default_factory=time.time)
-    latest: dict = field(default_factory=dict)  # newest host-side metrics of any kind
-    eta: tuple | None = None  # (seconds left, time.time() of the estimate): see runtime/eta.py
-    history: list = field(default_factory=list)  # rows appended at each log / epoch end
-    stop_reason: str | None = None
-    result: Any = None  # the TrainResult, set before on_fit_end
-    epochs: list = field(default_factory=list)  # one row per finished epoch (train_loss, val_*)
-    validations: list = field(default_factory=list)  # one row per validation: step, epoch, val_*
-    val_names: tuple | None = None  # the metrics validation produces (None: no validation data)
-    checkpoint_path: str | None = None  # the newest checkpoint this run wrote
-    checkpoint_run: str | None = None  # the id of the run directory checkpoints go to
-    continues_run: str | None = None  # a continued fit: the run registry's id of the run it goes on with
-    resumed: dict | None = None  # what the run resumed from: path, run, run_name, step, epoch, saved_at
-    profile: bool = False  # set by a profiler: the loop marks its phases with named ranges
-    extras: dict = field(default_factory=dict)  # callbacks' own notes (e.g. energy_j, run_id)
-
-    @property
-    def should_stop(self) -> bool:
-        return self.stop_reason is not None
-
-    def request_stop(self, reason: str = "stopped") -> None:
-        """Ask the loop to stop at the next step boundary."""
-        if self.stop_reason is None:
-            self.stop_reason = reason
-
-    @property
-    def progress(self) -> float | None:
-        """Fraction of the run done, in [0, 1], when the length is known."""
-        if not self.total_steps:
-            return None
-        return min(1.0, self.step / self.total_steps)
+# The state every callback receives: the run's own (runtime/run_state.py), under the name
+# callbacks have known it by.
+FitState = RunState
 
 
 _OLD_NAMES = {"on_step_end": "on_train_batch_end"}

@@ -7,7 +7,6 @@ device and is read once per `log_every` steps: the loop has no other host syncs.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -17,16 +16,19 @@ from gpunb.config import TrainConfig
 from gpunb.runtime import device as devices
 from gpunb.runtime.epoch import EpochSteps, Timer
 from gpunb.runtime.eta import EtaClock
-from gpunb.runtime.events import Callbacks, FitState
+from gpunb.runtime.events import Callbacks
 from gpunb.runtime.feed.feeds import build_feed, closing, with_batch_size
 from gpunb.runtime.interrupt import InterruptFlag
 from gpunb.runtime.memory.measures import MemoryFallback, apply_plan, plan_run
-from gpunb.runtime.probes.batch_size import find_batch_size
+from gpunb.runtime.plan import Plan
+from gpunb.runtime.plan import length as plan_length
+from gpunb.runtime.probes.batch_size import BatchChoice, find_batch_size
 from gpunb.runtime.probes.peak_flops import device_peak_tflops
 from gpunb.runtime.probes.preflight import preflight
-from gpunb.runtime.probes.summary import RunSummary, summarize
-from gpunb.runtime.result import TrainResult, epoch_mean_loss, last_epoch_train_loss
+from gpunb.runtime.probes.summary import summarize
+from gpunb.runtime.result import TrainResult, epoch_mean_loss
 from gpunb.runtime.roles import check_model
+from gpunb.runtime.run_state import RunState
 from gpunb.runtime.setup import setup
 from gpunb.runtime.state import continuing
 from gpunb.runtime.state.best_k import BestCheckpoints
@@ -46,11 +48,12 @@ from gpunb.runtime.validation.monitor import monitor_of, validation_names
 
 
 def run(config: TrainConfig, context, model, train_data, val_data=None, *, optimizer=None, scheduler=None,
-        loss_fn=None, step=None, metrics=None, callbacks=(), continue_from=None) -> TrainResult:
+        loss_fn=None, step=None, metrics=None, callbacks=(), continue_from=None, state_type=None) -> TrainResult:
     """Train `model` in this process; returns a TrainResult. The model is trained in place.
 
     `scheduler`: see runtime/step/schedule.py; `continue_from`: a TrainResult to go on from
-    (runtime/state/continuing.py).
+    (runtime/state/continuing.py); `state_type`: a RunState subclass whose own fields the run
+    carries too (runtime/run_state.py; None: RunState).
 
     `context` says where this process stands: `LocalContext()` alone, or one rank of a
     process group (gpunb.distributed.context). `callbacks` are all the callbacks the run
@@ -65,13 +68,13 @@ def run(config: TrainConfig, context, model, train_data, val_data=None, *, optim
             teardown.saved_globals = devices.seed_everything(config.seed, config.deterministic)
             prepared = _prepare(config, context, model, train_data, val_data, optimizer, scheduler,
                                 Objective(loss_fn, step, metrics, config.batch_size_fn), callbacks, teardown,
-                                continue_from)
+                                continue_from, state_type or RunState)
         if setting_up.raised:
             prepared.state.request_stop("interrupted")
         result = _train(prepared)
     except BaseException:
         # trained: this fit took a step (a resumed or continued fit starts above 0)
-        trained = prepared is not None and prepared.state.step > prepared.state.extras.get("start_step", 1 << 62)
+        trained = prepared is not None and prepared.state.step > prepared.state.start_step
         teardown(failed=True, trained=trained)
         raise  # the teardown never replaces this error (or KeyboardInterrupt)
     teardown(failed=False)
@@ -82,35 +85,35 @@ def run(config: TrainConfig, context, model, train_data, val_data=None, *, optim
 class _Run:
     """Everything one fit needs, built by _prepare."""
 
-    config: TrainConfig
+    config: TrainConfig  # as the user gave it
+    plan: Plan  # what set-up decided
     dist: object
-    state: FitState
+    state: RunState
     callbacks: Callbacks
     model: torch.nn.Module  # the user's module
     train_model: torch.nn.Module  # what the loop calls (compiled / DDP-wrapped)
     objective: Objective
     precision: Precision
-    precision_reason: str
     feed: object
     val_feed: object
     stepper: Stepper
-    batch_size: int
     best: BestCheckpoints | None = None  # save_top_k: the best checkpoints kept so far
     checkpointer: Checkpointer | None = None  # with checkpoint_dir: saves, and holds the run directory
     compilation: Compilation | None = None  # which module the step calls: eager or compiled
-    start_epoch: int = 0
-    skip_batches: int = 0
     continued: object = None  # the ContinueState this fit goes on from (continue_from)
     losses: StepLosses = field(default_factory=StepLosses)  # step losses since the last log
     eta: EtaClock = field(default_factory=EtaClock)
     samples_at_log: int = 0  # state.samples_seen at the last log: the interval's samples/s counts from it
 
+    @property
+    def batch_size(self) -> int:
+        return self.plan.batch_size
+
 
 def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, objective, user_callbacks, teardown,
-             continue_from=None) -> _Run:
+             continue_from, state_type) -> _Run:
     __tracebackhide__ = True  # noqa: F841
-    config = config.replace(extras=dict(config.extras))  # the run's notes stay out of the caller's config
-    config, optimizer, carried = _continuation(config, dist, model, optimizer, teardown, continue_from)
+    optimizer, carried = _continuation(config, dist, model, optimizer, teardown, continue_from)
     ready = setup(config, dist, model, train_data, val_data, optimizer)
     device, precision, optimizer = ready.device, ready.precision, ready.optimizer
     _ready_device(device, objective)
@@ -120,39 +123,38 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
     monitor = monitor_of(config)
     if monitor is not None:
         monitor.check_produced(val_names, f"save_top_k={config.save_top_k}")
-    config, train, batch_size = _batch_size(config, dist, model, optimizer, objective, precision, train, device)
-    feed, val_feed = _feeds(train, val, batch_size, device, config, dist)
-    steps_per_epoch, total_steps = _planned_steps(feed, config)
-    validation.warn_unused(config, val is not None, total_steps, dist.rank)
+    choice, train = _batch_size(config, dist, model, optimizer, objective, precision, train, device)
+    feed, val_feed = _feeds(train, val, choice.size, device, config, dist)
+    plan = _plan(config, ready, choice, feed, carried)
+    validation.warn_unused(config, plan, val is not None, dist.rank)
     # one forward + backward, undone; FSDP: the whole model's step may not fit on one device
-    summary = summarize(model, optimizer, objective, precision, train, device, batch_size, config,
+    summary = summarize(model, optimizer, objective, precision, train, device, choice.size, config,
                         measure=not (dist.world_size > 1 and config.strategy == "fsdp"))
     # measures chosen from the summary's estimate, before the schedule binds the optimizer
-    plan, optimizer = _memory_plan(summary, model, optimizer, objective, precision, config, dist, device,
-                                   scheduler, teardown, continuing=carried is not None or bool(config.resume))
-    schedule = _schedule(scheduler, optimizer, config, total_steps, val_names, carried)
-    config = config.replace(log_every=config.resolved_log_every(total_steps, steps_per_epoch))
-
+    memory, optimizer = _memory_plan(summary, model, optimizer, objective, precision, config, dist, device,
+                                     scheduler, teardown, continuing=carried is not None or bool(config.resume))
+    schedule = _schedule(scheduler, optimizer, config, plan.total_steps, val_names, carried)
     # a continued fit goes on under the name of the fit it continues; the class: before FSDP renames it
     run_name = config.name or (carried.run_name if carried is not None else None) or type(model).__name__
     train_model, teardown.unwrap = wrap_model(model, config, dist, device)  # undone whatever happens next
     dist.adopt_shards(optimizer)  # FSDP replaced the parameters with sharded ones
-    state = dist.state_type(config=config, model=train_model, optimizer=optimizer, device=device,
-                            run_name=run_name,
-                            steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-                            rank=dist.rank, world_size=dist.world_size, val_names=val_names)
-    state.extras["summary"] = summary.as_plain()  # plain data: ranks send it to the kernel
-    state.extras["peak_tflops"] = device_peak_tflops(device, precision.name)  # live MFU in the progress line
-    no_sync = getattr(train_model, "no_sync", None)
     ema = _weight_ema(model, config, carried)
-    stepper = Stepper(train_model, optimizer, objective, precision, schedule, config, state, no_sync, ema=ema)
-    if plan is not None and config.memory_plan:  # a real OOM the split cannot fix: the next measure
-        stepper.memory_fallback = MemoryFallback(plan, model, objective)
-        teardown.memory = _then(teardown.memory, stepper.memory_fallback.restore)
-    batch_size = feed.batch_size or batch_size  # a user's DataLoader batches by its own size
-    run = _Run(config, dist, state, Callbacks(list(user_callbacks)), model, train_model, objective, precision,
-               ready.precision_reason, feed, val_feed, stepper, batch_size,
-               best=BestCheckpoints(monitor, config.save_top_k) if monitor is not None else None)
+    state = state_type(module=model, optimizer=optimizer, schedule=schedule, ema=ema, precision=precision,
+                       best=BestCheckpoints(monitor, config.save_top_k) if monitor is not None else None,
+                       run_name=run_name, config=config, plan=plan, model=train_model, device=device,
+                       batches_per_epoch=feed.num_batches, steps_per_epoch=plan.steps_per_epoch,
+                       total_steps=plan.total_steps, summary=summary.as_plain(),  # plain: ranks send it on
+                       peak_tflops=device_peak_tflops(device, precision.name),  # live MFU in the progress line
+                       rank=dist.rank, world_size=dist.world_size, val_names=val_names,
+                       stops_by_vote=dist.stops_by_vote)
+    # the state's `profile`: a profiler asks for the step's phases by name
+    state.stepper = Stepper(train_model, optimizer, objective, precision, schedule, config, state,
+                            getattr(train_model, "no_sync", None), ema=ema)
+    if memory is not None and config.memory_plan:  # a real OOM the split cannot fix: the next measure
+        state.stepper.memory_fallback = MemoryFallback(memory, model, objective)
+        teardown.memory = _then(teardown.memory, state.stepper.memory_fallback.restore)
+    run = _Run(config, plan, dist, state, Callbacks(list(user_callbacks)), model, train_model, objective,
+               precision, feed, val_feed, state.stepper, best=state.best)
     _add_checkpointer_and_schedule(run, schedule)
     run.compilation = Compilation(run, device, dist.world_size)  # now, or under "auto" once timing says it pays
     if carried is not None:
@@ -160,6 +162,8 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
         continuing.restore(run, carried)
     if config.resume:
         resume(run, find_checkpoint(config.resume, config.checkpoint_dir))
+    state.start_step, state.start_samples = state.step, state.samples_seen  # a resumed or continued fit counts on
+    run.samples_at_log = state.samples_seen  # the first interval's samples/s counts from here
     return run
 
 
@@ -167,22 +171,31 @@ def _memory_plan(summary, model, optimizer, objective, precision, config, dist, 
                  continuing: bool):
     """The memory plan (None: none made) and the optimizer to train with; its measures in place,
     undone by the teardown, and said in the summary."""
-    plan = plan_run(summary, model, optimizer, objective, precision, config, dist, device, scheduler=scheduler,
-                    continuing=continuing)
-    if plan is not None and plan.measures:
-        optimizer, teardown.memory = apply_plan(plan, model, optimizer, objective)
-        summary.plan = plan.text()
-    return plan, optimizer
+    memory = plan_run(summary, model, optimizer, objective, precision, config, dist, device, scheduler=scheduler,
+                      continuing=continuing)
+    if memory is not None and memory.measures:
+        optimizer, teardown.memory = apply_plan(memory, model, optimizer, objective)
+        summary.plan = memory.text()
+    return memory, optimizer
+
+
+def _then(first, second):
+    """Undo `second`, then `first` (either may be None)."""
+    def both():
+        second()
+        if first is not None:
+            first()
+    return both
 
 
 def _continuation(config, dist, model, optimizer, teardown, continue_from):
-    """A continued fit (`continue_from`): its config extended, its optimizer the previous one's."""
+    """A continued fit (`continue_from`): its optimizer the previous one's, and what it goes on from."""
     if continue_from is None:
-        return config, optimizer, None
+        return optimizer, None
     carried = continuing.continue_state_of(continue_from, model, config, dist.world_size)
     optimizer = continuing.same_optimizer(carried, optimizer)
     teardown.rollback = continuing.Rollback(carried, model)  # before anything moves
-    return continuing.extended(config, carried), optimizer, carried
+    return optimizer, carried
 
 
 def _ready_device(device, objective) -> None:
@@ -195,14 +208,14 @@ def _ready_device(device, objective) -> None:
 
 
 def _batch_size(config, dist, model, optimizer, objective, precision, train, device):
-    """The batch size to train with (`"auto"` probed here), written into the run's config."""
-    batch_size = config.batch_size
-    if batch_size == "auto":
-        batch_size = find_batch_size(model, optimizer, objective, precision, train, device, config)
-        batch_size = dist.smallest(batch_size)  # ranks must agree: the smallest fits on all
-        if isinstance(train, DataLoader):
-            train = with_batch_size(train, batch_size)
-    return config.replace(batch_size=batch_size, precision=precision.name), train, batch_size
+    """The batch size (given, or probed under "auto": the ranks take the smallest), and the data at it."""
+    if config.batch_size != "auto":
+        return BatchChoice(config.batch_size, "", ()), train
+    choice = find_batch_size(model, optimizer, objective, precision, train, device, config)
+    choice = choice._replace(size=dist.smallest(choice.size))  # ranks must agree: the smallest fits on all
+    if isinstance(train, DataLoader):
+        train = with_batch_size(train, choice.size)
+    return choice, train
 
 
 def _feeds(train, val, batch_size, device, config, dist):
@@ -214,23 +227,21 @@ def _feeds(train, val, batch_size, device, config, dist):
     return feed, val_feed
 
 
-def _planned_steps(feed, config) -> tuple[int | None, int | None]:
-    """Optimizer steps per epoch and in all (None where the data has no length)."""
-    steps_per_epoch = math.ceil(feed.num_batches / config.grad_accum) if feed.num_batches is not None else None
-    total_steps = steps_per_epoch * config.epoch_limit if steps_per_epoch is not None else None
-    if config.max_steps is not None:
-        total_steps = min(total_steps or config.max_steps, config.max_steps)
-    return steps_per_epoch, total_steps
+def _plan(config, ready, choice, feed, carried) -> Plan:
+    """What set-up decided: device, precision, batch size, length (a continued fit's counted on), log interval."""
+    length = plan_length(config, feed.num_batches, carried)
+    return Plan(device=ready.device, precision=ready.precision.name, precision_reason=ready.precision_reason,
+                batch_size=feed.batch_size or choice.size,  # a user's DataLoader batches by its own size
+                batch_size_reason=choice.reason, batch_probe=choice.probes,
+                log_every=config.resolved_log_every(length["total_steps"], length["steps_per_epoch"]),
+                compile=config.compile, **length)
 
 
 def _add_checkpointer_and_schedule(run: _Run, schedule) -> None:
     """Both hear each event before the user's callbacks, the schedule first of all."""
-    config, dist = run.config, run.dist
-    if config.checkpoint_dir:  # first: saved before others hear of the step
-        run.checkpointer = Checkpointer(config, dist=dist, model=run.model, stepper=run.stepper,
-                                        precision=run.precision, losses=run.losses,
-                                        batches_per_epoch=run.feed.num_batches, events=run.callbacks,
-                                        rank=dist.rank, best=run.best)
+    if run.config.checkpoint_dir:  # first: saved before others hear of the step
+        run.checkpointer = Checkpointer(run.config, dist=run.dist, state=run.state, losses=run.losses,
+                                        events=run.callbacks)
         run.callbacks.run_first(run.checkpointer)
     if schedule is not None:  # steps at epoch ends before the checkpoint of that epoch is written
         run.callbacks.run_first(schedule)
@@ -240,18 +251,15 @@ def _train(run: _Run) -> TrainResult:
     """The loop: epochs of optimizer steps, logging at intervals, validation per epoch or N steps."""
     __tracebackhide__ = True  # noqa: F841
     state, callbacks = run.state, run.callbacks
-    timer = Timer()
-    state.extras["start_step"] = state.step  # a resumed or continued fit counts on from here
-    state.extras["start_samples"] = state.samples_seen
-    interrupt = InterruptFlag()
-    run.samples_at_log = state.samples_seen  # a resumed run counts on from its checkpoint's
+    timer, interrupt = Timer(), InterruptFlag()
+    start = (state.epoch, state.batch_in_epoch)  # where a resumed or continued fit goes on
     try:
         with interrupt:
             callbacks.call("on_fit_start", state)
-            for epoch in range(run.start_epoch, run.config.epoch_limit):
+            for epoch in range(start[0], run.plan.epoch_limit):
                 if state.stop_reason == "interrupted":  # during set-up
                     break
-                if not _train_epoch(run, epoch, timer, interrupt):
+                if not _train_epoch(run, epoch, start[1] if epoch == start[0] else 0, timer, interrupt):
                     break
     except KeyboardInterrupt:
         # A second Ctrl-C (or one outside the main thread) lands here mid-step; the
@@ -264,14 +272,13 @@ def _train(run: _Run) -> TrainResult:
     return _finish(run, timer)
 
 
-def _train_epoch(run: _Run, epoch: int, timer, interrupt) -> bool:
-    """One epoch of optimizer steps (the rest of it, on resume); whether the run goes on."""
-    config, state, callbacks, stepper = run.config, run.state, run.callbacks, run.stepper
+def _train_epoch(run: _Run, epoch: int, skip: int, timer, interrupt) -> bool:
+    """One epoch of optimizer steps (the rest of it after `skip` batches, on resume); whether the run goes on."""
+    state, callbacks, stepper = run.state, run.callbacks, run.stepper
     val_every_steps = validation.every_steps(run)  # None: no pass within epochs (the common case)
-    log_every = config.log_every
+    log_every = run.plan.log_every
     samples_in = run.objective.samples  # batch_size_fn, or the target's first dimension
     state.epoch = epoch
-    skip = run.skip_batches if epoch == run.start_epoch else 0
     state.batch_in_epoch = skip
     logged_before = len(state.history)
     while logged_before and state.history[logged_before - 1].get("epoch") == epoch:
@@ -281,7 +288,7 @@ def _train_epoch(run: _Run, epoch: int, timer, interrupt) -> bool:
     # Per step, only host bookkeeping beside what a plain loop does (kept to a few
     # attribute updates: on sub-millisecond steps each call shows).
     with closing(run.feed.epoch(epoch, skip)) as batches:
-        steps = EpochSteps(batches, config.grad_accum, timer, state, remaining)
+        steps = EpochSteps(batches, run.config.grad_accum, timer, state, remaining)
         for batch, last_in_step in steps:
             state.batch_in_epoch += 1
             state.samples_seen += samples_in(batch) * state.world_size
@@ -341,23 +348,7 @@ def _weight_ema(model, config, carried):
     return WeightEma(model, config.ema, config.ema_warmup)
 
 
-def _then(first, second):
-    """Undo `second`, then `first` (either may be None)."""
-    def both():
-        second()
-        if first is not None:
-            first()
-    return both
-
-
-def _plan_text(run: _Run) -> str:
-    """The summary's plan, and what an OOM added to it."""
-    fallback = run.stepper.memory_fallback
-    notes = fallback.notes if fallback is not None else []
-    return "; ".join([p for p in (run.state.extras["summary"].get("plan", ""), *notes) if p])
-
-
-def _finished(state: FitState) -> bool:
+def _finished(state: RunState) -> bool:
     return state.total_steps is not None and state.step >= state.total_steps
 
 
@@ -398,33 +389,23 @@ def _end_epoch(run: _Run, logged: list, timer) -> None:
     run.dist.sync_stop(state)  # ranks: a stop asked for at the epoch's end (early stopping) applies now
 
 
+def _memory_text(run: _Run) -> str:
+    """The summary's memory plan, and what an OOM added to it."""
+    fallback = run.stepper.memory_fallback
+    notes = fallback.notes if fallback is not None else []
+    return "; ".join(text for text in ((run.state.summary or {}).get("plan", ""), *notes) if text)
+
+
 def _result(run: _Run, timer) -> TrainResult:
-    state, config = run.state, run.config
-    epochs = state.epochs
-    final = last_epoch_train_loss(state.history)  # also when the run stopped within that epoch
-    if state.validations:
-        final.update({k: v for k, v in state.validations[-1].items() if k.startswith("val_")})
+    state, stepper = run.state, run.stepper
     device = state.device
     peak = (torch.cuda.max_memory_allocated(device) / 2**20) if device.type == "cuda" else None
-    return TrainResult(
-        run_name=state.run_name, history=list(state.history), epochs=list(epochs),
-        validations=list(state.validations), final_metrics=final,
-        config=config.to_dict(), device=str(device), precision=run.precision.name,
-        precision_reason=run.precision_reason, batch_size=run.batch_size,
-        batch_size_reason=config.extras.get("batch_size_reason", ""),
-        micro_batch_size=run.stepper.micro_batch_size(run.batch_size), grad_accum=config.grad_accum,
-        world_size=state.world_size, steps=state.step, start_step=state.extras.get("start_step", 0),
-        start_samples=state.extras.get("start_samples", 0),
-        total_steps=state.total_steps, samples=state.samples_seen,
+    return TrainResult.from_state(
+        state, micro_batch_size=stepper.micro_batch_size(run.plan.batch_size),
         wall_time_s=timer.elapsed(), data_wait_s=timer.data_wait, validation_s=timer.validation,
         compute_s=max(0.0, timer.elapsed() - timer.data_wait - timer.validation),
-        peak_memory_mb=peak, peak_tflops=state.extras.get("peak_tflops"),
-        oom_recoveries=run.stepper.oom_recoveries, memory_plan=_plan_text(run),
-        skipped_steps=run.precision.skipped_steps, checkpoint_path=state.checkpoint_path,
-        resumed_from=state.resumed,
-        interrupted=state.stop_reason == "interrupted", stop_reason=state.stop_reason,
-        summary=RunSummary.from_plain(state.extras["summary"]),
+        peak_memory_mb=peak, oom_recoveries=stepper.oom_recoveries, skipped_steps=run.precision.skipped_steps,
+        memory_plan=_memory_text(run),
         compilation=run.compilation.report(),
-        ema_state_dict=run.stepper.ema.state_dict(to_cpu=True) if run.stepper.ema is not None else None,
+        ema_state_dict=stepper.ema.state_dict(to_cpu=True) if stepper.ema is not None else None,
         continue_state=continuing.capture(run, run.continued))
-

@@ -61,6 +61,35 @@ class TrainResult:
     # fits); it keeps the optimizer state alive: set it to None to free that memory
     continue_state: object = field(default=None, repr=False)
 
+    batch_probe: tuple = field(default=(), repr=False)  # batch_size="auto": what each probed size did
+
+    @classmethod
+    def from_state(cls, state, **figures) -> "TrainResult":
+        """The result of the fit whose RunState (runtime/run_state.py) is `state`; `figures`: what
+        the loop measured beside it (timings, memory, compilation, ...)."""
+        from gpunb.runtime.probes.summary import RunSummary
+
+        plan, final = state.plan, last_epoch_train_loss(state.history)  # also when stopped within that epoch
+        if state.validations:
+            final.update({k: v for k, v in state.validations[-1].items() if k.startswith("val_")})
+        resolved = plan.settings(state.config) if plan is not None else state.config.to_dict()
+        fields = dict(
+            run_name=state.run_name, history=list(state.history), epochs=list(state.epochs),
+            validations=list(state.validations), final_metrics=final, config=resolved, device=str(state.device),
+            grad_accum=state.config.grad_accum, world_size=state.world_size, steps=state.step,
+            start_step=state.start_step, start_samples=state.start_samples, total_steps=state.total_steps,
+            samples=state.samples_seen, peak_tflops=state.peak_tflops, checkpoint_path=state.checkpoint_path,
+            resumed_from=state.resumed, interrupted=state.stop_reason == "interrupted",
+            stop_reason=state.stop_reason,
+            summary=RunSummary.from_plain(state.summary) if state.summary is not None else None)
+        if plan is not None:
+            fields.update(precision=plan.precision, precision_reason=plan.precision_reason,
+                          batch_size=plan.batch_size, batch_size_reason=plan.batch_size_reason,
+                          micro_batch_size=plan.batch_size, batch_probe=plan.batch_probe)
+        elif isinstance(state.config.batch_size, int):  # a launch that ended before rank 0 set up
+            fields.update(batch_size=state.config.batch_size)
+        return cls(**{**fields, **figures})
+
     @property
     def trainable_params(self) -> int | None:
         """Parameters that trained (a LoRA model: its adapters); None without a summary."""

@@ -13,13 +13,14 @@ that it fits. The same seed therefore gives the same batch size, and the same re
 
 Afterwards the model, optimizer and RNG states are put back exactly as they were, so
 probing leaves no trace on training. A DataLoader is rebuilt at each probed size (its
-dataset, sampler, collate_fn and workers kept). The probes and the reason for the choice are
-recorded in config.extras ('batch_probe', 'batch_size_reason').
+dataset, sampler, collate_fn and workers kept). The choice comes with its reason and what
+the probes measured (a BatchChoice), which the run's plan keeps (runtime/plan.py).
 """
 
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 from torch.utils.data import DataLoader
@@ -40,8 +41,14 @@ NEAR_BEST = 0.95  # on a GPU, the smallest size within 5% of the best throughput
 CPU_STEP_FLOPS = 3e8
 
 
-def find_batch_size(model, optimizer, objective, precision, data, device, config) -> int:
-    """The batch size to train with; notes in config.extras['batch_probe'] and ['batch_size_reason']."""
+class BatchChoice(NamedTuple):
+    size: int
+    reason: str  # one line: how it was chosen
+    probes: tuple  # what each probed size did (batch_size, samples_per_s or flops_per_step, ...)
+
+
+def find_batch_size(model, optimizer, objective, precision, data, device, config) -> BatchChoice:
+    """The batch size to train with, why, and what the probes measured."""
     if isinstance(data, DataLoader):
         with_batch_size(data, START)  # refused here, before probing, when it cannot be resized
     n = data_length(data)
@@ -59,9 +66,7 @@ def find_batch_size(model, optimizer, objective, precision, data, device, config
             size, reason = _by_throughput(probe, cap)
     finally:
         rewind.restore(saved, model, optimizer, device)
-    config.extras["batch_probe"] = probe.records
-    config.extras["batch_size_reason"] = reason
-    return size
+    return BatchChoice(size, reason, tuple(probe.records))
 
 
 def _by_flops(probe: "_Probe", cap: int) -> tuple[int, str]:

@@ -152,7 +152,7 @@ def dry_run(config, context, model, train_data, val_data=None, *, optimizer=None
     batch_size = config.batch_size
     if batch_size == "auto":
         batch_size = find_batch_size(model, ready.optimizer, objective, ready.precision, train, ready.device,
-                                     config.replace(extras=dict(config.extras)))
+                                     config).size
     summary = summarize(model, ready.optimizer, objective, ready.precision, train, ready.device, batch_size, config)
     from gpunb.runtime.memory.measures import plan_run
 

@@ -1,9 +1,10 @@
 """Checkpoints: one file per save, written atomically, read with weights_only=True.
 
-A checkpoint holds everything needed to continue exactly: model, optimizer,
-scheduler, precision (GradScaler) and RNG states, and the position in the run
-(epoch, optimizer step, batches consumed in the epoch). The model's state of a model with
-frozen parameters is what trains, beside a fingerprint of the rest (`frozen`, trainable.py).
+A checkpoint holds everything needed to continue exactly: the run's RunState
+(run_state.py: model, optimizer, scheduler, scaler, weight average, RNG states, the
+position in the run and its history) and a header saying which run wrote it. The model's
+state of a model with frozen parameters is what trains, beside a fingerprint of the rest
+(`frozen`, trainable.py).
 
 Each run writes into a directory of its own, `<checkpoint_dir>/run-<run id>/`, so
 that runs sharing a checkpoint_dir never prune each other's files, and holds the
@@ -180,6 +181,8 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     return payload
 
 
+# What every checkpoint holds since format version 1 (RunState.state_dict writes these and more;
+# a field added to RunState later is optional here: older files load without it).
 REQUIRED = ("model", "optimizer", "scheduler", "precision", "rng", "epoch", "batch_in_epoch", "step",
             "samples_seen", "splits", "history", "epochs")
 
@@ -202,11 +205,6 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def config_json(config) -> str:
-    """The config as JSON text (weights_only loading accepts strings, not arbitrary objects)."""
-    return json.dumps(config.to_dict(), default=repr)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
 from pathlib import Path
 
-from gpunb.errors import GpunbError
-from gpunb.runtime import device as devices
-from gpunb.runtime import trainable
 from gpunb.runtime.state import checkpoint_files as ckpt
 from gpunb.runtime.state import resume_check, resume_target
 from gpunb.runtime.state.best_k import entry_path
@@ -22,26 +20,20 @@ class Checkpointer:
     The directory is checked writable when the run is set up, before any training. A
     save that still fails later (a full disk) warns once and training goes on. The run
     holds its directory's lock (run_lock.py) from its first save, or from resuming into
-    it, to the end of the fit, so that no other run adopts it meanwhile. What it
-    saves comes from its collaborators: the user's `model`, the `stepper` (optimizer,
-    schedule, weight average, splits), `precision` (the scaler), the run's `losses` (no checkpoint after
-    a non-finite one), `dist` (state dicts, gathered across ranks) and `events`, which
-    hears `on_checkpoint`. `batches_per_epoch` (None: unknown) says whether an epoch is done.
+    it, to the end of the fit, so that no other run adopts it meanwhile. What it saves
+    is the run's `state` (RunState.state_dict: weights gathered across ranks by `dist`),
+    with a header saying which run wrote it and with which settings; `losses` keep it
+    from saving after a non-finite loss, and `events` hear `on_checkpoint`.
     """
 
-    def __init__(self, config, *, dist, model, stepper, precision, losses, batches_per_epoch, events, rank,
-                 best=None):
-        self.config, self.dist, self.model, self.stepper = config, dist, model, stepper
-        self.precision, self.losses, self.events = precision, losses, events
-        self.best = best  # a BestCheckpoints when save_top_k is set
-        self.batches_per_epoch = batches_per_epoch
+    def __init__(self, config, *, dist, state, losses, events):
+        self.config, self.dist, self.losses, self.events = config, dist, losses, events
+        self.best = state.best  # a BestCheckpoints when save_top_k is set
+        self.model = state.module
         self.saved_step = None
         self.failed = False
-        # A model with frozen parameters is saved as what trains plus a fingerprint of the rest
-        # (trainable.py); FSDP's sharded state keeps whole checkpoints.
-        self.trainable_only = getattr(dist, "strategy", None) != "fsdp" and trainable.has_frozen(model)
         self.lock: RunLock | None = None  # on the run's own directory (rank 0)
-        if rank == 0:
+        if state.rank == 0:
             ckpt.check_writable(config.checkpoint_dir)
 
     def on_step_end(self, state) -> None:
@@ -60,11 +52,11 @@ class Checkpointer:
         if self.best is None or not self.best.wants(value) or not self._loss_finite(state):
             return
         kept = self.best.with_entry(state.step, value)
-        model_state, optimizer_state = self.dist.state_dicts(self.model, self.stepper.optimizer)
+        payload = self._payload(state)  # every rank takes part (FSDP gathers its shards to rank 0)
         if state.rank != 0:
             self.best.commit(kept, None)
             return
-        payload = self._payload(state, model_state, optimizer_state, best=kept)
+        payload["best"]["kept"] = kept
         try:
             path = self.best.write(self._directory(state), kept, state.step, payload)
         except (OSError, RuntimeError) as error:
@@ -96,14 +88,12 @@ class Checkpointer:
             return
         if not self._loss_finite(state):
             return
-        # Every rank takes part (FSDP gathers its shards to rank 0 here); rank 0 writes.
-        model_state, optimizer_state = self.dist.state_dicts(self.model, self.stepper.optimizer)
+        payload = self._payload(state)  # every rank takes part (FSDP gathers its shards to rank 0); rank 0 writes
         self.saved_step = state.step
         if state.rank != 0:
             return
         try:
-            path = ckpt.save_checkpoint(self._directory(state), self._payload(state, model_state, optimizer_state),
-                                        state.step, self.config.keep_last)
+            path = ckpt.save_checkpoint(self._directory(state), payload, state.step, self.config.keep_last)
         except (OSError, RuntimeError) as error:  # torch's zip writer reports a full disk as RuntimeError
             self._warn_failed(state, error)
             return
@@ -125,42 +115,18 @@ class Checkpointer:
         if bad_step is None:
             return True
         if self.config.detect_nan:
-            fail(state, self.dist, self.model, self.stepper.optimizer, float("nan"), bad_step)  # raises
+            fail(state, self.dist, self.model, state.optimizer, float("nan"), bad_step)  # raises
         self.losses.warn_unsaved(bad_step)  # the next check judges only the steps after this one
         return False
 
-    def _payload(self, state, model_state, optimizer_state, best=None) -> dict:
-        stepper = self.stepper
-        if self.best is not None:
-            best = {**self.best.state_dict(), "kept": best if best is not None else self.best.kept}
-        epoch_complete = self.batches_per_epoch is not None and state.batch_in_epoch >= self.batches_per_epoch
-        frozen, ema = None, stepper.ema.state_dict() if stepper.ema is not None else None
-        if self.trainable_only:
-            model_state, frozen = trainable.split_state(self.model, model_state)
-            ema = trainable.trainable_part(self.model, ema) if ema is not None else None
-        return {
-            "model": model_state,
-            "frozen": frozen,  # None: `model` is the whole state; else the fingerprint of what it leaves out
-            "optimizer": optimizer_state,
-            # the optimizer in backward saves the state of the optimizer it stands for (memory/in_backward.py)
-            "optimizer_type": getattr(stepper.optimizer, "checkpoint_type", type(stepper.optimizer).__name__),
-            "scheduler": stepper.schedule.state_dict() if stepper.schedule else None,
-            "scheduler_type": type(stepper.schedule.scheduler).__name__ if stepper.schedule else None,
-            "ema": {"weights": ema, "updates": stepper.ema.updates} if ema is not None else None,
-            "total_steps": state.total_steps,
-            "precision": self.precision.state_dict(),
-            "rng": devices.rng_state(state.device),
-            # Where to continue: the next epoch, or this one after the batches already used.
-            "epoch": state.epoch + 1 if epoch_complete else state.epoch,
-            "batch_in_epoch": 0 if epoch_complete else state.batch_in_epoch,
-            "batches_per_epoch": self.batches_per_epoch,  # a resume with other data is told its epochs differ
-            "step": state.step, "samples_seen": state.samples_seen, "splits": stepper.splits,
-            "history": state.history, "epochs": state.epochs, "validations": state.validations,
-            "best": best,
-            "config": ckpt.config_json(self.config), "run_name": state.run_name,
-            "run_id": state.checkpoint_run, "saved_at": time.time(), "world_size": state.world_size,
-            "origin": (state.resumed or {}).get("origin"),  # the run directory this one was resumed from
-        }
+    def _payload(self, state) -> dict:
+        """The run's state, and a header: which run wrote it, with which settings, when."""
+        return {**state.state_dict(self.dist),
+                "total_steps": state.total_steps,
+                "batches_per_epoch": state.batches_per_epoch,  # a resume with other data is told its epochs differ
+                "config": json.dumps(state.plan.settings(self.config), default=repr),
+                "run_id": state.checkpoint_run, "saved_at": time.time(), "world_size": state.world_size,
+                "origin": (state.resumed or {}).get("origin")}  # the run directory this one was resumed from
 
     def _warn_failed(self, state, error: BaseException) -> None:
         if self.failed:
@@ -205,7 +171,7 @@ def _best_weights(payload: dict) -> dict:
 
 
 def resume(run, path) -> None:
-    """Load the checkpoint at `path` into the run's model, optimizer, schedule and RNGs.
+    """Load the checkpoint at `path` into the run's state: model, optimizer, schedule, RNGs, counters.
 
     Everything is checked first (resume_check): on a mismatch nothing has been loaded.
     """
@@ -214,47 +180,12 @@ def resume(run, path) -> None:
     resume_check.check_schedule(run, payload, path)
     if run.state.rank == 0:
         resume_target.refuse_live_pick(run.config, Path(path))
-    state, stepper = run.state, run.stepper
-    try:
-        run.dist.load_model_state(run.model, payload["model"])
-    except RuntimeError as error:  # FSDP: its own check; keep torch's whole message
-        raise GpunbError(f"The checkpoint {path!s} does not fit this model: {error}",
-                         "resume with the model definition it was trained with, or start fresh "
-                         "without `resume`.") from error
-    try:
-        run.dist.load_optimizer_state(run.model, stepper.optimizer, payload["optimizer"])
-    except (ValueError, KeyError) as error:
-        raise GpunbError(f"The optimizer state in {path!s} does not fit this optimizer: {error}",
-                         "resume with the same optimizer type and parameter groups.") from error
+    state = run.state
+    state.load_state_dict(payload, run.dist, where=f"The checkpoint {path!s}")
     for note in (resume_check.load_schedule(run, payload, path), resume_check.data_layout_note(run, payload, path)):
         if note and state.rank == 0:
             warnings.warn(note, RuntimeWarning, stacklevel=2)
-    _load_ema(stepper.ema, payload.get("ema"))
-    run.precision.load_state_dict(payload["precision"])
-    devices.set_rng_state(payload["rng"], state.device)
-    run.start_epoch, run.skip_batches = payload["epoch"], payload["batch_in_epoch"]
-    state.batch_in_epoch = payload["batch_in_epoch"]  # so a stop before the first step saves the same place
-    state.epoch, state.step, state.samples_seen = payload["epoch"], payload["step"], payload["samples_seen"]
-    stepper.splits = payload["splits"]
-    state.history[:] = payload["history"]
-    # A stop mid-epoch wrote that epoch's partial row; the resumed epoch writes the whole one.
-    state.epochs[:] = [row for row in payload["epochs"] if row["epoch"] < payload["epoch"]]
-    state.validations[:] = payload.get("validations", [])
-    if run.best is not None:
-        run.best.load_state_dict(payload.get("best"))
     _adopt_run(run, payload, Path(path))
-
-
-def _load_ema(ema, saved: dict | None) -> None:
-    """The saved average goes on; without one (saved by a run without `ema`) it starts from the
-    resumed weights."""
-    if ema is None:
-        return
-    if saved is None:
-        ema.reset()
-        return
-    ema.load_state_dict(saved["weights"])
-    ema.updates = saved["updates"]
 
 
 def _adopt_run(run, payload: dict, path: Path) -> None:

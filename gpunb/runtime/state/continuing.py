@@ -20,33 +20,48 @@ from __future__ import annotations
 import copy
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gpunb.errors import GpunbError
-from gpunb.runtime import device as devices
 from gpunb.runtime.state import rewind
+from gpunb.runtime.run_state import Live
 
 
 @dataclass(eq=False)
 class ContinueState:
-    """What a one-process fit leaves for the next one to go on from."""
+    """What a one-process fit leaves for the next one to go on from: its RunState's
+    `state_dict(live=True)` (the optimizer, schedule and weight average as the objects
+    themselves; counters, history, the scaler, the RNGs and any other carried field as values)."""
 
     model: weakref.ref  # the module trained (weak: the state does not keep it alive)
-    optimizer: object
-    schedule: object  # runtime.schedule.Schedule or None
-    ema: object  # runtime.ema.WeightEma or None
-    precision: dict  # the loss scaler's state
-    step: int
-    next_epoch: int  # the epoch after the last one trained (a partial one counts)
-    samples_seen: int
-    unfinished: int = 0  # a stop mid-epoch: batches of epoch next_epoch - 1 used; the next fit ends that epoch
-    history: list = field(default_factory=list)
-    epochs: list = field(default_factory=list)
-    validations: list = field(default_factory=list)
-    rng: dict | None = None  # every RNG as the fit left it: dropout and shuffling go on, not start over
+    saved: dict  # RunState.state_dict(live=True), its "model" left out
     continued_by: str | None = None  # the fit that went on from this state (its objects have moved on)
-    run_name: str | None = None  # the fit's name: a continuation goes on under it
     run_id: str | None = None  # the fit's row in the run registry (tracked fits): a continuation goes on in it
+
+    @property
+    def optimizer(self):
+        return self.saved["optimizer"].value
+
+    @property
+    def schedule(self):
+        return self.saved["scheduler"].value
+
+    @property
+    def ema(self):
+        return self.saved["ema"].value
+
+    @property
+    def step(self) -> int:
+        return self.saved["step"]
+
+    @property
+    def run_name(self) -> str:
+        return self.saved["run_name"]
+
+    @property
+    def next_epoch(self) -> int:
+        """The epoch after the last one trained (a partly trained one counts)."""
+        return self.saved["epoch"] + 1 if self.saved["batch_in_epoch"] else self.saved["epoch"]
 
     def __repr__(self) -> str:
         return f"ContinueState(step={self.step}, next_epoch={self.next_epoch})"
@@ -145,30 +160,10 @@ def stretch_cosine(scheduler, total_steps: int) -> tuple[float, float]:
     return before, lrs[0]
 
 
-def extended(config, state: ContinueState):
-    """`config` with `epochs` / `max_steps` counted from where the previous fit ended."""
-    overrides = {}
-    if config.max_steps is not None:
-        overrides["max_steps"] = state.step + config.max_steps
-    if config.epochs is not None or config.max_steps is None:
-        overrides["epochs"] = state.next_epoch + (config.epochs or 1)
-    return config.replace(**overrides)
-
-
-def restore(run, state: ContinueState) -> None:
-    """Put the run's counters and history where the previous fit left them."""
-    fit = run.state
-    run.start_epoch = state.next_epoch - 1 if state.unfinished else state.next_epoch
-    run.skip_batches = state.unfinished  # the stopped epoch's batches already used
-    fit.batch_in_epoch = state.unfinished  # a stop before the first step keeps that place
-    fit.step, fit.samples_seen, fit.epoch = state.step, state.samples_seen, run.start_epoch
-    fit.history[:] = state.history
-    fit.epochs[:] = state.epochs
-    fit.validations[:] = state.validations
-    fit.continues_run = state.run_id
-    run.precision.load_state_dict(state.precision)
-    if state.rng is not None:
-        devices.set_rng_state(state.rng, fit.device)
+def restore(run, carried: ContinueState) -> None:
+    """Put the run's state where the previous fit left it (the objects it took over at set-up)."""
+    run.state.load_state_dict(carried.saved)
+    run.state.continues_run = carried.run_id
 
 
 def capture(run, carried: ContinueState | None = None) -> ContinueState | None:
@@ -180,13 +175,13 @@ def capture(run, carried: ContinueState | None = None) -> ContinueState | None:
     if carried is not None:
         carried.continued_by = (f"the fit of {fit.run_name!r} that went on from step {carried.step} "
                                 f"to step {fit.step}")
-    next_epoch = fit.epoch + 1 if fit.step > 0 else fit.epoch  # a partly trained epoch is not repeated
-    ended = bool(fit.epochs) and fit.epochs[-1]["epoch"] == fit.epoch
-    unfinished = fit.batch_in_epoch if fit.step > 0 and not ended else 0  # stopped mid-epoch: ended on continue
-    return ContinueState(weakref.ref(run.model), run.stepper.optimizer, run.stepper.schedule, run.stepper.ema,
-                         run.precision.state_dict(), fit.step, next_epoch, fit.samples_seen, unfinished,
-                         list(fit.history), list(fit.epochs), list(fit.validations),
-                         devices.rng_state(fit.device), run_name=fit.run_name, run_id=fit.extras.get("run_id"))
+    # A stop mid-epoch goes on in that epoch, after its batches already used (its end comes then).
+    ended = (bool(fit.epochs) and fit.epochs[-1]["epoch"] == fit.epoch) or not fit.batch_in_epoch
+    saved = fit.state_dict(live=True, epoch_done=fit.step > 0 and ended)
+    if fit.step == 0:  # nothing trained: the same epoch, from its start
+        saved["batch_in_epoch"] = 0
+    saved["model"] = Live(None)  # held weakly, below
+    return ContinueState(weakref.ref(run.model), saved, run_id=fit.registry_run)
 
 
 class Rollback:

@@ -53,7 +53,8 @@ def check_fits(run, payload: dict, path) -> None:
                          "resume from an earlier checkpoint of the run (`resume=<path to a step-*.pt>`), or "
                          "start a fresh run without `resume` (load the weights alone with "
                          "`model.load_state_dict(torch.load(path)['model'])`).")
-    problems = config_problems(run.config, payload.get("config", {}), payload, run.state.world_size)
+    problems = config_problems(run.plan.settings(run.config), payload.get("config", {}), payload,
+                               run.state.world_size)
     if problems:
         raise GpunbError(f"The checkpoint {path!s} was written by a run with other batch settings, so "
                          "its position in the data would point at other samples:\n" + _bullets(problems),
@@ -162,9 +163,10 @@ def data_layout_note(run, payload: dict, path) -> str | None:
             "start a fresh run without `resume`.")
 
 
-def config_problems(config, saved: dict, payload: dict, world_size: int) -> list[str]:
-    problems = [f"{name}={saved[name]!r} in the checkpoint, {getattr(config, name)!r} now"
-                for name in _POSITION_SETTINGS if name in saved and saved[name] != getattr(config, name)]
+def config_problems(settings: dict, saved: dict, payload: dict, world_size: int) -> list[str]:
+    """`settings`: the resuming run's, as Plan.settings gives them (the batch size chosen)."""
+    problems = [f"{name}={saved[name]!r} in the checkpoint, {settings[name]!r} now"
+                for name in _POSITION_SETTINGS if name in saved and saved[name] != settings[name]]
     saved_world = payload.get("world_size")
     if saved_world is not None and saved_world != world_size:
         problems.append(f"{saved_world} processes in the checkpoint, {world_size} now")
@@ -227,7 +229,7 @@ def _check_fixed_length(run, saved: dict, path) -> None:
     length, schedule = saved.get("total_steps"), run.stepper.schedule
     if not isinstance(length, int) or schedule.plateau:
         return
-    needed = run.state.total_steps if schedule.interval == "step" else run.config.epoch_limit
+    needed = run.state.total_steps if schedule.interval == "step" else run.plan.epoch_limit
     unit = "steps" if schedule.interval == "step" else "epochs"
     if needed is not None and needed > length:
         raise GpunbError(f"The checkpoint {path!s} holds a {type(schedule.scheduler).__name__} built for "

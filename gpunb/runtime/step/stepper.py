@@ -45,7 +45,7 @@ class Stepper:
                  no_sync=None, split_on_oom: bool = True, ema=None):
         self.model, self.optimizer, self.objective = model, optimizer, objective
         self.precision, self.schedule, self.config = precision, schedule, config
-        self.marks = marks  # `marks.profile`: name the step's phases for a profiler (the FitState's flag)
+        self.marks = marks  # `marks.profile`: name the step's phases for a profiler (the RunState's flag)
         self.ema = ema  # runtime.ema.WeightEma, averaged after each optimizer step
         self.no_sync = no_sync  # DDP: skips the all-reduce of a step's micro-batches but the last
         self.split_on_oom = split_on_oom

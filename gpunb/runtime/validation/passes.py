@@ -30,7 +30,7 @@ def due_at_epoch_end(run) -> bool:
         return False
     if config.val_every_steps is None and (state.epoch + 1) % config.val_every == 0:
         return True
-    last_epoch = state.epoch + 1 >= config.epoch_limit or (state.total_steps is not None
+    last_epoch = state.epoch + 1 >= run.plan.epoch_limit or (state.total_steps is not None
                                                             and state.step >= state.total_steps)
     return last_epoch and not state.should_stop and not validated_at_last_step(state)
 
@@ -39,7 +39,7 @@ def validated_at_last_step(state) -> bool:
     return bool(state.validations) and state.validations[-1]["step"] >= state.step
 
 
-def warn_unused(config, has_val_data: bool, total_steps: int | None, rank: int) -> None:
+def warn_unused(config, plan, has_val_data: bool, rank: int) -> None:
     """Before training: a validation interval set without validation data, or one the run is too
     short to reach (it is then validated once, at its end)."""
     if rank != 0:
@@ -52,10 +52,11 @@ def warn_unused(config, has_val_data: bool, total_steps: int | None, rank: int) 
                           f"HINT: pass `val_data` (fit's third argument, or define `val_data` in the cell), "
                           f"or leave `{setting.split('=')[0]}` out.", UserWarning, stacklevel=3)
         return
+    total_steps, epochs = plan.total_steps, plan.epochs
     if config.val_every_steps is not None and total_steps is not None and config.val_every_steps > total_steps:
         length = f"{total_steps} optimizer steps"
-    elif config.val_every_steps is None and config.epochs is not None and config.val_every > config.epochs:
-        length = f"{config.epochs} epochs"
+    elif config.val_every_steps is None and epochs is not None and config.val_every > epochs:
+        length = f"{epochs} epochs"
     else:
         return
     name = setting.split("=")[0]
