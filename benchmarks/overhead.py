@@ -18,6 +18,14 @@ usual way, by a shuffling DataLoader over a TensorDataset of the same tensors.
 
     python benchmarks/overhead.py            # CPU cases (+ the GPU cases when CUDA is there)
     python benchmarks/overhead.py --steps 40 --rounds 1 --warmup 5 --cases mlp   # a quick check
+    python benchmarks/overhead.py --cases lstm-parity-loader --steps 1000 --rounds 15   # the registry
+
+`--cases lstm-parity-loader`: the run registry's cost. Lightning's parity LSTM fed by a shuffling
+DataLoader (one process, no workers) to gpunb with the registry on (`track=True`, a user's default),
+to gpunb with `track=False`, and to the plain loop; the three interleaved, each ratio the median of
+the rounds' ratios. Beside the wall-clock ratios, the ratios of the process's CPU time per step
+(all its threads: the registry's writer thread counts), which a shared, loaded machine disturbs
+far less. The registry is a temporary one ($GPUNB_HOME is pointed at a temporary directory).
 
 On a GPU it adds GPT-2 124M in nanoGPT's shape (bf16, batch 16 x 1,024), with the MFU of both
 loops (gpunb's FLOP count of a step over the median step time, against the GPU's dense bf16
@@ -142,7 +150,8 @@ def cases(device):
         yield ("digits-cnn-b64", digits_cnn, (x, y), 64, nn.CrossEntropyLoss(), "bf16-mixed")
 
 
-def plain_loop(make_model, data, batch_size, loss_fn, precision, device, steps, fused=True, loader=False):
+def plain_loop(make_model, data, batch_size, loss_fn, precision, device, steps, fused=True, loader=False,
+               timer=None):
     """What a careful user writes by hand: data on the device, shuffled once per epoch and
     indexed (`x[index]`), fused AdamW, autocast when the precision is mixed (none in fp32), and the loss read at
     the same interval as gpunb's. Timed by the same StepTimer as gpunb's loop.
@@ -162,7 +171,7 @@ def plain_loop(make_model, data, batch_size, loss_fn, precision, device, steps, 
         order, position = None, len(x)
     dtype = torch.bfloat16 if precision == "bf16-mixed" else None
     mixed = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-    timer = StepTimer(device)  # the same clock as gpunb's run: from one step's end to the next
+    timer = timer or StepTimer(device)  # the same clock as gpunb's run: from one step's end to the next
     timer.on_fit_start(None)
     for step in range(steps):
         if loader:
@@ -191,10 +200,11 @@ def plain_loop(make_model, data, batch_size, loss_fn, precision, device, steps, 
 class StepTimer:
     """Per-step wall time, from one step's end to the next (no extra syncs when on CPU): gpunb
     calls it through the runtime's events, the plain loop at the end of each step, so that
-    both pay the same clock and its bookkeeping."""
+    both pay the same clock and its bookkeeping. `cpu` holds the process's CPU time (all
+    threads) at each step's end."""
 
     def __init__(self, device):
-        self.device, self.times, self.last = device, [], None
+        self.device, self.times, self.cpu, self.last = device, [], [], None
 
     def on_fit_start(self, state):
         self.last = time.perf_counter()
@@ -203,7 +213,12 @@ class StepTimer:
         _sync(self.device)
         now = time.perf_counter()
         self.times.append(now - self.last)
+        self.cpu.append(time.process_time())
         self.last = now
+
+    def cpu_per_step(self, warmup: int) -> float:
+        """Mean CPU seconds per step after `warmup` steps."""
+        return (self.cpu[-1] - self.cpu[warmup]) / (len(self.cpu) - 1 - warmup)
 
 
 def usual_loop(make_model, data, batch_size, loss_fn, precision, device, steps):
@@ -253,6 +268,97 @@ def peak_memory(case, label, device) -> float:
                             key=lambda e: e["ts"])
     totals = [e["args"]["Total Allocated"] for e in events]
     return max(totals) - (totals[0] - events[0]["args"]["Bytes"])
+
+
+def registry_case(device, steps, rounds, warmup):
+    """gpunb tracked, gpunb with track=False and the plain loop, on Lightning's parity LSTM fed
+    by a DataLoader: the registry's cost per step (wall and CPU), interleaved rounds."""
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(3000, 16, 10, generator=g), torch.randint(0, 2, (3000,), generator=g))
+    loss_fn = nn.CrossEntropyLoss()
+
+    def gpunb_run(track):
+        torch.manual_seed(0)
+        timer = StepTimer(device)
+        loader = DataLoader(TensorDataset(*data), batch_size=30, shuffle=True, drop_last=True,
+                            pin_memory=device.type == "cuda")
+        Trainer(max_steps=steps, epochs=10**6, log_every=50, track=track, accelerator=device.type,
+                precision="32", compile=False).fit(LSTMParity(), loader, loss_fn=loss_fn, callbacks=[timer])
+        return timer
+
+    def plain_run():
+        timer = StepTimer(device)
+        plain_loop(LSTMParity, data, 30, loss_fn, "32", device, steps, loader=True, timer=timer)
+        return timer
+
+    runs = {"tracked": lambda: gpunb_run(True), "untracked": lambda: gpunb_run(False), "plain": plain_run}
+    wall, cpu = {label: [] for label in runs}, {label: [] for label in runs}
+    with RegistryClock() as clock:  # what the recorder's hooks and its writer's thread cost, per step
+        for round_ in range(rounds):
+            for label, run in (list(runs.items()) if round_ % 2 == 0 else reversed(runs.items())):
+                timer = run()
+                wall[label].append(statistics.median(timer.times[warmup:]))
+                cpu[label].append(timer.cpu_per_step(warmup))
+
+    def ratio(values, a, b):
+        ratios = [x / y for x, y in zip(values[a], values[b])]
+        low, high = _middle_half(ratios)
+        return f"{statistics.median(ratios):.3f} ({low:.3f}-{high:.3f})"
+
+    print(f"\nrun registry, lstm-parity fed by a DataLoader ({steps} steps, {rounds} rounds):")
+    print(f"{'':<12}{'wall ms':>9}{'cpu ms':>9}")
+    for label in runs:
+        print(f"{label:<12}{1000 * statistics.median(wall[label]):>9.3f}{1000 * statistics.median(cpu[label]):>9.3f}")
+    for a, b in (("tracked", "plain"), ("untracked", "plain"), ("tracked", "untracked")):
+        print(f"  {a} / {b}: wall {ratio(wall, a, b)}, cpu {ratio(cpu, a, b)}")
+    extra = statistics.median(t - u for t, u in zip(cpu["tracked"], cpu["untracked"]))
+    print(f"  the registry's CPU per step (tracked - untracked, median of rounds): {1e6 * extra:.1f} us")
+    tracked_steps = rounds * steps
+    print("  measured inside the tracked runs, per step: "
+          + ", ".join(f"{name} {1e6 * seconds / tracked_steps:.2f} us" for name, seconds in clock.totals.items()))
+
+
+class RegistryClock:
+    """Times the run recorder's hooks on the training thread (wall) and its writer thread's CPU,
+    by wrapping them for the duration of a `with` block."""
+
+    # the hooks a run calls as it trains (on_fit_start and on_fit_end are once a run, not a step)
+    HOOKS = ("on_step_end", "on_log", "on_validation_end", "on_epoch_end")
+
+    def __init__(self):
+        self.totals = {"recorder hooks": 0.0, "writer thread (cpu)": 0.0}
+
+    def __enter__(self):
+        from gpunb.runs import recorder, writer
+
+        self.saved = [(recorder.RunRecorder, name, getattr(recorder.RunRecorder, name)) for name in self.HOOKS]
+        self.saved.append((writer.RunWriter, "_loop", writer.RunWriter._loop))
+        for owner, name, hook in self.saved[:-1]:
+            setattr(owner, name, self._timed(hook))
+        loop = writer.RunWriter._loop
+
+        def timed_loop(writer_self):
+            start = time.thread_time()
+            try:
+                loop(writer_self)
+            finally:
+                self.totals["writer thread (cpu)"] += time.thread_time() - start
+
+        writer.RunWriter._loop = timed_loop
+        return self
+
+    def _timed(self, hook):
+        def timed(*args):
+            start = time.perf_counter()
+            try:
+                return hook(*args)
+            finally:
+                self.totals["recorder hooks"] += time.perf_counter() - start
+        return timed
+
+    def __exit__(self, *exc):
+        for owner, name, hook in self.saved:
+            setattr(owner, name, hook)
 
 
 def _case(name, device):
@@ -308,8 +414,9 @@ def main():
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (GPT-2: 60)")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median is reported")
     parser.add_argument("--warmup", type=int, default=30, help="steps left out of each run's median")
-    parser.add_argument("--cases", nargs="+", metavar="CASE", choices=("mlp", "lstm-parity") + GPU_ONLY,
-                        help="run only these: mlp lstm-parity " + " ".join(GPU_ONLY))
+    parser.add_argument("--cases", nargs="+", metavar="CASE",
+                        choices=("mlp", "lstm-parity", "lstm-parity-loader") + GPU_ONLY,
+                        help="run only these: mlp lstm-parity lstm-parity-loader " + " ".join(GPU_ONLY))
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpt_steps = max(60, args.warmup + 10)
@@ -352,6 +459,17 @@ def main():
                          f"time ratio {statistics.median(eager):.3f} ({low:.3f}-{high:.3f})")
     for line in notes:
         print(line)
+    if not args.cases or "lstm-parity-loader" in args.cases:
+        with tempfile.TemporaryDirectory() as home:  # the tracked runs' registry, not the user's
+            previous = os.environ.get("GPUNB_HOME")
+            os.environ["GPUNB_HOME"] = home
+            try:
+                registry_case(device, args.steps, args.rounds, args.warmup)
+            finally:
+                if previous is None:
+                    del os.environ["GPUNB_HOME"]
+                else:
+                    os.environ["GPUNB_HOME"] = previous
 
 
 if __name__ == "__main__":

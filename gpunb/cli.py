@@ -7,12 +7,15 @@ import sys
 
 
 def main(argv=None) -> int:
+    from gpunb.config_flags import add_config_flags, as_flag_hints, config_values
+
     parser = argparse.ArgumentParser(prog="gpunb", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="train a CNN on scikit-learn's digits and print the result")
-    demo.add_argument("--epochs", type=int, default=5)
-    demo.add_argument("--batch-size", default="32", help="an integer (default 32) or 'auto'")
-    demo.add_argument("--precision", default="auto")
+    demo = commands.add_parser("demo", help="train a CNN on scikit-learn's digits and print the result",
+                               description="Train a CNN on scikit-learn's digits (5 epochs, batch 32, the "
+                                           "one-cycle schedule unless told otherwise); every TrainConfig "
+                                           "option below is taken.", allow_abbrev=False)
+    add_config_flags(demo)
     commands.add_parser("status", help="the GPUs (or the host's CPU and RAM) right now")
     args = parser.parse_args(argv)
 
@@ -24,7 +27,7 @@ def main(argv=None) -> int:
 
             from gpunb.render import summary_rows
 
-            result = run_demo(args.epochs, args.batch_size, args.precision)
+            result = run_demo(**config_values(args))
             print(result)
             print("\n".join(f"  {name}: {value}" for name, value in summary_rows(result)))
         else:
@@ -32,7 +35,7 @@ def main(argv=None) -> int:
 
             print(status_text())
     except GpunbError as error:
-        print(f"gpunb: {error}", file=sys.stderr)
+        print(f"gpunb: {as_flag_hints(str(error))}", file=sys.stderr)
         return 2
     return 0
 

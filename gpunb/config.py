@@ -7,7 +7,7 @@ else, so the runtime only ever sees canonical values.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, Union
 
 from gpunb.errors import GpunbError
@@ -36,78 +36,91 @@ LOG_POINTS = 100  # log_every="auto" aims at about this many log points a run
 FALLBACK_LOG_EVERY = 50  # log_every="auto" when the run's length is unknown
 
 
+def setting(default: Any = None, help: str = "", *, section: str | None = None, factory=None):
+    """A TrainConfig field with its help: the one text for readers of this file, `%%gputrain?`
+    and the exported script's `--help`. `section` starts a group of fields (it holds until
+    the next field that names one)."""
+    metadata = {"help": help, "section": section}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class TrainConfig:
     """Every setting of a run. Build it with keywords; strings are parsed on creation."""
 
-    # --- how long
-    epochs: int | None = None  # passes over train_data; None: 1, or as many as max_steps needs
-    max_steps: int | None = None  # stop after this many optimizer steps
-    # --- batching
-    # samples per device per micro-batch, or "auto"; an optimizer step sees batch_size x grad_accum x devices
-    batch_size: Union[int, str] = 64
-    grad_accum: int = 1  # micro-batches accumulated per optimizer step
-    shuffle: bool = True  # reshuffle the training data every epoch
-    drop_last: bool = False  # drop a final partial batch
-    # --- hardware
-    accelerator: str = "auto"  # "auto" (cuda > mps > cpu), "cuda", "mps" or "cpu"
-    devices: Union[int, str] = 1  # processes/devices to train on, or "all"
-    strategy: str = "ddp"  # with devices > 1: "ddp" (replicate) or "fsdp" (shard)
-    # how the processes talk: "auto" (NCCL between GPUs, gloo between CPU processes), "nccl" or "gloo";
-    # under "gloo" there may be more processes than GPUs (they share them: multi-process code on one GPU)
-    backend: str = "auto"
-    precision: str = "auto"  # "auto", "bf16-mixed", "16-mixed" or "32"
-    # "auto": on one CUDA device, time the first steps; launch-bound: the whole step as one CUDA
-    # graph, else compile once the rest of the run pays for it; True: torch.compile from the start;
-    # False: eager; "reduce-overhead" / "max-autotune": torch.compile from the start in that mode;
-    # "step-graph": the whole step (forward, backward, optimizer) captured as one CUDA graph
-    compile: Union[bool, str] = "auto"
-    activation_checkpointing: bool = False  # recompute each child module's activations in backward
-    # choose memory-saving measures when the estimate does not fit (runtime/memory/plan.py); False: off
-    memory_plan: bool = True
-    memory_budget: Union[int, str, None] = None  # bytes or "24GiB" the run may use; None: the device's free memory
-    optimizer_states: str = "auto"  # "auto" (the plan's choice), "full", "8bit" (torchao) or "cpu" (on the host)
-    # --- optimisation
-    lr: float | None = None  # learning rate of the default AdamW (1e-3 when unset)
-    clip_grad_norm: float | None = None  # clip the global gradient norm to this value
-    lr_schedule: str = "none"  # "none", "one-cycle" or "cosine" (with warmup)
-    warmup_steps: int = 0  # linear warmup steps for the cosine schedule
-    min_lr_ratio: float = 0.0  # the cosine schedule decays to lr * min_lr_ratio (e.g. 0.1), not below
-    ema: float | None = None  # decay of an average of the weights (e.g. 0.999), used for validation; None: off
-    ema_warmup: bool = True  # the average's decay grows as min(ema, (1 + n) / (10 + n)) over updates n
-    # at the end, load the averaged weights into the model (else: result.ema_state_dict); restore_best
-    # goes first: it loads the best checkpoint's averaged weights, the ones validated
-    ema_apply: bool = False
-    # a peft model (LoRA, ...): at the end, merge the trained adapters into the base weights (peft's
-    # merge_and_unload); the merged base model is result.model
-    merge_adapters: bool = False
-    # --- data
-    num_workers: Union[int, str] = "auto"  # DataLoader workers, or "auto"
-    gpu_resident: Union[bool, str] = "auto"  # keep tensor data on the GPU: "auto", True or False
-    transforms: Sequence[Callable[[Any], Any]] = ()  # applied to each batch on the device
-    batch_size_fn: Callable[[Any], int] | None = None  # samples in a batch; None: the target's first dimension
-    # --- logging and safety
-    log_every: Union[int, str] = "auto"  # steps between metric reads (the only host syncs); "auto": ~100 a run, >= 1 an epoch
-    val_every: int = 1  # epochs between validation passes
-    val_every_steps: int | None = None  # validate every N optimizer steps instead of at epoch ends
-    detect_nan: bool = True  # stop with advice when the loss becomes NaN/inf
-    name: str | None = None  # run name shown in dashboards and the run registry
-    track: bool = True  # record the run in the run registry (sidebar, gpunb.runs())
-    # "csv", "tensorboard", "mlflow", "wandb" (or "tensorboard,csv") or logger objects; rank 0 writes
-    loggers: Union[str, Sequence[Any]] = ()
-    log_dir: str | None = None  # where loggers write; None: <checkpoint_dir>/logs, else ./gpunb_logs
-    # --- checkpoints
-    checkpoint_dir: str | None = None  # where checkpoints go; None disables them
-    checkpoint_every: int | None = None  # optimizer steps between checkpoints; None: each epoch
-    keep_last: int = 3  # checkpoints kept on disk
-    resume: Union[bool, str, None] = None  # True/"last": newest in checkpoint_dir; "best"; or a path
-    save_top_k: int = 0  # also keep the k best checkpoints by `monitor` (0: off)
-    monitor: str | None = None  # validation metric that ranks them (None: "val_loss")
-    mode: str | None = None  # "min" or "max" (None: "max" for acc/f1/auroc/precision/recall..., else "min")
-    restore_best: bool = False  # load the best checkpoint's weights into the model when fit ends
-    # --- reproducibility
-    seed: int | None = 0  # seeds python, numpy and torch; None leaves RNGs alone
-    deterministic: bool = False  # deterministic algorithms (slower; errors on ops without one)
+    epochs: int | None = setting(None, "passes over train_data; None: 1, or as many as max_steps needs",
+                                 section="how long")
+    max_steps: int | None = setting(None, "stop after this many optimizer steps")
+    batch_size: Union[int, str] = setting(64, "samples per device per micro-batch, or \"auto\"; an optimizer "
+                                              "step sees batch_size x grad_accum x devices", section="batching")
+    grad_accum: int = setting(1, "micro-batches accumulated per optimizer step")
+    shuffle: bool = setting(True, "reshuffle the training data every epoch")
+    drop_last: bool = setting(False, "drop a final partial batch")
+    accelerator: str = setting("auto", "\"auto\" (cuda > mps > cpu), \"cuda\", \"mps\" or \"cpu\"", section="hardware")
+    devices: Union[int, str] = setting(1, "processes/devices to train on, or \"all\"")
+    strategy: str = setting("ddp", "with devices > 1: \"ddp\" (replicate) or \"fsdp\" (shard)")
+    backend: str = setting("auto", "how the processes talk: \"auto\" (NCCL between GPUs, gloo between CPU "
+                                   "processes), \"nccl\" or \"gloo\"; under \"gloo\" there may be more processes "
+                                   "than GPUs (they share them: multi-process code on one GPU)")
+    precision: str = setting("auto", "\"auto\", \"bf16-mixed\", \"16-mixed\" or \"32\"")
+    compile: Union[bool, str] = setting("auto", "\"auto\": on one CUDA device, time the first steps; launch-bound: "
+                                                "the whole step as one CUDA graph, else compile once the rest of the "
+                                                "run pays for it; True: torch.compile from the start; False: eager; "
+                                                "\"reduce-overhead\" / \"max-autotune\": torch.compile from the start "
+                                                "in that mode; \"step-graph\": the whole step (forward, backward, "
+                                                "optimizer) captured as one CUDA graph")
+    activation_checkpointing: bool = setting(False, "recompute each child module's activations in backward "
+                                                    "(saves memory)")
+    memory_plan: bool = setting(True, "take memory-saving measures when the estimate does not fit the budget "
+                                      "(runtime/memory/plan.py); False: only those set by hand")
+    memory_budget: Union[int, str, None] = setting(None, "bytes (or \"24GiB\") the run may use; None: the "
+                                                         "device's free memory")
+    optimizer_states: str = setting("auto", "\"auto\" (the memory plan's choice), \"full\", \"8bit\" (torchao) "
+                                            "or \"cpu\" (on the host)")
+    lr: float | None = setting(None, "learning rate of the default AdamW (1e-3 when unset)", section="optimisation")
+    clip_grad_norm: float | None = setting(None, "clip the global gradient norm to this value")
+    lr_schedule: str = setting("none", "\"none\", \"one-cycle\" or \"cosine\" (with warmup)")
+    warmup_steps: int = setting(0, "linear warmup steps for the cosine schedule")
+    min_lr_ratio: float = setting(0.0, "the cosine schedule decays to lr * min_lr_ratio (e.g. 0.1), not below")
+    ema: float | None = setting(None, "decay of an average of the weights (e.g. 0.999), used for validation; "
+                                      "None: off")
+    ema_warmup: bool = setting(True, "the average's decay grows as min(ema, (1 + n) / (10 + n)) over updates n")
+    ema_apply: bool = setting(False, "at the end, load the averaged weights into the model (else: "
+                                     "result.ema_state_dict); restore_best goes first: it loads the best "
+                                     "checkpoint's averaged weights, the ones validated")
+    merge_adapters: bool = setting(False, "a peft model (LoRA, ...): at the end, merge the trained adapters into "
+                                          "the base weights (peft's merge_and_unload); the merged base model is "
+                                          "result.model")
+    num_workers: Union[int, str] = setting("auto", "DataLoader workers, or \"auto\"", section="data")
+    gpu_resident: Union[bool, str] = setting("auto", "keep tensor data on the GPU: \"auto\", True or False")
+    transforms: Sequence[Callable[[Any], Any]] = setting((), "applied to each batch on the device")
+    batch_size_fn: Callable[[Any], int] | None = setting(None, "samples in a batch; None: the target's first "
+                                                               "dimension")
+    log_every: Union[int, str] = setting("auto", "steps between metric reads (the only host syncs); \"auto\": "
+                                                 "~100 a run, >= 1 an epoch", section="logging")
+    val_every: int = setting(1, "epochs between validation passes")
+    val_every_steps: int | None = setting(None, "validate every N optimizer steps instead of at epoch ends")
+    detect_nan: bool = setting(True, "stop with advice when the loss becomes NaN/inf")
+    name: str | None = setting(None, "run name shown in dashboards and the run registry")
+    track: bool = setting(True, "record the run in the run registry (sidebar, gpunb.runs())")
+    loggers: Union[str, Sequence[Any]] = setting((), "\"csv\", \"tensorboard\", \"mlflow\", \"wandb\" (or "
+                                                     "\"tensorboard,csv\") or logger objects; rank 0 writes")
+    log_dir: str | None = setting(None, "where loggers write; None: <checkpoint_dir>/logs, else ./gpunb_logs")
+    checkpoint_dir: str | None = setting(None, "where checkpoints go; None disables them", section="checkpoints")
+    checkpoint_every: int | None = setting(None, "optimizer steps between checkpoints; None: each epoch")
+    keep_last: int = setting(3, "checkpoints kept on disk")
+    resume: Union[bool, str, None] = setting(None, "True/\"last\": the newest in checkpoint_dir; \"best\"; or "
+                                                   "a path")
+    save_top_k: int = setting(0, "also keep the k best checkpoints by `monitor` (0: off)")
+    monitor: str | None = setting(None, "validation metric that ranks them (None: \"val_loss\")")
+    mode: str | None = setting(None, "\"min\" or \"max\" (None: \"max\" for acc/f1/auroc/precision/recall..., "
+                                     "else \"min\")")
+    restore_best: bool = setting(False, "load the best checkpoint's weights into the model when fit ends")
+    seed: int | None = setting(0, "seeds python, numpy and torch; None leaves RNGs alone",
+                               section="reproducibility")
+    deterministic: bool = setting(False, "deterministic algorithms (slower; errors on ops without one)")
 
     def __post_init__(self) -> None:
         self.precision = _choice("precision", self.precision, _PRECISION_ALIASES,

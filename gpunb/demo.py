@@ -34,14 +34,15 @@ def digits_cnn() -> nn.Module:
     )
 
 
-def run_demo(epochs: int = 5, batch_size=32, precision: str = "auto", quiet: bool = False):
+def run_demo(epochs: int = 5, batch_size=32, precision: str = "auto", quiet: bool = False, **overrides):
     from gpunb.render import ProgressPrinter
     from gpunb.trainer import Trainer
 
     train, val = digits_data()
     torch.manual_seed(0)
     model = digits_cnn()
-    trainer = Trainer(epochs=epochs, batch_size=batch_size, precision=precision, lr=2e-3,
-                      lr_schedule="one-cycle", log_every=10, name="digits-cnn")
+    settings = dict(epochs=epochs, batch_size=batch_size, precision=precision, lr=2e-3, lr_schedule="one-cycle",
+                    log_every=10, name="digits-cnn")
+    trainer = Trainer(**(settings | overrides))  # overrides: any other TrainConfig field
     return trainer.fit(model, train, val, loss_fn=nn.CrossEntropyLoss(),
                        callbacks=() if quiet else (ProgressPrinter(),))

@@ -17,7 +17,7 @@ from gpunb.runtime.adapters import check_adapters, merge_adapters
 from gpunb.runtime.context import LocalContext
 from gpunb.runtime.loop import run
 from gpunb.runtime.result import TrainResult
-from gpunb.runtime.roles import check_model
+from gpunb.runtime.roles import check_kinds
 
 
 class Trainer:
@@ -58,7 +58,7 @@ class Trainer:
         last item), and `metrics` score the output against the target.
         """
         __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
-        check_model(model)
+        check_kinds(dict(model=model, optimizer=optimizer, loss_fn=loss_fn, step=step))  # the schedule: when built
         config = self.config
         check_adapters(model, config)  # quantized layers without bitsandbytes, merge_adapters without adapters
         arguments = dict(optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, step=step, metrics=metrics,
@@ -99,7 +99,7 @@ class Trainer:
         __tracebackhide__ = True  # noqa: F841
         from gpunb.runtime.probes.summary import dry_run
 
-        check_model(model)
+        check_kinds(dict(model=model, optimizer=optimizer, loss_fn=loss_fn, step=step))
         return dry_run(self.config, LocalContext(), model, train_data, val_data, optimizer=optimizer,
                        loss_fn=loss_fn, step=step, metrics=metrics)
 

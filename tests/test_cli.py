@@ -19,3 +19,10 @@ def test_status_without_a_gpu_shows_the_host(capsys):
 def test_a_bad_option_is_an_error_not_a_traceback(capsys):
     assert main(["demo", "--precision", "fp8"]) == 2
     assert "Unknown precision 'fp8'" in capsys.readouterr().err
+
+
+def test_the_demo_takes_every_trainconfig_option(capsys):
+    assert main(["demo", "--max-steps", "3", "--no-track", "--batch-size", "64", "--lr-schedule", "none"]) == 0
+    assert "TrainResult('digits-cnn': completed, 1 epochs, 3 steps" in capsys.readouterr().out
+    assert main(["demo", "--save-top-k", "2"]) == 2
+    assert "pass `--checkpoint-dir checkpoints` too" in capsys.readouterr().err  # the fix, as a flag

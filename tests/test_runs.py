@@ -965,3 +965,32 @@ def test_remove_deletes_a_run_still_marked_running_whose_process_is_gone(registr
     child.wait()
     run_id = registry.start_run("orphan", pid=child.pid)  # no reader marked it dead yet
     assert registry.remove([run_id]) == [run_id]
+
+
+def test_the_writer_leaves_the_stop_poll_to_a_training_thread_that_logs_often(registry, monkeypatch):
+    import threading
+
+    polls = []
+    read = Registry.stop_requested
+
+    def counted(self, run_id):
+        if threading.current_thread().name.startswith("gpunb-run") and run_id == rec.run_id:
+            polls.append(time.monotonic())  # this run's writer (other tests' may still be polling)
+        return read(self, run_id)
+
+    monkeypatch.setattr(Registry, "stop_requested", counted)
+    state, rec = _state(), RunRecorder(registry)
+    rec.on_fit_start(state)
+    assert rec.flush(10)
+    polls.clear()
+    until = time.monotonic() + 1.3
+    while time.monotonic() < until:  # logs every 50 ms, within the write throttle after the first
+        state.step += 1
+        rec.on_log(state, {"loss": 1.0})
+        time.sleep(0.05)
+    logging = len(polls)
+    polls.clear()
+    time.sleep(1.3)  # no logs: the writer's thread polls again, every STOP_POLL_S
+    assert logging <= 3 and len(polls) >= 2, (logging, len(polls))  # only after its writes, then polls
+    state.result = SimpleNamespace(interrupted=False, energy_j=None)
+    rec.on_fit_end(state)

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from IPython.core.error import UsageError
 
-from gpunb.errors import GpunbError
 from gpunb.notebook.leftovers import drop_mismatched
-from gpunb.runtime.roles import NAMES, REQUIRED, by_name
+from gpunb.runtime.roles import NAMES, REQUIRED, by_name, check_kinds
 
 
 def collect(namespace, args, before, named=frozenset(), required=REQUIRED) -> dict:
@@ -17,8 +16,6 @@ def collect(namespace, args, before, named=frozenset(), required=REQUIRED) -> di
 
     `named`: the roles whose variable the magic line names explicitly (`--model net`).
     """
-    import torch
-
     found = {}
     for role in NAMES:
         name = getattr(args, f"{role}_name")
@@ -37,24 +34,7 @@ def collect(namespace, args, before, named=frozenset(), required=REQUIRED) -> di
                              f"HINT: name it `{name}` in the cell, or pass "
                              f"`--{role.replace('_', '-')} <variable>`.")
     _refuse_stale(namespace, args, before, found, named)
-    if not isinstance(found["model"], torch.nn.Module):
-        raise UsageError(f"`{args.model_name}` is a {type(found['model']).__name__}, not a torch.nn.Module.\n"
-                         "HINT: assign the module itself, e.g. `model = Net()`, or pass `--model <variable>`.")
-    if found["optimizer"] is not None and not isinstance(found["optimizer"], torch.optim.Optimizer):
-        raise UsageError(f"`{args.optimizer_name}` is a {type(found['optimizer']).__name__}, not a "
-                         "torch.optim.Optimizer.\nHINT: e.g. `optimizer = torch.optim.AdamW(model.parameters())`, "
-                         "or remove it to use the default AdamW.")
-    if found["scheduler"] is not None:
-        from gpunb.runtime.step.schedule import check_is_schedule
-
-        try:
-            check_is_schedule(found["scheduler"])
-        except GpunbError as error:
-            raise UsageError(f"`{args.scheduler_name}`: {error}") from None
-    for role in ("loss_fn", "step"):
-        if found[role] is not None and not callable(found[role]):
-            raise UsageError(f"`{getattr(args, role + '_name')}` is a {type(found[role]).__name__}, which is not "
-                             f"callable.\nHINT: e.g. `loss_fn = nn.CrossEntropyLoss()`.")
+    check_kinds({role: found[role] for role in NAMES})  # RoleError: usage_errors names the variable
     # an earlier cell's val_data, loss_fn, ...: used only when they match (leftovers.py)
     drop_mismatched(args, before, found, named, evaluating="train_data" not in required)
     callbacks = found["callbacks"]

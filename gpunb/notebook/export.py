@@ -39,6 +39,7 @@ Run it on this machine's GPUs (or CPU processes: see accelerator below):
 On several machines (the same command on each; HOST is the first machine):
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 {name}
 Or in one process (it starts the devices' processes itself): python {name}
+Every %%gputrain option works on its command line too (`python {name} --epochs 5`; `--help` lists them).
 
 Every rank runs the whole file; gpunb's Trainer joins the process group torchrun sets up.
 The trained weights go to {weights} (written by rank 0).
@@ -142,12 +143,15 @@ if __name__ == "__main__":
     import gc
     import os
 
+    import sys
+
     import torch.distributed
 
     import gpunb
     import gpunb.distributed
+    from gpunb.config_flags import parse_config
 
-    gpunb_config = gpunb.TrainConfig({options})
+    gpunb_config = parse_config(sys.argv[1:], gpunb.TrainConfig({options}))  # `--epochs 5` overrides
     gpunb_result = gpunb.Trainer(gpunb_config).fit({call})
     # Every rank takes part (with FSDP the shards are gathered); rank 0 writes the file.
     gpunb.distributed.save_weights({model}, os.path.join(os.path.dirname(os.path.abspath(__file__)), {weights!r}))

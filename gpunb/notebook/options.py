@@ -1,10 +1,57 @@
-"""Strict option parsing for the magics: no abbreviations, and "did you mean" for typos."""
+"""The magics' options: TrainConfig's fields and fit's variables as options, strict parsing with
+"did you mean" for typos, and the one place a GpunbError becomes a UsageError."""
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 
 from IPython.core.error import UsageError
+from IPython.core.magic_arguments import ArgDecorator
+
+from gpunb.errors import GpunbError
+
+
+class config_options(ArgDecorator):
+    """Decorator: every TrainConfig field a command line can hold, as an option of the magic,
+    grouped by the config's sections (gpunb.config_flags makes them)."""
+
+    def add_to_parser(self, parser, group):
+        from gpunb.config_flags import add_config_flags
+
+        add_config_flags(parser)
+
+
+class role_options(ArgDecorator):
+    """Decorator: `--model net`, `--train-data data`, ...: the variable that holds each of fit's
+    objects (runtime/roles.py names them); `args.<role>_name` holds the choice."""
+
+    def add_to_parser(self, parser, group):
+        from gpunb.runtime.roles import ROLES
+
+        variables = parser.add_argument_group("variables the cell defines")
+        for role in ROLES:
+            variables.add_argument(f"--{role.name.replace('_', '-')}", dest=f"{role.name}_name", default=role.name,
+                                   metavar="NAME", help=f"the variable holding {role.what} (default: {role.name})")
+
+
+@contextlib.contextmanager
+def usage_errors(args=None):
+    """Turn a GpunbError raised inside into a UsageError (IPython shows it without a traceback).
+
+    Fixes that name a config field (`batch_size=32`) are given as the option (`--batch-size 32`);
+    an object of the wrong kind is named by the variable that holds it (`args.<role>_name`).
+    """
+    try:
+        yield
+    except GpunbError as error:
+        from gpunb.config_flags import as_flag_hints
+
+        message = as_flag_hints(str(error))
+        role = getattr(error, "role", None)
+        if role is not None and args is not None:
+            message = f"`{getattr(args, f'{role}_name', role)}`: {message}"
+        raise UsageError(message) from None
 
 
 def make_strict(magic, prog: str | None = None) -> None:

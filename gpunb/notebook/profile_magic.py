@@ -12,7 +12,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from gpunb.notebook.options import make_strict
+from gpunb.notebook.options import make_strict, usage_errors
 
 # A token of the magic line: runs of non-blanks, quoted parts kept whole ("my dir").
 _TOKEN = re.compile(r"""(?:"[^"]*"|'[^']*'|\S)+""")
@@ -59,19 +59,16 @@ class ProfileMagics(Magics):
             raise UsageError(f"%%gpuprofile takes only options on its line, got {statement!r}.\n"
                              "Put the code in the cell body.")
         code = cell if cell is not None else statement
-        from gpunb.errors import GpunbError
         from gpunb.profiling import api
 
         steps = args.steps if args.train in (None, _STEPS) else args.train
-        try:
+        with usage_errors():
             api.check_options(steps, args.warmup, args.save)
             if args.train is not None:
                 if code and code.strip():
                     raise UsageError("--train profiles the last %%gputrain set-up, so it takes no code.\n"
                                      "Drop the code, or drop --train to profile the code.")
                 return api.profile(train=_last_train(self.shell.user_ns), steps=steps, warmup=args.warmup, save=args.save)
-        except GpunbError as error:
-            raise UsageError(str(error)) from None
         if not code or not code.strip():
             raise UsageError("Nothing to profile.\n"
                              "Give a statement (`%gpuprofile model(x).sum().backward()`), a cell under "

@@ -141,22 +141,27 @@ class RunRecorder:
         return rows
 
     def _write(self, state, force: bool = False) -> None:
+        # The stop check first, while the writer's thread sleeps: a read after `submit` has woken
+        # it hands it the GIL, and the step then waits for its whole write (on a loaded machine,
+        # for as long as the scheduler leaves that thread off a core).
+        if self.writer.stop_requested or self._stop_requested_now():
+            state.request_stop("stopped from the sidebar")
         now = _now()
         if force or now - self._last_write >= WRITE_EVERY_S:
             self._last_write = now
             fields = {"step": state.step, "epoch": state.epoch, "progress": state.progress,
                       "eta_s": eta_left(state), "latest": dict(self._latest)}
             self.writer.submit(fields, self._take_rows(POINTS_PER_WRITE))
-        if self.writer.stop_requested or self._stop_requested_now():
-            state.request_stop("stopped from the sidebar")
 
     def _stop_requested_now(self) -> bool:
         if not self.writer.recorded.is_set():
             return False  # no row yet, so no request either
         try:
-            return self._reader.stop_requested(self.run_id)
+            requested = self._reader.stop_requested(self.run_id)
         except Exception:  # locked out or damaged: the writer thread reports it
             return False
+        self.writer.stop_read_at = time.monotonic()  # the writer's thread skips its next poll
+        return requested
 
     def _finish(self, state, status: str, **fields) -> None:
         fields.update(step=state.step, epoch=state.epoch, progress=state.progress, latest=dict(self._latest))

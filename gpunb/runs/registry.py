@@ -52,7 +52,7 @@ CREATE TABLE IF NOT EXISTS runs (
     latest TEXT, device TEXT, energy_j REAL, error TEXT,
     best TEXT,                                 -- each validation metric's best value, set at the end
     heartbeat_at REAL,                         -- stamped every few seconds by the running run's own thread
-    metric_seq INTEGER NOT NULL DEFAULT 0,     -- add_metrics calls so far
+    metric_seq INTEGER NOT NULL DEFAULT 0,     -- metric points added so far
     metric_stride INTEGER NOT NULL DEFAULT 1   -- keep every stride-th point (doubles when full)
 );
 CREATE INDEX IF NOT EXISTS runs_by_start ON runs(started_at);
@@ -156,23 +156,32 @@ class Registry:
 
     def add_metrics(self, run_id: str, step: int, metrics: dict) -> None:
         """Append a metric point; at most ~MAX_POINTS are kept, evenly spread, plus the newest."""
+        self.add_points(run_id, [(step, metrics)])
+
+    def add_points(self, run_id: str, points: list) -> None:
+        """Append (step, metrics) points in one transaction (a recorder's second of logs in one
+        write), thinned as `add_metrics` thins them."""
         with self._write() as db:
             row = db.execute("SELECT metric_seq, metric_stride FROM runs WHERE id = ?", (run_id,)).fetchone()
             if row is None:
                 raise KeyError(f"no run {run_id!r} in {self.path}")
             seq, stride = row
-            # The previous point was kept only as "the newest"; drop it unless on the stride.
-            if seq > 0 and (seq - 1) % stride:
-                db.execute("DELETE FROM metrics WHERE run_id = ? AND seq = ?", (run_id, seq - 1))
-            db.execute("INSERT INTO metrics (run_id, seq, t, step, data) VALUES (?, ?, ?, ?, ?)",
-                       (run_id, seq, time.time(), json_safe(step), _dumps(metrics)))
             (count,) = db.execute("SELECT COUNT(*) FROM metrics WHERE run_id = ?", (run_id,)).fetchone()
-            if count > MAX_POINTS:
-                stride *= 2
-                db.execute("DELETE FROM metrics WHERE run_id = ? AND seq % ? != 0 AND seq != ?",
-                           (run_id, stride, seq))
-            db.execute("UPDATE runs SET metric_seq = ?, metric_stride = ? WHERE id = ?",
-                       (seq + 1, stride, run_id))
+            now = time.time()
+            for step, metrics in points:
+                # The previous point was kept only as "the newest"; drop it unless on the stride.
+                if seq > 0 and (seq - 1) % stride:
+                    count -= db.execute("DELETE FROM metrics WHERE run_id = ? AND seq = ?",
+                                        (run_id, seq - 1)).rowcount
+                db.execute("INSERT INTO metrics (run_id, seq, t, step, data) VALUES (?, ?, ?, ?, ?)",
+                           (run_id, seq, now, json_safe(step), _dumps(metrics)))
+                count += 1
+                if count > MAX_POINTS:
+                    stride *= 2
+                    count -= db.execute("DELETE FROM metrics WHERE run_id = ? AND seq % ? != 0 AND seq != ?",
+                                        (run_id, stride, seq)).rowcount
+                seq += 1
+            db.execute("UPDATE runs SET metric_seq = ?, metric_stride = ? WHERE id = ?", (seq, stride, run_id))
 
     def finish(self, run_id: str, status: str, *, error: str | None = None, **fields: Any) -> None:
         """End a run with `status` (not "running"); `fields` as in `update` (e.g. energy_j)."""
@@ -221,8 +230,10 @@ class Registry:
 
     # ------------------------------------------------------------------ reads
     def stop_requested(self, run_id: str) -> bool:
-        with self._read() as db:
-            return db.execute("SELECT 1 FROM stop_requests WHERE run_id = ?", (run_id,)).fetchone() is not None
+        # One statement, so no BEGIN/COMMIT around it: the recorder asks at every log.
+        with self._read(single=True) as db:
+            # fetchall steps the statement to its end, which ends its read at once
+            return bool(db.execute("SELECT 1 FROM stop_requests WHERE run_id = ?", (run_id,)).fetchall())
 
     def list_runs(self, limit: int = 100, series: bool = False) -> list[dict]:
         """The newest `limit` runs, newest first (runs whose process died are marked failed).
@@ -291,25 +302,29 @@ class Registry:
     def _write(self, wait: bool = True):
         return self._transaction(write=True, wait=wait)
 
-    def _read(self):
-        return self._transaction(write=False)
+    def _read(self, single: bool = False):
+        return self._transaction(write=False, single=single)
 
     @contextlib.contextmanager
-    def _transaction(self, write: bool, wait: bool = True) -> Iterator[sqlite3.Connection]:
-        """A transaction; with `wait=False` a held lock fails at once instead of after `timeout`."""
+    def _transaction(self, write: bool, wait: bool = True, single: bool = False) -> Iterator[sqlite3.Connection]:
+        """A transaction; with `wait=False` a held lock fails at once instead of after `timeout`.
+        `single`: one read statement, which SQLite runs as a transaction of its own."""
         try:
             db = self._connection()
             if not wait:
                 db.execute("PRAGMA busy_timeout = 0")
             try:
-                db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
-                try:
+                if single:
                     yield db
-                    db.execute("COMMIT")
-                except BaseException:
-                    if db.in_transaction:
-                        db.execute("ROLLBACK")
-                    raise
+                else:
+                    db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+                    try:
+                        yield db
+                        db.execute("COMMIT")
+                    except BaseException:
+                        if db.in_transaction:
+                            db.execute("ROLLBACK")
+                        raise
             finally:
                 if not self.keep_open:
                     db.close()

@@ -10,8 +10,9 @@ With nothing to write for HEARTBEAT_EVERY_S, the thread stamps the run's heartbe
 step that runs for minutes still shows, to a host that shares the registry, that the
 run lives (the training thread does nothing for it, and a locked registry only delays
 the stamp). In between, every STOP_POLL_S it reads whether the sidebar asked the run to
-stop: the training thread reads `stop_requested` at each step, so a stop lands at the
-next step boundary, however long the log interval.
+stop, unless the training thread read it meanwhile, at a log (each read here takes the GIL
+from the step): the training thread reads `stop_requested` at each step, so a stop lands at
+the next step boundary, however long the log interval.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class RunWriter:
         self._owner = weakref.ref(owner) if owner is not None else None
         self._warn = weakref.WeakMethod(warn) if hasattr(warn, "__self__") else (lambda: warn)
         self.stop_requested = False  # as of this thread's last read
+        # time.monotonic() of the training thread's own last read of the stop request (the
+        # recorder reads it at each log): while that is recent, this thread need not poll
+        self.stop_read_at = float("-inf")
         self.recorded = threading.Event()  # the run's row exists
         self.finished = threading.Event()  # the final status is written, or given up
         self._changed = threading.Condition()
@@ -83,8 +87,11 @@ class RunWriter:
     def _loop(self) -> None:
         last_beat = time.monotonic()
         while not self.finished.is_set():
+            # a read of the stop request by the training thread puts the next poll off by STOP_POLL_S
+            since_read = time.monotonic() - self.stop_read_at
+            poll_in = max(0.01, STOP_POLL_S - since_read) if since_read < STOP_POLL_S else STOP_POLL_S
             with self._changed:
-                idle = not self._changed.wait_for(self._pending, min(STOP_POLL_S, HEARTBEAT_EVERY_S))
+                idle = not self._changed.wait_for(self._pending, min(poll_in, HEARTBEAT_EVERY_S))
                 self._busy = True
             error = None
             try:
@@ -96,7 +103,7 @@ class RunWriter:
                 elif time.monotonic() - last_beat >= HEARTBEAT_EVERY_S:
                     self._beat()
                     last_beat = time.monotonic()
-                elif self.recorded.is_set():
+                elif self.recorded.is_set() and time.monotonic() - self.stop_read_at >= STOP_POLL_S:
                     self.stop_requested = self.registry.stop_requested(self.run_id)
             except Exception as caught:  # kept pending; training matters more than the record
                 error = caught
@@ -133,9 +140,9 @@ class RunWriter:
             if fields:
                 registry.update(self.run_id, **fields)
                 fields = {}
-            while rows:
-                registry.add_metrics(self.run_id, *rows[0])
-                rows.pop(0)
+            if rows:
+                registry.add_points(self.run_id, rows)  # one transaction for the second's logs
+                rows = []
             if finish is not None:
                 registry.finish(self.run_id, **finish)
                 self.finished.set()

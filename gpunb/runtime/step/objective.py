@@ -30,6 +30,7 @@ from gpunb.runtime.feed.inputs import batch_size_of, is_mapping
 from gpunb.runtime.matching import target_of
 from gpunb.runtime.step.metrics import (COUNTED, IGNORE_INDEX, StatefulMetrics, accuracy, accuracy_counts,
                                    is_stateful, shifts_labels, stateful_name)
+from gpunb.runtime.roles import check_kinds
 
 
 class Objective:
@@ -38,10 +39,7 @@ class Objective:
         if loss_fn is not None and step is not None:
             raise GpunbError("Both `loss_fn` and `step` were given; gpunb uses one of them.",
                              "compute the loss inside `step(model, batch)`, or drop `step`.")
-        for name, value in (("loss_fn", loss_fn), ("step", step)):
-            if value is not None and not callable(value):
-                raise GpunbError(f"`{name}` must be callable, got a {type(value).__name__}.",
-                                 "pass e.g. `loss_fn=torch.nn.CrossEntropyLoss()`.")
+        check_kinds({"loss_fn": loss_fn, "step": step})
         self.loss_fn, self.step_fn = loss_fn, step
         self.train_loss_fn = loss_fn  # what training steps apply: its compiled form while compiled (compiling.py)
         # the memory plan's loss for a model that computes its own (memory/chunked_loss.py); None: the model's

@@ -8,6 +8,7 @@ import warnings
 import torch
 
 from gpunb.errors import GpunbError
+from gpunb.runtime.roles import check_optimizer_kind
 
 DEFAULT_LR = 1e-3
 
@@ -38,10 +39,7 @@ def fastest_implementation(params) -> dict:
 
 def check_optimizer(optimizer, model: torch.nn.Module) -> None:
     """The optimizer must update this model's parameters (a stale one from an older model would not)."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise GpunbError(f"`optimizer` must be a torch.optim.Optimizer, got a {type(optimizer).__name__}.",
-                         "pass e.g. `torch.optim.AdamW(model.parameters(), lr=1e-3)`, or leave it "
-                         "out for the default AdamW.")
+    check_optimizer_kind(optimizer)
     owned = {id(p) for p in model.parameters()}
     optimized = [p for group in optimizer.param_groups for p in group["params"]]
     if optimized and not any(id(p) in owned for p in optimized):

@@ -109,12 +109,3 @@ def _options(spec) -> dict:
         raise GpunbError(f"A scheduler's interval must be 'step' or 'epoch', got {options['interval']!r}.",
                          "pass `{'scheduler': s, 'interval': 'epoch'}` to step it once an epoch.")
     return options
-
-
-def check_is_schedule(value) -> None:
-    """Refuse early what is neither a scheduler, a factory nor a scheduler dict (the magics' check)."""
-    inner = value.get("scheduler") if isinstance(value, dict) else value
-    if not (isinstance(inner, (LRScheduler, ReduceLROnPlateau)) or callable(inner)):
-        raise GpunbError(f"`scheduler` must be a torch LR scheduler, a factory `f(optimizer, total_steps)` "
-                         f"or a dict with a 'scheduler' key; got a {type(value).__name__}.",
-                         "e.g. `scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=100)`.")
