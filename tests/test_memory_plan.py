@@ -329,7 +329,7 @@ def test_the_magic_takes_the_memory_options():
     from gpunb.notebook.magics import GpuMagics, _config
 
     args = GpuMagics.gputrain.parser.parse_args(
-        ["--memory-budget", "24GiB", "--memory-plan", "off", "--optimizer-states", "cpu"])
+        ["--memory-budget", "24GiB", "--no-memory-plan", "--optimizer-states", "cpu"])
     config = _config(args)
     assert (config.memory_budget, config.memory_plan, config.optimizer_states) == (24 * 2**30, False, "cpu")
 
