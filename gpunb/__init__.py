@@ -10,7 +10,7 @@ touches CUDA or NVML at import time.
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["Trainer", "TrainConfig", "TrainResult", "predict", "evaluate", "profile", "runs", "compare"]
+__all__ = ["Trainer", "TrainConfig", "TrainResult", "predict", "evaluate", "profile", "runs", "compare", "attach"]
 
 _LAZY = {
     "Trainer": "gpunb.trainer",
@@ -21,6 +21,7 @@ _LAZY = {
     "profile": "gpunb.profiling",
     "runs": "gpunb.runs",
     "compare": "gpunb.runs",
+    "attach": "gpunb.jobs",
 }
 
 

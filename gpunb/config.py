@@ -118,6 +118,15 @@ class TrainConfig:
     mode: str | None = setting(None, "\"min\" or \"max\" (None: \"max\" for acc/f1/auroc/precision/recall..., "
                                      "else \"min\")")
     restore_best: bool = setting(False, "load the best checkpoint's weights into the model when fit ends")
+    cluster: str | None = setting(None, "None: in this process (the kernel); \"local\": a job of its own on this "
+                                        "machine that outlives the kernel; \"slurm\": a Slurm job (settings from "
+                                        "~/.config/gpunb/clusters.toml and `slurm`)", section="where the run executes")
+    nodes: int = setting(1, "a job's nodes (Slurm)")
+    gpus_per_node: int | None = setting(None, "a job's GPUs, one process each, per node; None: `devices` processes")
+    slurm: dict = setting(help="Slurm settings: partition, time, account, qos, constraint, any sbatch key "
+                               "(on a command line: --partition, --time, ..., --slurm KEY=VALUE)", factory=dict)
+    gpu_hour_price: float | None = setting(None, "a GPU-hour's price, for the job's cost; None: the cluster file's")
+    resubmit: bool = setting(False, "submit anew even when this run's job exists (else its job is attached to)")
     seed: int | None = setting(0, "seeds python, numpy and torch; None leaves RNGs alone",
                                section="reproducibility")
     deterministic: bool = setting(False, "deterministic algorithms (slower; errors on ops without one)")
@@ -162,18 +171,13 @@ class TrainConfig:
         if self.val_every_steps is not None:
             self.val_every_steps = _positive_int("val_every_steps", self.val_every_steps)
         self._check_best()
+        self._check_job()
         if self.checkpoint_every is not None:
             self.checkpoint_every = _positive_int("checkpoint_every", self.checkpoint_every)
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise GpunbError(f"clip_grad_norm must be positive, got {self.clip_grad_norm!r}.",
                              "pass a max norm such as `clip_grad_norm=1.0`, or None to disable.")
-        if self.ema is not None and (isinstance(self.ema, bool) or not isinstance(self.ema, (int, float))
-                                     or not 0 < self.ema < 1):
-            raise GpunbError(f"ema must be a decay between 0 and 1, got {self.ema!r}.",
-                             "pass e.g. `ema=0.999` (closer to 1 averages over more steps), or None to disable.")
-        if self.ema_apply and self.ema is None:
-            raise GpunbError("ema_apply=True asks for the averaged weights, and `ema` is not set.",
-                             "pass `ema=0.999` too, or drop `ema_apply`.")
+        self._check_ema()
         if self.lr is not None and not self.lr > 0:
             raise GpunbError(f"lr must be positive, got {self.lr!r}.", "pass e.g. `lr=3e-4`.")
         if self.batch_size_fn is not None and not callable(self.batch_size_fn):
@@ -186,6 +190,15 @@ class TrainConfig:
             which = "best" if self.resume == "best" else "last"
             raise GpunbError(f"resume='{which}' needs a checkpoint_dir to look in.",
                              "pass `checkpoint_dir=...` too, or `resume=<path to a checkpoint>`.")
+
+    def _check_ema(self) -> None:
+        if self.ema is not None and (isinstance(self.ema, bool) or not isinstance(self.ema, (int, float))
+                                     or not 0 < self.ema < 1):
+            raise GpunbError(f"ema must be a decay between 0 and 1, got {self.ema!r}.",
+                             "pass e.g. `ema=0.999` (closer to 1 averages over more steps), or None to disable.")
+        if self.ema_apply and self.ema is None:
+            raise GpunbError("ema_apply=True asks for the averaged weights, and `ema` is not set.",
+                             "pass `ema=0.999` too, or drop `ema_apply`.")
 
     def _check_min_lr_ratio(self) -> None:
         ratio = self.min_lr_ratio
@@ -212,6 +225,24 @@ class TrainConfig:
         if self.monitor is not None and not isinstance(self.monitor, str):
             raise GpunbError(f"monitor must be a metric name, got {self.monitor!r}.",
                              "pass e.g. `monitor='val_loss'` or `monitor='val_acc'`.")
+
+    def _check_job(self) -> None:
+        """cluster / nodes / gpus_per_node / slurm / gpu_hour_price, before anything is submitted."""
+        self.cluster = _choice("cluster", self.cluster, {"none": None, "local": "local", "slurm": "slurm",
+                                                         "detach": "local"},
+                               "use `cluster='local'` (a detached job on this machine) or `cluster='slurm'`")
+        self.nodes = _positive_int("nodes", self.nodes)
+        if self.gpus_per_node is not None:
+            self.gpus_per_node = _positive_int("gpus_per_node", self.gpus_per_node)
+        if self.nodes > 1 and self.cluster != "slurm":
+            raise GpunbError(f"nodes={self.nodes} needs a cluster, and cluster={self.cluster!r}.",
+                             "pass `cluster='slurm'` too (`--cluster slurm`), or drop `nodes`.")
+        if not isinstance(self.slurm, dict):
+            raise GpunbError(f"slurm must be a dict of Slurm settings, got {self.slurm!r}.",
+                             "pass e.g. `slurm={'partition': 'gpu', 'time': '2:00:00'}`.")
+        price = self.gpu_hour_price
+        if price is not None and (isinstance(price, bool) or not isinstance(price, (int, float)) or price < 0):
+            raise GpunbError(f"gpu_hour_price must be a price >= 0, got {price!r}.", "pass e.g. `gpu_hour_price=2.5`.")
 
     @property
     def epoch_limit(self) -> int:

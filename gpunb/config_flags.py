@@ -4,7 +4,8 @@ Every field that a command line can hold is a flag, made from the field itself: 
 (`max_steps` -> `--max-steps`), the kind of value from its annotation, its help and section
 from `config.setting(...)`. Nothing else lists them: a new field is a new flag. RENAMED holds
 the few flags spelt otherwise (the field's own spelling works too). Fields of functions or
-objects (`transforms`, `batch_size_fn`) are set in Python, not on a command line.
+objects (`transforms`, `batch_size_fn`) are set in Python, not on a command line; `slurm`, a
+mapping, comes from the magic's own --partition, --time, ... and --slurm KEY=VALUE.
 """
 
 from __future__ import annotations

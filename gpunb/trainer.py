@@ -3,6 +3,7 @@
     one process          runtime.loop.run with the runtime's LocalContext
     devices > 1          distributed.launch starts one process per device; each runs `_rank_entry`
     inside a group       (torchrun, or a rank the launcher started) distributed.context joins it
+    cluster="local"|...  jobs.submit runs it as a job (detached, or Slurm) and follows it from here
 
 It also composes the default callbacks (telemetry, the run registry). A one-process
 run imports nothing from gpunb.distributed, so nothing of the launcher or cloudpickle.
@@ -36,13 +37,19 @@ class Trainer:
 
     `loggers=["tensorboard", "csv"]` (or logger objects from gpunb.loggers) write the run
     from rank 0; `metrics=` takes functions and torchmetrics metrics.
+
+    With `cluster="local"` the fit runs as a job of its own on this machine, which outlives
+    the kernel; with `cluster="slurm"` (and `nodes`, `gpus_per_node`, `slurm={...}`) as a Slurm
+    job. fit follows the job (the same callbacks hear its events) and loads its weights into
+    `model` at the end; a named run finds its job again instead of submitting twice
+    (`resubmit=True` submits anew), and `gpunb.attach(name)` follows it from any kernel.
     """
 
     def __init__(self, config: TrainConfig | None = None, **overrides):
         self.config = make_config(config, **overrides)
 
     def fit(self, model, train_data, val_data=None, *, optimizer=None, scheduler=None, loss_fn=None, step=None,
-            metrics=None, callbacks=(), continue_from=None, state_type=None) -> TrainResult:
+            metrics=None, callbacks=(), continue_from=None, state_type=None, job_key=None) -> TrainResult:
         """Train `model` on `train_data`; returns a TrainResult. The model is trained in place.
 
         `scheduler`: a torch LR scheduler on `optimizer`, a factory `f(optimizer, total_steps)`,
@@ -56,6 +63,9 @@ class Trainer:
         `step(model, batch)`: computes the loss itself; it returns the loss, `(loss, output)` or
         `{"loss": loss, "output": output, "target": target}` (no "target": the batch's labels or
         last item), and `metrics` score the output against the target.
+
+        `job_key`: with a `cluster`, what finds this run's job again (the magic passes the cell's
+        hash); None: the run's name and config, when it has a name.
         """
         __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
         check_kinds(dict(model=model, optimizer=optimizer, loss_fn=loss_fn, step=step))  # the schedule: when built
@@ -63,6 +73,8 @@ class Trainer:
         check_adapters(model, config)  # quantized layers without bitsandbytes, merge_adapters without adapters
         arguments = dict(optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, step=step, metrics=metrics,
                          state_type=state_type)
+        if config.cluster is not None:
+            return self._job(model, train_data, val_data, callbacks, continue_from, job_key, True, **arguments)
         if continue_from is not None:  # checked here too: a launch would start processes first
             from gpunb.runtime.state.continuing import continue_state_of
 
@@ -89,6 +101,36 @@ class Trainer:
             callbacks = [*callbacks, *loggers]  # last: they see what the others noted (a profile trace)
         result = _rank_entry(config, context, model, train_data, val_data, callbacks=callbacks, **arguments)
         return _finished(result, model, config, loss_fn=loss_fn, step=step, metrics=metrics)
+
+    def submit(self, model, train_data, val_data=None, *, optimizer=None, scheduler=None, loss_fn=None,
+               step=None, metrics=None, job_key=None):
+        """With a `cluster`: submit the fit as a job (or find this run's job) and return at once; the
+        JobResult's `status` says queued or running, and `gpunb.attach(name)` follows it later."""
+        __tracebackhide__ = True  # noqa: F841
+        check_kinds(dict(model=model, optimizer=optimizer, loss_fn=loss_fn, step=step))
+        if self.config.cluster is None:
+            from gpunb.errors import GpunbError
+
+            raise GpunbError("submit() sends the fit to a cluster, and this Trainer has none.",
+                             "pass `cluster='local'` (a detached job on this machine) or `cluster='slurm'`.")
+        return self._job(model, train_data, val_data, (), None, job_key, False, optimizer=optimizer,
+                         scheduler=scheduler, loss_fn=loss_fn, step=step, metrics=metrics)
+
+    def _job(self, model, train_data, val_data, callbacks, continue_from, job_key, wait, **arguments):
+        from gpunb.jobs.submit import run_job
+
+        config = self.config
+        if job_key is None and config.name:
+            import hashlib
+            import json
+
+            settings = {k: v for k, v in config.to_dict().items() if k != "resubmit"}
+            job_key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:24]
+        _loggers(config)  # a missing package fails here, before the job is submitted
+        result = run_job(config, _rank_entry, model, train_data, val_data, callbacks=callbacks, key=job_key,
+                         wait=wait, continue_from=continue_from, **arguments)
+        return result.attach(model, loss_fn=arguments["loss_fn"], step=arguments["step"],
+                             metrics=arguments["metrics"], transforms=config.transforms)
 
     def summary(self, model, train_data, val_data=None, *, optimizer=None, loss_fn=None, step=None,
                 metrics=None):

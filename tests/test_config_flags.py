@@ -14,7 +14,8 @@ from gpunb.config_flags import (RENAMED, add_config_flags, as_flag_hints, config
                                 flag_of, parse_config)
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gpunb"
-SET_IN_PYTHON = {"transforms", "batch_size_fn"}  # functions
+# functions, and `slurm`, a mapping the magic gathers from --partition, --time, ... and --slurm KEY=VALUE
+SET_IN_PYTHON = {"transforms", "batch_size_fn", "slurm"}
 
 
 def parse(argv, config_class=TrainConfig) -> dict:

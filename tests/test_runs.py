@@ -29,7 +29,7 @@ from gpunb.runs.journal import enable_wal
 
 RUN_KEYS = {"id", "name", "notebook", "kernel_id", "pid", "host", "status", "config", "started_at",
             "ended_at", "updated_at", "progress", "step", "total_steps", "epoch", "eta_s", "latest",
-            "device", "energy_j", "error", "best", "heartbeat_at", "stop_requested"}
+            "device", "energy_j", "error", "best", "heartbeat_at", "stop_requested", "job"}
 
 
 @pytest.fixture
@@ -994,3 +994,18 @@ def test_the_writer_leaves_the_stop_poll_to_a_training_thread_that_logs_often(re
     assert logging <= 3 and len(polls) >= 2, (logging, len(polls))  # only after its writes, then polls
     state.result = SimpleNamespace(interrupted=False, energy_j=None)
     rec.on_fit_end(state)
+
+def test_a_job_is_recorded_queued_then_runs_in_the_same_row(registry):
+    run_id = registry.start_run("job", run_id="b" * 32, status="queued",
+                                job={"cluster": "slurm", "id": "42", "state": "PENDING", "reason": "Priority"})
+    assert registry.request_stop(run_id) and registry.stop_requested(run_id)  # a queued job can be stopped
+    run = registry.get_run(run_id)
+    assert run["status"] == "queued" and run["job"]["reason"] == "Priority"
+    registry.start_run("job", run_id=run_id, reopen=True)  # the job started: its recorder goes on in the row
+    registry.set_job(run_id, {"state": "RUNNING", "reason": None})
+    run = registry.get_run(run_id)
+    assert run["status"] == "running" and run["job"] == {"cluster": "slurm", "id": "42", "state": "RUNNING",
+                                                         "reason": None}
+    registry.set_job(run_id, {"state": "CANCELLED"}, status="cancelled")
+    run = registry.get_run(run_id)
+    assert run["status"] == "cancelled" and run["ended_at"] is not None

@@ -394,3 +394,35 @@ def test_extension_points_name_the_server_module():
 
     assert _jupyter_server_extension_points() == [{"module": "gpunb.server"}]
     assert _jupyter_labextension_paths() == [{"src": "labextension", "dest": "gpunb"}]
+
+
+async def test_a_jobs_first_stop_asks_it_to_stop_and_a_second_cancels_it(jp_fetch, registry, tmp_path):
+    import subprocess
+    import sys
+
+    from gpunb.jobs.spec import JobSpec
+
+    # A stand-in for a detached job's controller: a process of its own session, as gpunb starts it.
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        folder = tmp_path / "job"
+        folder.mkdir()
+        spec = JobSpec(run_id="a" * 32, name="job", key=None, cluster="local", folder=str(folder), nodes=1,
+                       tasks_per_node=1, gpus_per_node=0, accelerator="cpu", entry="gpunb.trainer:_rank_entry",
+                       registry=str(registry.path), job_id=str(process.pid),
+                       job_started=psutil.Process(process.pid).create_time())
+        spec.save()
+        registry.start_run("job", run_id=spec.run_id, job={"cluster": "local", "folder": str(folder), "id": spec.job_id,
+                                                           "nodes": 1, "tasks_per_node": 1, "gpus_per_node": 0})
+        code, _ = await fetch_json(jp_fetch, "POST", "runs", spec.run_id, "stop")
+        assert code == 202 and (folder / "stop").exists() and registry.stop_requested(spec.run_id)
+        assert process.poll() is None  # asked to stop, not killed
+        _, runs = await fetch_json(jp_fetch, "GET", "runs")
+        assert runs["runs"][0]["job"]["cluster"] == "local" and runs["runs"][0]["stop_requested"] is True
+        code, _ = await fetch_json(jp_fetch, "POST", "runs", spec.run_id, "stop")
+        assert code == 202 and process.wait(10) != 0  # the second stop cancels it
+        _, run = await fetch_json(jp_fetch, "GET", "runs", spec.run_id)
+        assert run["status"] == "cancelled"
+    finally:
+        process.kill()
+        process.wait()

@@ -150,8 +150,9 @@ def _has_origin(module) -> bool:
                 or getattr(spec, "origin", None))
 
 
-def _unshippable(args: FitArgs, error: Exception) -> GpunbError:
-    """Which argument failed to pickle, what inside it, and what to do instead."""
+def unpicklable_part(args: FitArgs) -> tuple[str, str, str, Exception] | None:
+    """(argument name, what: "a generator", where: " (at `path`)", error) of the first part of
+    fit's arguments that does not pickle, or None."""
     for f in fields(FitArgs):
         value = getattr(args, f.name)
         if value is None:
@@ -162,8 +163,15 @@ def _unshippable(args: FitArgs, error: Exception) -> GpunbError:
         if culprit is None:
             continue
         path, inner, inner_error = culprit
-        what = _kind(inner, inner_error)
-        where = "" if path == name else f" (at `{path}`)"
+        return name, _kind(inner, inner_error), "" if path == name else f" (at `{path}`)", inner_error
+    return None
+
+
+def _unshippable(args: FitArgs, error: Exception) -> GpunbError:
+    """Which argument failed to pickle, what inside it, and what to do instead."""
+    found = unpicklable_part(args)
+    if found is not None:
+        name, what, where, inner_error = found
         return GpunbError(
             f"`{name}` holds {what}{where} that cannot be pickled, so it cannot be sent to the "
             f"processes of the other devices ({type(inner_error).__name__}: {inner_error}).",

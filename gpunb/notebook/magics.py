@@ -26,6 +26,14 @@ class GpuMagics(Magics):
     @argument("--export", metavar="PATH", help="write a standalone torchrun script instead of training")
     @argument("--eval", action="store_true", help="evaluate the model on val_data (or train_data) instead of training")
     @argument("--dry-run", action="store_true", help="show the run's summary (parameters, FLOPs, memory) without training")
+    @argument("--detach", action="store_true", help="train in a job of its own on this machine, which outlives the kernel")
+    @argument("--partition", help="Slurm partition")
+    @argument("--time", help="a job's time limit: minutes or h:mm:ss")
+    @argument("--account", help="Slurm account")
+    @argument("--qos", help="Slurm QOS")
+    @argument("--constraint", help="Slurm node features (--constraint)")
+    @argument("--slurm", action="append", metavar="KEY=VALUE", help="any other sbatch setting (repeatable)")
+    @argument("--no-wait", action="store_true", help="with a job: submit and return; gpunb.attach(name) follows it")
     @role_options()
     @line_cell_magic
     def gputrain(self, line, cell=None):
@@ -84,9 +92,10 @@ class GpuMagics(Magics):
             return _dry_run(self.shell, found, config, args)
         if args.find_lr:
             return _find_lr(found, config)
-        return self._train(config, found, args)
+        key = None if cell is None or config.cluster is None else _cell_key(cell, line)
+        return self._train(config, found, args, key)
 
-    def _train(self, config, found, args):
+    def _train(self, config, found, args, job_key=None):
         __tracebackhide__ = True  # noqa: F841
         from IPython.display import display
 
@@ -94,12 +103,19 @@ class GpuMagics(Magics):
         from gpunb.trainer import Trainer
 
         callbacks = [*found["callbacks"], *_progress_callbacks(self.shell, args.quiet)]
+        if config.cluster is not None and not args.quiet:
+            from gpunb.notebook.job_notice import JobNotice
+
+            callbacks.append(JobNotice())
         previous = session_continue_state() if args.continue_fit else None
         with kernel_stays_busy(self.shell):  # the dashboard's widgets must not read "Idle"
+            if args.no_wait:
+                return _submit_only(self.shell, config, found, args, job_key)
             result = Trainer(config).fit(
                 found["model"], found["train_data"], found["val_data"], optimizer=found["optimizer"],
                 scheduler=found["scheduler"], loss_fn=found["loss_fn"], step=found["step"],
-                metrics=found["metrics"], callbacks=callbacks, continue_from=previous)
+                metrics=found["metrics"], callbacks=callbacks, continue_from=previous,
+                **({"job_key": job_key} if config.cluster is not None else {}))
         _remember(config, found, args, result)
         self.shell.user_ns[args.out] = result
         if not any(getattr(cb, "handle", None) for cb in callbacks):
@@ -142,7 +158,51 @@ def _config(args):
     from gpunb.config_flags import config_values
 
     with usage_errors(args):  # also when called alone
-        return TrainConfig(**config_values(args))
+        return TrainConfig(**config_values(args), **_job_options(args))
+
+
+def _job_options(args) -> dict:
+    """The job options that are not TrainConfig fields: --detach (cluster="local") and the Slurm
+    settings (--partition, --time, ..., --slurm KEY=VALUE), gathered into `slurm`."""
+    if args.detach and args.cluster:
+        raise UsageError("--detach runs the job on this machine and --cluster on a cluster: pick one.\n"
+                         "HINT: drop `--detach` to submit to the cluster.")
+    chosen = {"cluster": "local"} if args.detach else {}
+    slurm = {key: value for key in ("partition", "time", "account", "qos", "constraint")
+             if (value := getattr(args, key)) is not None}
+    for item in args.slurm or ():
+        key, equals, value = item.partition("=")
+        if not equals or not key.strip():
+            raise UsageError(f"--slurm {item!r} is not KEY=VALUE.\nHINT: e.g. `--slurm mem=64G --slurm exclusive=`.")
+        slurm[key.strip().lstrip("-")] = value.strip()
+    if slurm:
+        chosen["slurm"] = slurm
+    return chosen
+
+
+def _cell_key(cell: str, line: str) -> str:
+    from gpunb.jobs.lookup import cell_key
+
+    return cell_key(cell, line)
+
+
+def _submit_only(shell, config, found, args, job_key):
+    """--no-wait: submit (or find) the job and return; its JobResult says queued or running."""
+    from IPython.display import display
+
+    from gpunb.trainer import Trainer
+
+    if config.cluster is None:
+        raise UsageError("--no-wait returns while a job trains, and this run is not a job.\n"
+                         "HINT: add `--detach` (a job on this machine) or `--cluster slurm`.")
+    result = Trainer(config).submit(found["model"], found["train_data"], found["val_data"],
+                                    optimizer=found["optimizer"], scheduler=found["scheduler"],
+                                    loss_fn=found["loss_fn"], step=found["step"], metrics=found["metrics"],
+                                    job_key=job_key)
+    shell.user_ns[args.out] = result
+    if not args.quiet:
+        display(result)
+    return None
 
 
 def _remember(config, found, args, result) -> None:

@@ -36,8 +36,9 @@ _now = time.monotonic  # the clock for throttling (tests replace it)
 class RunRecorder:
     """Records the run (rank 0 only) in `registry` (default: `Registry()`)."""
 
-    def __init__(self, registry: Registry | None = None):
+    def __init__(self, registry: Registry | None = None, run_id: str | None = None):
         self.registry = registry
+        self.fixed_id = run_id  # a job's run, recorded by the kernel at submission: the job goes on in its row
         self.writer: RunWriter | None = None
         self._reset()
 
@@ -57,13 +58,13 @@ class RunRecorder:
     # ------------------------------------------------------------------ events
     def on_fit_start(self, state) -> None:
         self._reset()
-        if state.rank != 0 or not getattr(state.config, "track", True):
-            return
+        if state.rank != 0 or not (self.fixed_id or getattr(state.config, "track", True)):
+            return  # a recorder given its run's id records it whatever `track` says (a job's: see gpunb.jobs)
         config = state.settings() if hasattr(state, "settings") else state.config
         if self.registry is None:
             self.registry = Registry()  # only a path: no disk access here
         # A continued fit goes on in the row of the run it continues: one run, its curve unbroken.
-        continues = getattr(state, "continues_run", None)
+        continues = getattr(state, "continues_run", None) or self.fixed_id
         self.run_id = continues or uuid.uuid4().hex
         start = {"name": state.run_name, "config": json_safe(config), "device": str(state.device),
                  "total_steps": state.total_steps, "started_at": time.time(), "reopen": continues is not None}

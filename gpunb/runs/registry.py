@@ -38,7 +38,8 @@ from gpunb.runs.liveness import (PROCESS_DIED, STALE_AFTER_S, alive, judged_dead
 from gpunb.runs.liveness import kernel_id as current_kernel_id
 from gpunb.runs.paths import default_path
 
-STATUSES = ("running", "completed", "stopped", "interrupted", "failed")
+# "queued": a job (gpunb.jobs) submitted and not started yet; "cancelled": a job its scheduler ended
+STATUSES = ("queued", "running", "completed", "stopped", "interrupted", "failed", "cancelled")
 MAX_POINTS = 500  # metric points kept per run; older ones are thinned evenly
 SERIES_POINTS = 60  # the newest points of a running run's loss that `list_runs` includes
 _LOWER_IS_BETTER = ("loss", "err", "mse", "mae", "perplexity", "ppl")
@@ -52,6 +53,7 @@ CREATE TABLE IF NOT EXISTS runs (
     latest TEXT, device TEXT, energy_j REAL, error TEXT,
     best TEXT,                                 -- each validation metric's best value, set at the end
     heartbeat_at REAL,                         -- stamped every few seconds by the running run's own thread
+    job TEXT,                                  -- a run as a job: cluster, job id, folder, nodes, scheduler state
     metric_seq INTEGER NOT NULL DEFAULT 0,     -- metric points added so far
     metric_stride INTEGER NOT NULL DEFAULT 1   -- keep every stride-th point (doubles when full)
 );
@@ -64,11 +66,11 @@ CREATE TABLE IF NOT EXISTS stop_requests (run_id TEXT PRIMARY KEY, requested_at 
 """
 _RUN_COLUMNS = ("id", "name", "notebook", "kernel_id", "pid", "host", "status", "config",
                 "started_at", "ended_at", "updated_at", "progress", "step", "total_steps",
-                "epoch", "eta_s", "latest", "device", "energy_j", "error", "best", "heartbeat_at")
+                "epoch", "eta_s", "latest", "device", "energy_j", "error", "best", "heartbeat_at", "job")
 _UPDATABLE = ("progress", "step", "total_steps", "epoch", "eta_s", "latest", "device", "energy_j")
 # what a reopened run takes from the process that goes on with it (the rest is the run's own)
 _REOPENED = ("notebook", "kernel_id", "pid", "pid_started", "host", "config", "updated_at", "total_steps", "device")
-_ADDED_COLUMNS = {"best": "TEXT", "heartbeat_at": "REAL"}  # columns newer than the first registries
+_ADDED_COLUMNS = {"best": "TEXT", "heartbeat_at": "REAL", "job": "TEXT"}  # columns newer than the first registries
 
 
 def json_safe(value: Any, _depth: int = 0) -> Any:
@@ -109,21 +111,25 @@ class Registry:
     def start_run(self, name: str, *, config: dict | None = None, device: str | None = None,
                   total_steps: int | None = None, pid: int | None = None, host: str | None = None,
                   notebook: str | None = None, kernel_id: str | None = None, run_id: str | None = None,
-                  started_at: float | None = None, reopen: bool = False) -> str:
+                  started_at: float | None = None, reopen: bool = False, status: str = "running",
+                  job: dict | None = None) -> str:
         """Record a new running run; returns its id (`run_id`, else a new one).
 
         pid/host/notebook/kernel_id default to this process's; `started_at` to now. `reopen`:
         the run `run_id` goes on (a continued fit): running again in this process, its start,
-        history and counters kept; recorded anew if it was removed meanwhile.
+        history and counters kept; recorded anew if it was removed meanwhile. `status="queued"`
+        with `job`: a job submitted to a scheduler, which becomes running when the job starts.
         """
         run_id = run_id or uuid.uuid4().hex
         now = started_at or time.time()
         pid = os.getpid() if pid is None else pid
         row = {"id": run_id, "name": name, "notebook": notebook or os.environ.get("JPY_SESSION_NAME"),
                "kernel_id": kernel_id or current_kernel_id(), "pid": pid, "pid_started": process_start(pid),
-               "host": host or socket.gethostname(), "status": "running", "config": _dumps(config or {}),
+               "host": host or socket.gethostname(), "status": status, "config": _dumps(config or {}),
                "started_at": now, "updated_at": now, "total_steps": total_steps, "device": device,
                "latest": "{}", "step": 0}
+        if job is not None:
+            row["job"] = _dumps(job)
         insert = f"INSERT INTO runs ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})"
         if reopen:
             insert += (" ON CONFLICT(id) DO UPDATE SET status = 'running', ended_at = NULL, error = NULL, "
@@ -145,6 +151,20 @@ class Registry:
         with self._write() as db:
             db.execute(f"UPDATE runs SET {assignments} WHERE id = ?", (*values.values(), run_id))
             _revive(db, run_id)
+
+    def set_job(self, run_id: str, job: dict, status: str | None = None, error: str | None = None) -> None:
+        """Merge `job` into a job's record (its scheduler state, reason, nodes); with `status`, also
+        move the run there ("queued" again after a requeue, "cancelled", "failed" ...)."""
+        with self._write() as db:
+            row = db.execute("SELECT job FROM runs WHERE id = ?", (run_id,)).fetchone()
+            if row is None:
+                raise KeyError(f"no run {run_id!r} in {self.path}")
+            merged = {**json.loads(row[0] or "{}"), **job}
+            db.execute("UPDATE runs SET job = ?, updated_at = ? WHERE id = ?", (_dumps(merged), time.time(), run_id))
+            if status is not None:
+                ended = None if status in ("queued", "running") else time.time()
+                db.execute("UPDATE runs SET status = ?, error = COALESCE(?, error), ended_at = ? WHERE id = ?",
+                           (status, error, ended, run_id))
 
     def heartbeat(self, run_id: str) -> bool:
         """Stamp the run as alive now (its recorder's thread does, every few seconds); False if
@@ -185,9 +205,10 @@ class Registry:
 
     def finish(self, run_id: str, status: str, *, error: str | None = None, **fields: Any) -> None:
         """End a run with `status` (not "running"); `fields` as in `update` (e.g. energy_j)."""
-        if status not in STATUSES or status == "running":
+        ends = [s for s in STATUSES if s not in ("queued", "running")]
+        if status not in ends:
             raise GpunbError(f"Cannot finish a run with status {status!r}.",
-                             "use one of " + ", ".join(f"`{s}`" for s in STATUSES[1:]) + ".")
+                             "use one of " + ", ".join(f"`{s}`" for s in ends) + ".")
         self.update(run_id, eta_s=None, **fields)
         with self._write() as db:
             points = db.execute("SELECT data FROM metrics WHERE run_id = ?", (run_id,)).fetchall()
@@ -197,12 +218,12 @@ class Registry:
             db.execute("DELETE FROM stop_requests WHERE run_id = ?", (run_id,))
 
     def request_stop(self, run_id: str) -> bool:
-        """Ask a running run to stop at its next log; False when it is not running."""
+        """Ask a running (or queued) run to stop at its next log; False when it is neither."""
         self.get_run(run_id, with_history=False)  # first marks it failed if its process died
         with self._write() as db:
             # Conditional in one statement, so a run that ends meanwhile gets no request.
             inserted = db.execute("INSERT OR REPLACE INTO stop_requests (run_id, requested_at) "
-                                  "SELECT id, ? FROM runs WHERE id = ? AND status = 'running'",
+                                  "SELECT id, ? FROM runs WHERE id = ? AND status IN ('running', 'queued')",
                                   (time.time(), run_id)).rowcount
         return inserted == 1
 
@@ -223,6 +244,8 @@ class Registry:
                 run = self._run_dict(row)
                 if (run["status"] == "running" or judged_dead(run)) and alive(run, host, now):
                     continue
+                if run["status"] == "queued":
+                    continue  # a job waiting for its scheduler: cancel it first
                 db.execute("DELETE FROM runs WHERE id = ?", (run_id,))
                 db.execute("DELETE FROM metrics WHERE run_id = ?", (run_id,))
                 removed.append(run_id)
@@ -277,6 +300,7 @@ class Registry:
         run["config"] = json.loads(run["config"] or "{}")
         run["latest"] = json.loads(run["latest"] or "{}")
         run["best"] = json.loads(run["best"] or "{}")
+        run["job"] = json.loads(run["job"]) if run["job"] else None
         run["stop_requested"] = bool(row[-1])
         run["_pid_started"] = row[-2]
         return run

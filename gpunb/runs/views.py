@@ -20,7 +20,7 @@ from gpunb.runs.registry import Registry
 from gpunb.units import format_duration
 
 _COLUMNS = ("name", "status", "started", "duration", "steps", "last loss", "device")
-_STATUS_COLOURS = {"running": "#1f77b4", "completed": "#2ca02c", "stopped": "#ff7f0e",
+_STATUS_COLOURS = {"queued": "#7f7f7f", "cancelled": "#ff7f0e", "running": "#1f77b4", "completed": "#2ca02c", "stopped": "#ff7f0e",
                    "interrupted": "#ff7f0e", "failed": "#d62728"}
 
 
@@ -51,7 +51,7 @@ def remove(*names_or_ids: str, registry: Registry | None = None) -> int:
         raise GpunbError("remove() needs at least one run name or id.",
                          "pass names, e.g. `gpunb.runs.remove('baseline')`; `gpunb.runs()` lists them.")
     found = [_resolve(registry, key, with_history=False) for key in names_or_ids]
-    running = [run for run in found if run["status"] == "running"]
+    running = [run for run in found if run["status"] in ("running", "queued")]
     if running:
         host, now = socket.gethostname(), time.time()
         listed = "; ".join(f"{_label(run)} ({whereabouts(run, host, now)})" for run in running)
@@ -78,7 +78,7 @@ def prune(*, older_than_days: float | None = None, keep: int | None = None,
                          "e.g. `gpunb.runs.prune(older_than_days=30)`.")
     registry = registry or Registry()
     every = registry.list_runs(limit=1_000_000)
-    finished = [run for run in every if run["status"] != "running"]
+    finished = [run for run in every if run["status"] not in ("running", "queued")]
     cutoff = None if older_than_days is None else time.time() - older_than_days * 86400
     doomed = [run for index, run in enumerate(finished)  # newest first
               if (keep is not None and index >= keep)
@@ -136,8 +136,8 @@ class RunTable:
         return self.runs[index]
 
     def rows(self) -> list[tuple[str, ...]]:
-        return [(run["name"] or "", run["status"], _clock(run["started_at"]), _duration(run),
-                 _steps(run), _number(run["latest"].get("loss")), run["device"] or "-")
+        return [(run["name"] or "", _status(run), _clock(run["started_at"]), _duration(run),
+                 _steps(run), _number(run["latest"].get("loss")), _where(run))
                 for run in self.runs]
 
     def __repr__(self) -> str:
@@ -214,3 +214,21 @@ def _steps(run: dict) -> str:
 
 def _number(value) -> str:
     return f"{value:.4g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
+
+
+def _status(run: dict) -> str:
+    """The run's status; a waiting job's also says why it waits (Slurm's state and reason)."""
+    job = run.get("job")
+    if not job or run["status"] != "queued" or not job.get("state"):
+        return run["status"]
+    return f"queued ({job['state']}" + (f": {job['reason']})" if job.get("reason") else ")")
+
+
+def _where(run: dict) -> str:
+    """The device; for a job, also its cluster and size ("slurm 2x8 cuda")."""
+    job = run.get("job")
+    if not job:
+        return run["device"] or "-"
+    size = f"{job.get('nodes', 1)}x{job.get('tasks_per_node', 1)}"
+    device = run["device"] if run["device"] and ":" not in run["device"] else ""
+    return " ".join(part for part in (job.get("cluster"), job.get("id") and f"#{job['id']}", size, device) if part)

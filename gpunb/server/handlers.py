@@ -111,6 +111,10 @@ class RunHandler(GpunbHandler):
 
 def _list_runs(registry: Registry) -> list[dict]:
     runs = registry.list_runs(series=True)  # running runs carry their newest losses: one request a poll
+    if any(run.get("job") and run["status"] == "queued" for run in runs):
+        from gpunb.jobs.lookup import refresh_waiting
+
+        runs = refresh_waiting(registry, runs)  # Slurm's state and reason of waiting jobs, no kernel needed
     for run in runs:
         _eta_now(run)
     return runs
@@ -138,6 +142,11 @@ def _remove(registry: Registry, run_id: str) -> tuple[bool, dict | None]:
 
 
 def _request_stop(registry: Registry, run_id: str) -> tuple[bool, dict | None]:
+    run = registry.get_run(run_id, with_history=False)
+    if run is not None and run.get("job"):  # a job: stop, and a second request cancels it (gpunb.jobs)
+        from gpunb.jobs.lookup import stop_job
+
+        return stop_job(registry, run), registry.get_run(run_id, with_history=False)
     if registry.request_stop(run_id):
         return True, None
     return False, registry.get_run(run_id, with_history=False)

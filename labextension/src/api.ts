@@ -48,11 +48,24 @@ export interface IDevices {
 }
 
 export type RunStatus =
+  | 'queued'
   | 'running'
   | 'completed'
   | 'stopped'
   | 'interrupted'
-  | 'failed';
+  | 'failed'
+  | 'cancelled';
+
+/** A run that trains as a job (gpunb.jobs): where, how large, and the scheduler's state. */
+export interface IJob {
+  cluster: string; // "local" or "slurm"
+  id?: string | null; // the scheduler's job id
+  nodes: number;
+  tasks_per_node: number;
+  gpus_per_node: number;
+  state?: string | null; // PENDING, RUNNING, REQUEUED ... (Slurm's words)
+  reason?: string | null; // why a pending job waits (Priority, Resources ...)
+}
 
 /** One row of GET gpunb/api/runs */
 export interface IRun {
@@ -74,6 +87,7 @@ export interface IRun {
   best?: { [metric: string]: number }; // each validation metric's best value, once finished
   losses?: [number, number][]; // running runs: the newest (step, loss) pairs
   config?: { [key: string]: unknown };
+  job?: IJob | null;
 }
 
 /** One logged point: step, time and whatever metrics were logged there. */

@@ -1,6 +1,6 @@
 import * as React from 'react';
 
-import { IRun } from './api';
+import { IJob, IRun } from './api';
 import { Bar, Sparkline } from './charts';
 import { ago, basename, duration, metric } from './format';
 
@@ -46,7 +46,9 @@ function RunRow(props: {
 }): JSX.Element {
   const { run, actions } = props;
   const running = run.status === 'running';
-  const stopping = running && run.stop_requested;
+  // A queued job can be stopped too (a second Stop cancels a job: scancel).
+  const stoppable = running || run.status === 'queued';
+  const stopping = stoppable && run.stop_requested;
   const loss = run.latest?.loss;
   const steps = run.total_steps
     ? `step ${run.step ?? 0} / ${run.total_steps}`
@@ -93,6 +95,9 @@ function RunRow(props: {
           {run.device ? ` · ${run.device}` : ''}
         </div>
       ) : null}
+      {run.job ? (
+        <div className="jp-gpunb-muted jp-gpunb-job">{jobText(run.job)}</div>
+      ) : null}
       {running ? (
         <Bar
           label={steps}
@@ -112,13 +117,15 @@ function RunRow(props: {
         <span className="jp-gpunb-muted">
           {typeof loss === 'number' ? `loss ${metric(loss)}` : ''}
         </span>
-        {running
+        {stoppable
           ? button(
-              'Stop',
+              stopping && run.job ? 'Cancel' : 'Stop',
               'jp-gpunb-stop jp-mod-warn',
-              'Stop this run cleanly at its next log interval',
+              stopping && run.job
+                ? 'Cancel this job now (its newest checkpoint stays)'
+                : 'Stop this run cleanly at its next log interval',
               actions.onStop,
-              stopping
+              stopping && !run.job
             )
           : button(
               'Remove',
@@ -130,6 +137,18 @@ function RunRow(props: {
       {run.error ? <div className="jp-gpunb-error">{run.error}</div> : null}
     </li>
   );
+}
+
+/** "slurm job 4242 · 2 nodes × 8 GPUs · PENDING (Priority)" */
+export function jobText(job: IJob): string {
+  const where = job.id ? `${job.cluster} job ${job.id}` : `${job.cluster} job`;
+  const unit = job.gpus_per_node ? 'GPU' : 'process';
+  const count = job.tasks_per_node;
+  const size = `${job.nodes} node${job.nodes === 1 ? '' : 's'} × ${count} ${unit}${count === 1 ? '' : unit === 'GPU' ? 's' : 'es'}`;
+  const state = job.state
+    ? ` · ${job.state}${job.reason ? ` (${job.reason})` : ''}`
+    : '';
+  return `${where} · ${size}${state}`;
 }
 
 /** The runs of every kernel, newest first, running ones on top. */

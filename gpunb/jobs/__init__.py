@@ -1,0 +1,27 @@
+"""A run as a job: the same fit, in processes of its own, on this machine or on a Slurm cluster.
+
+    clusters.py   the cluster file (~/.config/gpunb/clusters.toml): a team's Slurm defaults
+    spec.py       a job's folder: job.json (what, where, which versions) and the shipped arguments
+    checks.py     before submitting: what would break remotely, one message each
+    events.py     the events file: rank 0 appends the run's events, the kernel reads them back
+    control.py    in the job: stop requests (a file, the registry) and preemption signals
+    entry.py      in the job: each task's body (versions, the group, the fit, result or requeue)
+    scheduler.py  submitit executors (local, Slurm), scheduler states, cancel
+    submit.py     the kernel's side of a submission: folder, checks, executor, registry row
+    follow.py     the kernel's side of a running job: events into the dashboard, stop, weights back
+    lookup.py     gpunb.attach(name_or_run_id), and the job of a cell run again
+
+Nothing here is imported by a run in the kernel; submitit is imported only to submit or
+to run a job.
+"""
+
+from __future__ import annotations
+
+
+def attach(name_or_run_id: str, *, wait: bool = True, callbacks=()):
+    """The result of a job run (by run name, newest first, or run id): its `.status`, history and
+    trained `.model`. While the job is queued or running it follows it (the dashboard, through
+    `callbacks`) until it ends; `wait=False` returns what is known now."""
+    from gpunb.jobs.lookup import attach as attach_job
+
+    return attach_job(name_or_run_id, wait=wait, callbacks=callbacks)

@@ -1,0 +1,51 @@
+"""In the job: the requests that end a run early, read at step boundaries.
+
+- a stop from the notebook: the kernel writes the job folder's `stop` file (its interrupt
+  button, or `stop()`); the sidebar's Stop goes through the run registry, which the job's
+  RunRecorder reads. Either way the run stops at the next step, writes a checkpoint and
+  sends its weights back.
+- preemption or the time limit: Slurm's warning signal (`--signal=USR2@90`, or a
+  `scancel --signal=USR1`) reaches every task. The handler only sets a flag (a signal
+  handler must not write checkpoints in the middle of a collective); the next step stops
+  the run with reason "preempted", the checkpoint is written, and entry.py requeues the job.
+
+Per step this costs an attribute read and a clock read; the file is looked at every
+STOP_POLL_S.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+STOP_POLL_S = 0.5  # the stop file is looked for this often (a stat on a shared file system is not free)
+PREEMPTED = "preempted"
+PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+class JobControl:
+    """A callback on every rank: stop requests and preemption signals become `request_stop`."""
+
+    def __init__(self, stop_path):
+        self.stop_path = os.fspath(stop_path)
+        self.preempted = False
+        self._checked = 0.0
+
+    def install_signal_handlers(self) -> None:
+        """Replace submitit's handlers (which would requeue at once, mid-step) with a flag."""
+        for number in PREEMPT_SIGNALS:
+            signal.signal(number, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.preempted = True
+
+    def on_step_end(self, state) -> None:
+        if self.preempted:
+            state.request_stop(PREEMPTED)
+            return
+        now = time.monotonic()
+        if now - self._checked >= STOP_POLL_S:
+            self._checked = now
+            if os.path.exists(self.stop_path):
+                state.request_stop("stopped from the notebook")

@@ -1,0 +1,216 @@
+"""Each task of a job runs `JobEntry` (submitit calls it; one task per GPU or CPU process).
+
+1. Versions: job.json records the kernel's Python, torch, CUDA and gpunb; a job whose
+   environment differs stops here, before unpickling anything, and rank 0 writes why into
+   the events file, which the notebook shows within a second.
+2. The group: submitit's task environment (Slurm's, or its local executor's) becomes
+   torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR ...), and the runtime joins the group
+   as it does under torchrun: NCCL between GPUs, gloo between CPU processes.
+3. The fit: the Trainer's rank entry with the shipped arguments; checkpoints go to the job
+   folder; a job that has checkpoints (requeued) resumes from its newest, exactly.
+4. The end: rank 0 writes result.pt (weights, optimizer state) and result.pkl (the
+   TrainResult, timings of every rank, energy summed over them). A run stopped for
+   preemption is requeued instead (Slurm: `scontrol requeue`; local: submitit's requeue exit
+   code), and the requeued job goes on from the checkpoint just written.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import sys
+import traceback
+from pathlib import Path
+
+from gpunb.errors import GpunbError
+from gpunb.jobs import events, spec as job_spec
+from gpunb.jobs.control import PREEMPTED, JobControl
+
+TAG = "job-entry"
+
+
+class JobEntry:
+    """What submitit runs in every task: only the folder travels in submitit's own pickle."""
+
+    def __init__(self, folder: str):
+        self.folder = str(folder)
+
+    def __call__(self) -> str:
+        import submitit
+
+        spec = job_spec.load(self.folder)
+        environment = submitit.JobEnvironment()
+        rank = environment.global_rank
+        events_path = spec.events_path
+        try:
+            mismatch = job_spec.version_mismatch(spec.versions, job_spec.current_versions())
+            if mismatch is not None:
+                raise mismatch
+            if rank == 0:
+                events.append(events_path, "job_started", host=environment.hostname, pid=os.getpid(),
+                              world_size=environment.num_tasks, job_id=environment.job_id)
+            outcome = _train(spec, environment)
+        except BaseException as error:
+            if rank == 0:
+                info = {"type": type(error).__name__, "message": str(error),
+                        "traceback": traceback.format_exc()}
+                if isinstance(error, GpunbError):
+                    info.update(what=error.what, hint=error.hint)
+                events.append(events_path, "job_failed", **info)
+                _record(spec, {"state": "FAILED"}, "failed", f"{type(error).__name__}: {error}"[:500])
+            raise
+        if outcome == PREEMPTED:
+            _requeue(spec, environment, rank)
+        return outcome
+
+
+def _train(spec, environment) -> str:
+    """Join the group, fit, and on rank 0 write the result; returns the run's stop reason ('' if none)."""
+    import torch
+
+    from gpunb.distributed.context import current_context
+    from gpunb.distributed.shipping import unship
+
+    tasks = environment.num_tasks
+    if tasks > 1:
+        import submitit
+
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+        # The launcher's share of the cores per process: the same arithmetic, the same weights.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // spec.tasks_per_node))
+        if spec.cluster == "local":
+            from gpunb.distributed.loopback import keep_sockets_on_loopback
+
+            keep_sockets_on_loopback()
+    control = JobControl(spec.stop_path)
+    control.install_signal_handlers()
+    args = unship(spec.args_path.read_bytes())
+    config = args.config.replace(**_job_settings(args.config, spec))
+    context = current_context(config)
+    rank = context.rank
+    callbacks = [control]
+    if rank == 0:
+        callbacks += [events.EventsWriter(spec.events_path), *_recorder(spec, config), *_loggers(config)]
+    module, _, name = spec.entry.partition(":")
+    entry = getattr(importlib.import_module(module), name)
+    model, optimizer = args.model, args.optimizer
+    result = entry(config, context, model, args.train_data, args.val_data, optimizer=optimizer,
+                   scheduler=args.scheduler, loss_fn=args.loss_fn, step=args.step, metrics=args.metrics,
+                   callbacks=callbacks, state_type=args.state_type)
+    preempted = result.stop_reason == PREEMPTED or (rank == 0 and control.preempted)
+    timings = _all_timings(context, result, rank)
+    if rank == 0 and not preempted:
+        _write_result(spec, context, model, optimizer, result, timings)
+    elif not preempted:
+        _write_result(spec, context, model, optimizer, None, None)  # FSDP: every rank takes part in the gather
+    return PREEMPTED if preempted else (result.stop_reason or "")
+
+
+def _job_settings(config, spec) -> dict:
+    """The job's own settings: checkpoints in its folder, resumed from when it has some; the
+    registry is written by the recorder with the job's run id; one process per task here."""
+    from gpunb.runtime.state.checkpoint_files import list_checkpoints
+
+    checkpoint_dir = config.checkpoint_dir or str(spec.checkpoint_dir)
+    settings = {"checkpoint_dir": checkpoint_dir, "track": False, "cluster": None, "nodes": 1,
+                "devices": 1, "resubmit": False}
+    if list_checkpoints(checkpoint_dir):
+        settings["resume"] = "last"  # requeued: go on exactly from the newest checkpoint
+    return settings
+
+
+def _recorder(spec, config) -> list:
+    if not spec.registry:
+        return []
+    from gpunb.runs import Registry, RunRecorder
+
+    return [RunRecorder(Registry(spec.registry), run_id=spec.run_id)]
+
+
+def _loggers(config) -> list:
+    if not config.loggers:
+        return []
+    from gpunb.loggers import make_loggers
+
+    return make_loggers(config)
+
+
+def _all_timings(context, result, rank: int) -> list | None:
+    """Every rank's timings on rank 0 (energy is summed over them: every node's GPUs)."""
+    timings = {"rank": rank, "device": result.device, "steps": result.steps, "wall_time_s": result.wall_time_s,
+               "data_wait_s": result.data_wait_s, "compute_s": result.compute_s,
+               "validation_s": result.validation_s, "peak_memory_mb": result.peak_memory_mb,
+               "energy_j": result.energy_j}
+    if context.world_size == 1:
+        return [timings]
+    import torch.distributed as dist
+
+    gathered = [None] * context.world_size if rank == 0 else None
+    dist.gather_object(timings, gathered, dst=0)
+    return gathered
+
+
+def _write_result(spec, context, model, optimizer, result, timings) -> None:
+    """result.pt (weights) and result.pkl (the TrainResult), each written whole then renamed."""
+    import torch
+
+    if context.world_size > 1:
+        model_state, optimizer_state = context.state_dicts(model, optimizer)
+    else:
+        model_state = model.state_dict()
+        optimizer_state = optimizer.state_dict() if optimizer is not None else None
+    if result is None:
+        return
+    temporary = spec.weights_path.with_suffix(".pt.partial")
+    torch.save({"model": model_state, "optimizer": optimizer_state, "ema": result.ema_state_dict}, temporary)
+    os.replace(temporary, spec.weights_path)
+    result.ema_state_dict = None
+    result.per_rank = timings
+    energies = [t["energy_j"] for t in timings if t.get("energy_j") is not None]
+    result.energy_j = sum(energies) if energies else result.energy_j
+    temporary = spec.result_path.with_suffix(".pkl.partial")
+    temporary.write_bytes(pickle.dumps(result))
+    os.replace(temporary, spec.result_path)
+    events.append(spec.events_path, "job_done", stop_reason=result.stop_reason, step=result.steps)
+
+
+def _requeue(spec, environment, rank: int) -> None:
+    """Preempted: rank 0 puts the job back in the queue; every task leaves without a result
+    (submitit would take one for the job's end)."""
+    if rank == 0:
+        events.append(spec.events_path, "requeued")
+        _record(spec, {"state": "REQUEUED", "reason": "preempted"}, "queued")
+        sys.stdout.flush()
+        try:
+            environment._requeue(0)  # Slurm: scontrol requeue; local: exits with submitit's requeue code
+        except SystemExit as leaving:
+            _leave(leaving.code)
+    _leave(1)
+
+
+def _record(spec, job: dict, status: str, error: str | None = None) -> None:
+    """The job's state into its registry row (the sidebar), when the run is tracked."""
+    if not spec.registry:
+        return
+    from gpunb.runs import Registry
+
+    try:
+        Registry(spec.registry).set_job(spec.run_id, job, status=status, error=error)
+    except Exception:  # the registry is a view; the job's own end matters more
+        pass
+
+
+def _leave(code) -> None:
+    """Exit at once: tearing down a gloo group at interpreter exit can abort (see
+    distributed/worker.py), which would hide the requeue exit code."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 1)
+
+
+def load_weights(path: Path) -> dict:
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)

@@ -1,0 +1,142 @@
+"""The schedulers a job runs on, through submitit: its local executor and Slurm.
+
+    executor(spec, settings, timeout_min)   a submitit executor for the spec's cluster
+    job_state(spec)                         (state, reason): PENDING/RUNNING/... and Slurm's reason
+    cancel(spec)                            end the job now (scancel; local: the controller)
+
+The local executor's controller is started in a session of its own: the kernel's
+interrupt button signals the kernel's whole process group, and a detached job must not
+hear it (its stop goes through the stop file), nor die with the kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+from gpunb.errors import GpunbError
+
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+         "BOOT_FAIL", "DEADLINE", "FINISHED", "INTERRUPTED", "GONE")
+SLURM_PARAMETERS = ("partition", "account", "qos", "constraint", "comment", "mem", "mem_per_gpu",
+                    "cpus_per_task", "cpus_per_gpu", "exclusive", "nodelist", "exclude", "gres",
+                    "mail_type", "mail_user", "wckey", "dependency", "setup")
+CANCELLED_MARK = "cancelled"  # a file in the job folder: the job was cancelled from gpunb
+DEFAULT_TIMEOUT_MIN = 7 * 24 * 60  # a local job's limit when none is given (submitit's own is 2 minutes)
+
+
+def executor(spec, settings: dict, timeout_min: float):
+    """The submitit executor that runs `spec` (its folder is the job's submitit/ folder)."""
+    import submitit
+
+    folder = spec.submitit_dir
+    if spec.cluster == "local":
+        chosen = _DetachedLocalExecutor(folder, python=settings.get("python"))
+        chosen.update_parameters(timeout_min=timeout_min, tasks_per_node=spec.tasks_per_node,
+                                 gpus_per_node=spec.gpus_per_node, signal_delay_s=int(settings.get("signal_delay_s", 30)))
+        return chosen
+    if shutil.which("sbatch") is None:
+        raise GpunbError("cluster='slurm', and `sbatch` is not on this machine's PATH: this kernel cannot "
+                         "submit Slurm jobs.",
+                         "run the notebook on a machine of the cluster (a login node, or Jupyter started "
+                         "inside an allocation), or use `--detach` for a job on this machine.")
+    chosen = submitit.SlurmExecutor(folder, python=settings.get("python"))
+    parameters = {"nodes": spec.nodes, "ntasks_per_node": spec.tasks_per_node, "time": int(timeout_min),
+                  "signal_delay_s": int(settings.get("signal_delay_s", 90)), "job_name": spec.name,
+                  "stderr_to_stdout": True}
+    if spec.gpus_per_node:
+        parameters["gpus_per_node"] = spec.gpus_per_node
+    extra = {}
+    for key, value in settings.items():
+        if key in SLURM_PARAMETERS:
+            parameters[key] = value
+    for key, value in dict(settings.get("sbatch") or {}).items():
+        name = key.replace("-", "_")
+        if name in SLURM_PARAMETERS:
+            parameters[name] = value
+        else:
+            extra[name] = value
+    if extra:
+        parameters["additional_parameters"] = extra
+    chosen.update_parameters(**parameters)
+    return chosen
+
+
+def _DetachedLocalExecutor(folder, python=None):
+    from submitit.local import local
+
+    class DetachedLocalExecutor(local.LocalExecutor):
+        """submitit's LocalExecutor with its controller in a new session (see the module's docstring)."""
+
+        def _submit_command(self, command: str):
+            tasks = self.parameters.get("tasks_per_node", 1)
+            gpus = self.parameters.get("gpus_per_node", 0)
+            environment = dict(os.environ, SUBMITIT_LOCAL_NTASKS=str(tasks), SUBMITIT_LOCAL_COMMAND=command,
+                               SUBMITIT_LOCAL_TIMEOUT_S=str(int(60 * self.parameters.get("timeout_min", 2.0))),
+                               SUBMITIT_LOCAL_SIGNAL_DELAY_S=str(int(self.parameters.get("signal_delay_s", 30))),
+                               SUBMITIT_LOCAL_NODEID="0", SUBMITIT_LOCAL_JOB_NUM_NODES="1",
+                               SUBMITIT_STDERR_TO_STDOUT="1", SUBMITIT_EXECUTOR="local",
+                               SUBMITIT_LOCAL_WITH_SHELL="")
+            if gpus:
+                environment["CUDA_VISIBLE_DEVICES"] = ",".join(str(k) for k in range(gpus))
+            process = subprocess.Popen([sys.executable, "-m", "submitit.local._local", str(self.folder)],
+                                       env=environment, start_new_session=True)
+            return local.LocalJob(folder=self.folder, job_id=str(process.pid), process=process,
+                                  tasks=list(range(tasks)))
+
+    return DetachedLocalExecutor(folder, python=python)
+
+
+def job_state(spec) -> tuple[str, str | None]:
+    """(state, reason) of the job now: Slurm's PENDING/RUNNING/COMPLETED/CANCELLED... with
+    its reason while pending; a local job is RUNNING while its controller lives, else GONE."""
+    if spec.job_id is None:
+        return "SUBMITTING", None
+    if spec.cluster == "local":
+        return ("RUNNING" if _local_alive(spec) else "GONE"), None
+    return slurm_state(spec.job_id)
+
+
+def slurm_state(job_id: str) -> tuple[str, str | None]:
+    queued = _run(["squeue", "-h", "-j", str(job_id), "-o", "%T|%r"])
+    if queued:
+        state, _, reason = queued.splitlines()[0].partition("|")
+        return state.strip(), (reason.strip() if reason.strip() not in ("", "None") else None)
+    accounted = _run(["sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "State"])
+    if accounted:
+        return accounted.splitlines()[0].split()[0].strip(), None  # "CANCELLED by 0" -> CANCELLED
+    return "UNKNOWN", None
+
+
+def cancel(spec) -> None:
+    """End the job at once (its newest checkpoint stays on disk)."""
+    if spec.job_id is None:
+        return
+    (spec.path / CANCELLED_MARK).touch()  # how a local job that ended tells a cancel from a crash
+    if spec.cluster == "local":
+        if _local_alive(spec):
+            os.kill(int(spec.job_id), signal.SIGINT)  # the controller stops its tasks (SIGINT, then SIGKILL)
+        return
+    _run(["scancel", str(spec.job_id)])
+
+
+def _local_alive(spec) -> bool:
+    import psutil
+
+    try:
+        process = psutil.Process(int(spec.job_id))
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE and \
+            abs(process.create_time() - spec.job_started) < 1.0
+    except (psutil.Error, ValueError, TypeError):
+        return False
+
+
+def _run(command: list) -> str:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""

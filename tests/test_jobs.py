@@ -1,0 +1,298 @@
+"""A run as a job on this machine (submitit's local executor): the same weights as in the kernel,
+rows while it trains, stop, preemption and exact resume, attach, and the checks before submitting.
+
+Every test ends with no process of its job left (the `no_leftovers` fixture)."""
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import cloudpickle
+
+import psutil
+import pytest
+import torch
+from conftest import classification_data, mlp
+from torch import nn
+
+import gpunb
+from gpunb import Trainer
+from gpunb.errors import GpunbError
+from gpunb.runs import Registry
+
+pytest.importorskip("submitit")
+
+# The jobs import nothing from the tests (pytest's sys.path is not theirs): SlowLoss travels by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+SETTINGS = dict(accelerator="cpu", batch_size=16, log_every=4, seed=0)
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers(tmp_path):
+    """No job process (a controller or task running from this test's folders) outlives the test."""
+    yield
+    deadline = time.monotonic() + 15
+    while True:
+        # Every process, not only this one's children: a Slurm job's tasks are slurmd's.
+        left = [p for p in psutil.process_iter() if p.pid != os.getpid() and _in(p, str(tmp_path))]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for process in left:
+        process.kill()
+    assert not left, [p.cmdline() for p in left]
+
+
+def _in(process, text):
+    try:
+        return any(text in part for part in process.cmdline()) or text in process.cwd() or \
+            any(text in value for value in process.environ().values())
+    except psutil.Error:
+        return False
+
+
+def data():
+    return classification_data(n=128)
+
+
+def weights_equal(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def in_kernel(**overrides):
+    model = mlp()
+    Trainer(**{**SETTINGS, **overrides}, track=False).fit(model, data(), loss_fn=nn.CrossEntropyLoss())
+    return model
+
+
+class Watch:
+    """Records what a job's follower hands to callbacks."""
+
+    def __init__(self):
+        self.rows, self.jobs, self.ended = [], [], None
+
+    def on_job_state(self, state, job):
+        self.jobs.append(dict(job))
+
+    def on_log(self, state, row):
+        done = os.path.exists(os.path.join(self.jobs[-1]["folder"], "result.pt"))
+        self.rows.append((row["step"], done, time.time()))
+
+    def on_fit_end(self, state):
+        self.ended = state.result
+
+
+def test_detached_job_trains_the_kernels_weights_and_streams_its_rows():
+    watch = Watch()
+    model = mlp()
+    # SlowLoss (the same numbers, 50 ms a step) keeps the job training while its rows arrive.
+    result = Trainer(**SETTINGS, cluster="local", max_steps=24, name="same").fit(
+        model, data(), loss_fn=SlowLoss(), callbacks=[watch])
+    assert result.status == "completed" and result.steps == 24
+    assert weights_equal(model, in_kernel(max_steps=24))
+    steps = [step for step, _, _ in watch.rows]
+    assert steps == sorted(steps) and steps[-1] == 24 and len(steps) >= 6
+    assert any(not done for _, done, _ in watch.rows), "every row came after the job had finished"
+    assert watch.ended is result and result.model is model
+    run = Registry().get_run(result.job["run_id"])
+    assert run["status"] == "completed" and run["job"]["cluster"] == "local" and run["step"] == 24
+
+
+def test_two_task_job_matches_the_two_process_launch():
+    model = mlp()
+    result = Trainer(**SETTINGS, cluster="local", devices=2, max_steps=8, name="pair").fit(
+        model, data(), loss_fn=nn.CrossEntropyLoss())
+    assert result.world_size == 2 and len(result.per_rank) == 2
+    assert weights_equal(model, in_kernel(devices=2, max_steps=8))
+
+
+class StopAt:
+    """Asks the job to stop (its stop file, as the kernel's interrupt button does) at a step."""
+
+    def __init__(self, step):
+        self.step, self.folder = step, None
+
+    def on_job_state(self, state, job):
+        self.folder = job["folder"]
+
+    def on_log(self, state, row):
+        if row["step"] >= self.step:
+            open(os.path.join(self.folder, "stop"), "w").close()
+
+
+def test_stop_ends_the_job_with_a_checkpoint_and_its_weights():
+    model = mlp()
+    result = Trainer(**SETTINGS, cluster="local", max_steps=100_000, name="stopped").fit(
+        model, data(), loss_fn=nn.CrossEntropyLoss(), callbacks=[StopAt(8)])
+    assert result.status == "stopped" and 8 <= result.steps < 100_000
+    checkpoint = torch.load(result.checkpoint_path, weights_only=True)
+    assert checkpoint["step"] == result.steps
+    assert all(torch.equal(checkpoint["model"][k], v) for k, v in model.state_dict().items())
+    assert Registry().get_run(result.job["run_id"])["status"] == "stopped"
+
+
+class PreemptAt:
+    """Sends the job's task SIGUSR2 (submitit's preemption signal) at a step."""
+
+    def __init__(self, step):
+        self.step, self.folder, self.sent = step, None, False
+
+    def on_job_state(self, state, job):
+        self.folder = job["folder"]
+
+    def on_log(self, state, row):
+        if row["step"] >= self.step and not self.sent:
+            with open(os.path.join(self.folder, "events.jsonl")) as handle:
+                started = [json.loads(line) for line in handle if '"job_started"' in line]
+            os.kill(started[-1]["pid"], signal.SIGUSR2)
+            self.sent = True
+
+
+def test_preempted_job_checkpoints_requeues_and_resumes_exactly():
+    model = mlp()
+    result = Trainer(**SETTINGS, cluster="local", max_steps=40, name="preempted").fit(
+        model, data(), loss_fn=nn.CrossEntropyLoss(), callbacks=[PreemptAt(8)])
+    assert result.status == "completed" and result.steps == 40
+    assert result.resumed_from is not None and 8 <= result.resumed_from["step"] < 40
+    with open(os.path.join(result.job["folder"], "events.jsonl")) as handle:
+        kinds = [json.loads(line)["event"] for line in handle]
+    assert kinds.count("job_started") == 2 and kinds.count("requeued") == 1
+    steps = [row["step"] for row in result.history]
+    assert steps == sorted(set(steps)) and steps[-1] == 40
+    assert weights_equal(model, in_kernel(max_steps=40))
+
+
+def test_the_same_run_again_attaches_instead_of_resubmitting(gpunb_home):
+    first, second = mlp(), mlp()
+    one = Trainer(**SETTINGS, cluster="local", max_steps=8, name="again").fit(first, data(), loss_fn=nn.CrossEntropyLoss())
+    two = Trainer(**SETTINGS, cluster="local", max_steps=8, name="again").fit(second, data(), loss_fn=nn.CrossEntropyLoss())
+    assert not one.job["attached"] and two.job["attached"] and one.job["folder"] == two.job["folder"]
+    assert len(os.listdir(gpunb_home / "jobs")) == 1 and weights_equal(first, second)
+    three = Trainer(**SETTINGS, cluster="local", max_steps=8, name="again", resubmit=True).fit(
+        mlp(), data(), loss_fn=nn.CrossEntropyLoss())
+    assert three.job["folder"] != one.job["folder"] and len(os.listdir(gpunb_home / "jobs")) == 2
+
+
+def test_submit_returns_at_once_and_attach_brings_the_weights_back():
+    submitted = Trainer(**SETTINGS, cluster="local", max_steps=8, name="later").submit(
+        mlp(), data(), loss_fn=nn.CrossEntropyLoss())
+    assert submitted.status in ("queued", "running") and submitted.model is None
+    listed = {run["name"]: run for run in Registry().list_runs()}
+    assert listed["later"]["status"] in ("queued", "running") and listed["later"]["job"]["cluster"] == "local"
+    assert "later" in repr(gpunb.runs())
+    result = gpunb.attach("later")
+    assert result.status == "completed" and result.steps == 8
+    assert weights_equal(result.model, in_kernel(max_steps=8))
+
+
+def test_a_cancelled_job_is_reported_cancelled():
+    from gpunb.jobs import scheduler, spec as job_spec
+
+    submitted = Trainer(**SETTINGS, cluster="local", max_steps=1_000_000, name="cancelled").submit(
+        mlp(), data(), loss_fn=nn.CrossEntropyLoss())
+    spec = job_spec.load(submitted.job["folder"])
+    scheduler.cancel(spec)
+    result = gpunb.attach("cancelled")
+    assert result.status == "cancelled" and result.stop_reason == "cancelled"
+    assert Registry().get_run(spec.run_id)["status"] == "cancelled"
+
+
+def test_an_unpicklable_object_is_named_before_submitting(gpunb_home):
+    model = mlp()
+    model.guard = threading.Lock()
+    with pytest.raises(GpunbError, match=r"`model` holds a lock \(at `model.guard`\) that cannot be pickled, "
+                                         r"so it cannot be sent to the job"):
+        Trainer(**SETTINGS, cluster="local", max_steps=2).fit(model, data(), loss_fn=nn.CrossEntropyLoss())
+    assert not (gpunb_home / "jobs").exists() and Registry().list_runs() == []
+
+
+def test_data_too_large_to_ship_names_the_fix(tmp_path, monkeypatch, gpunb_home):
+    clusters = tmp_path / "clusters.toml"
+    clusters.write_text("[local]\nmax_ship_mb = 0.01\n")
+    monkeypatch.setenv("GPUNB_CLUSTERS", str(clusters))
+    x, y = classification_data(n=4096)
+    with pytest.raises(GpunbError) as caught:
+        Trainer(**SETTINGS, cluster="local", max_steps=2).fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss())
+    message = str(caught.value)
+    assert "more than the 0 MB a job is sent by value" in message and "'train_data'" in message
+    assert "a file system the job's nodes see" in message and str(clusters) in message
+    assert not (gpunb_home / "jobs").exists()
+
+
+def test_a_version_mismatch_ends_the_job_and_the_message_reaches_the_kernel(monkeypatch):
+    from gpunb.jobs import spec as job_spec, submit
+
+    real = job_spec.current_versions()
+    monkeypatch.setattr(submit, "current_versions", lambda: {**real, "torch": "1.0.0"})
+    with pytest.raises(GpunbError) as caught:
+        Trainer(**SETTINGS, cluster="local", max_steps=2, name="mismatch").fit(mlp(), data(),
+                                                                               loss_fn=nn.CrossEntropyLoss())
+    message = str(caught.value)
+    assert f"torch 1.0.0 in the notebook's kernel, {real['torch']} in the job" in message
+    assert "HINT:" in message and "Traceback" not in message
+    run = [r for r in Registry().list_runs() if r["name"] == "mismatch"][0]
+    assert run["status"] == "failed"
+
+
+def test_a_slurm_job_folder_must_be_on_a_shared_file_system(tmp_path, monkeypatch):
+    from gpunb.jobs import checks
+
+    monkeypatch.setattr(checks, "_nodes_are_this_host", lambda: False)
+    monkeypatch.setattr(checks, "file_system_type", lambda path: "ext4")
+    with pytest.raises(GpunbError, match=r"(?s)is on a local file system \(ext4\).*HINT: set `job_dir` under \[slurm\]"):
+        checks.check_shared(tmp_path, {})
+    checks.check_shared(tmp_path, {"shared_fs": True})
+    monkeypatch.setattr(checks, "file_system_type", lambda path: "nfs4")
+    checks.check_shared(tmp_path, {})
+
+
+def test_the_cluster_file_gives_defaults_and_refuses_unknown_keys(tmp_path, monkeypatch):
+    from gpunb.config import TrainConfig
+    from gpunb.jobs.submit import job_settings, timeout_minutes
+
+    clusters = tmp_path / "clusters.toml"
+    clusters.write_text('[slurm]\npartition = "gpu"\naccount = "team"\ntime = "2:00:00"\n[slurm.sbatch]\nmem = "8G"\n')
+    monkeypatch.setenv("GPUNB_CLUSTERS", str(clusters))
+    settings = job_settings(TrainConfig(cluster="slurm", slurm={"partition": "debug", "exclusive": ""}))
+    assert settings["partition"] == "debug" and settings["account"] == "team"
+    assert settings["sbatch"] == {"mem": "8G", "exclusive": ""}
+    assert timeout_minutes("slurm", settings) == 120 and timeout_minutes("slurm", {"time": "1-00:30:00"}) == 1470
+    clusters.write_text('[slurm]\npartiton = "gpu"\n')
+    with pytest.raises(GpunbError, match="unknown key"):
+        job_settings(TrainConfig(cluster="slurm"))
+
+
+class InterruptAt:
+    """Presses the kernel's interrupt button (SIGINT to this process) `times` times at a step."""
+
+    def __init__(self, step, times):
+        self.step, self.times, self.done = step, times, False
+
+    def on_log(self, state, row):
+        if row["step"] >= self.step and not self.done:
+            self.done = True
+            for _ in range(self.times):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.2)
+
+
+def test_the_interrupt_button_stops_the_job_and_a_second_press_cancels_it():
+    model = mlp()
+    result = Trainer(**SETTINGS, cluster="local", max_steps=100_000, name="interrupted").fit(
+        model, data(), loss_fn=nn.CrossEntropyLoss(), callbacks=[InterruptAt(8, times=1)])
+    assert result.status == "stopped" and result.steps < 100_000
+    checkpoint = torch.load(result.checkpoint_path, weights_only=True)
+    assert all(torch.equal(checkpoint["model"][k], v) for k, v in model.state_dict().items())
+    result = Trainer(**SETTINGS, cluster="local", max_steps=100_000, checkpoint_every=4, name="pressed-twice").fit(
+        mlp(), data(), loss_fn=SlowLoss(), callbacks=[InterruptAt(8, times=2)])
+    assert result.status == "cancelled" and Registry().get_run(result.job["run_id"])["status"] == "cancelled"
+
+
+class SlowLoss(nn.CrossEntropyLoss):
+    def forward(self, output, target):
+        time.sleep(0.05)
+        return super().forward(output, target)
