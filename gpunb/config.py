@@ -30,6 +30,7 @@ LOGGERS = ("csv", "tensorboard", "mlflow", "wandb")
 _LOGGER_ALIASES = {name: name for name in LOGGERS} | {"tb": "tensorboard", "w&b": "wandb"}
 ACCELERATORS = ("auto", "cuda", "mps", "cpu")
 STRATEGIES = ("ddp", "fsdp")
+OPTIMIZER_STATES = ("auto", "full", "8bit", "cpu")
 BACKENDS = ("auto", "nccl", "gloo")
 LOG_POINTS = 100  # log_every="auto" aims at about this many log points a run
 FALLBACK_LOG_EVERY = 50  # log_every="auto" when the run's length is unknown
@@ -72,6 +73,12 @@ class TrainConfig:
                                                 "optimizer) captured as one CUDA graph")
     activation_checkpointing: bool = setting(False, "recompute each child module's activations in backward "
                                                     "(saves memory)")
+    memory_plan: bool = setting(True, "take memory-saving measures when the estimate does not fit the budget "
+                                      "(runtime/memory/plan.py); False: only those set by hand")
+    memory_budget: Union[int, str, None] = setting(None, "bytes (or \"24GiB\") the run may use; None: the "
+                                                         "device's free memory")
+    optimizer_states: str = setting("auto", "\"auto\" (the memory plan's choice), \"full\", \"8bit\" (torchao) "
+                                            "or \"cpu\" (on the host)")
     lr: float | None = setting(None, "learning rate of the default AdamW (1e-3 when unset)", section="optimisation")
     clip_grad_norm: float | None = setting(None, "clip the global gradient norm to this value")
     lr_schedule: str = setting("none", "\"none\", \"one-cycle\" or \"cosine\" (with warmup)")
@@ -143,6 +150,10 @@ class TrainConfig:
             raise GpunbError(f"backend='nccl' connects CUDA GPUs, and accelerator={self.accelerator!r}.",
                              "use `backend='gloo'` (or 'auto') between CPU processes, or `accelerator='cuda'`.")
         self.batch_size = _positive_or_auto("batch_size", self.batch_size)
+        self.memory_budget = _byte_count("memory_budget", self.memory_budget)
+        self.optimizer_states = _choice("optimizer_states", self.optimizer_states,
+                                        {s: s for s in OPTIMIZER_STATES} | {"8-bit": "8bit", "host": "cpu"},
+                                        "use `auto`, `full`, `8bit` or `cpu`")
         self.num_workers = _count_or_auto("num_workers", self.num_workers)
         if self.devices != "all":
             self.devices = _positive_int("devices", self.devices)
@@ -344,6 +355,19 @@ def _positive_or_auto(name: str, value: Any) -> int | str:
         raise GpunbError(f"{name} must be a positive integer or 'auto', got {value!r}.",
                          f"pass e.g. `{name}=64` or `{name}='auto'`.")
     return value
+
+
+def _byte_count(name: str, value: Any) -> int | None:
+    """None, a positive int of bytes, or a string such as "24GiB" / "80 GB"."""
+    from gpunb.units import parse_bytes
+
+    if value is None:
+        return None
+    count = parse_bytes(value) if isinstance(value, str) else value
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise GpunbError(f"{name} must be a number of bytes or a size such as '24GiB', got {value!r}.",
+                         f"pass e.g. `{name}='24GiB'` (GiB, GB, MiB, MB also read), or None for the device's free memory.")
+    return count
 
 
 def _count_or_auto(name: str, value: Any) -> int | str:

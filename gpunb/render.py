@@ -59,6 +59,9 @@ def result_text(result) -> str:
     lines = [head, f"  {metrics}" if metrics else "  no metrics"]
     if result.frozen_params:  # a model with a frozen part (LoRA adapters on a base): what trained
         lines.append(f"  parameters: {parameters_text(result)}")
+    plan = getattr(result, "memory_plan", "")
+    if plan:  # the measures the memory plan took, and any an OOM added
+        lines.append(f"  {plan if plan.startswith('plan: ') else 'plan: ' + plan}")
     if result.oom_recoveries or result.skipped_steps:
         lines.append(f"  oom_recoveries={result.oom_recoveries} (micro-batch {result.micro_batch_size}), "
                      f"skipped_fp16_steps={result.skipped_steps}")
@@ -115,6 +118,8 @@ def summary_rows(r) -> list[tuple[str, str]]:
         rows.append(("peak memory", f"{r.peak_memory_mb:,.0f} MiB"))
     if r.energy_j is not None:
         rows.append(("energy", f"{r.energy_wh:.3f} Wh ({r.joules_per_sample:.4f} J/sample)"))
+    if getattr(r, "memory_plan", ""):
+        rows.append(("memory plan", r.memory_plan))
     if r.oom_recoveries:
         rows.append(("OOM recoveries", f"{r.oom_recoveries} (micro-batch now {r.micro_batch_size})"))
     if r.skipped_steps:
@@ -218,7 +223,10 @@ def summary_text(s) -> str:
     out; `summary_html` and the progress output show it."""
     head = (f"RunSummary({s.model!r}: {s.params:,} parameters ({s.trainable_params:,} trainable, "
             f"{s.frozen_params:,} frozen), batch {s.batch_size}, device={s.device}, precision={s.precision})")
-    return "\n".join([head, f"  FLOPs per sample: {flops_text(s)}", f"  memory: {memory_text(s)}"])
+    lines = [head, f"  FLOPs per sample: {flops_text(s)}", f"  memory: {memory_text(s)}"]
+    if getattr(s, "plan", ""):
+        lines.append(f"  {s.plan}")
+    return "\n".join(lines)
 
 
 def flops_text(s) -> str:
@@ -253,6 +261,8 @@ def summary_html(s) -> str:
                       f"{s.frozen_params:,} frozen)"),
             ("batch", f"{s.batch_size} on {s.device}, precision {s.precision}"),
             ("FLOPs per sample", flops_text(s)), ("memory", memory_text(s)), ("against", free_memory_text(s))]
+    if getattr(s, "plan", ""):
+        rows.append(("memory plan", s.plan))
     return f"<div class='gpunb-summary'>{html_table(rows, key_column=True)}</div>"
 
 

@@ -11,6 +11,7 @@ Rooms along the path of one step, each importing only those above it in this lis
     step/         one optimizer step: stepper, objective, precision, optimizer, schedule, EMA, compile
     validation/   when and how the weights are scored on held-out data; early stopping
     state/        checkpoints, resume, continue, rewind, the NaN guard, the run lock
+    memory/       the memory plan: measures under which a run fits, and the next one after an OOM
     setup.py      what every run needs before its first batch
     probes/       before the first step: preflight, batch size, LR finder, summary, peak FLOPS
     loop.py       run(): the training loop, top to bottom, with epoch.py, eta.py, interrupt.py,

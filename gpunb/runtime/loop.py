@@ -19,6 +19,7 @@ from gpunb.runtime.eta import EtaClock
 from gpunb.runtime.events import Callbacks
 from gpunb.runtime.feed.feeds import build_feed, closing, with_batch_size
 from gpunb.runtime.interrupt import InterruptFlag
+from gpunb.runtime.memory.measures import MemoryFallback, apply_plan, plan_run
 from gpunb.runtime.plan import Plan
 from gpunb.runtime.plan import length as plan_length
 from gpunb.runtime.probes.batch_size import BatchChoice, find_batch_size
@@ -126,10 +127,13 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
     feed, val_feed = _feeds(train, val, choice.size, device, config, dist)
     plan = _plan(config, ready, choice, feed, carried)
     validation.warn_unused(config, plan, val is not None, dist.rank)
-    schedule = _schedule(scheduler, optimizer, config, plan.total_steps, val_names, carried)
     # one forward + backward, undone; FSDP: the whole model's step may not fit on one device
     summary = summarize(model, optimizer, objective, precision, train, device, choice.size, config,
                         measure=not (dist.world_size > 1 and config.strategy == "fsdp"))
+    # measures chosen from the summary's estimate, before the schedule binds the optimizer
+    memory, optimizer = _memory_plan(summary, model, optimizer, objective, precision, config, dist, device,
+                                     scheduler, teardown, continuing=carried is not None or bool(config.resume))
+    schedule = _schedule(scheduler, optimizer, config, plan.total_steps, val_names, carried)
     # a continued fit goes on under the name of the fit it continues; the class: before FSDP renames it
     run_name = config.name or (carried.run_name if carried is not None else None) or type(model).__name__
     train_model, teardown.unwrap = wrap_model(model, config, dist, device)  # undone whatever happens next
@@ -146,6 +150,9 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
     # the state's marks: a profiler asks for the step's phases by name
     state.stepper = Stepper(train_model, optimizer, objective, precision, schedule, config, state.marks,
                             getattr(train_model, "no_sync", None), ema=ema)
+    if memory is not None and config.memory_plan:  # a real OOM the split cannot fix: the next measure
+        state.stepper.memory_fallback = MemoryFallback(memory, model, objective)
+        teardown.memory = _then(teardown.memory, state.stepper.memory_fallback.restore)
     run = _Run(config, plan, dist, state, Callbacks(list(user_callbacks)), model, train_model, objective,
                precision, feed, val_feed, state.stepper, best=state.best)
     _add_checkpointer_and_schedule(run, schedule)
@@ -158,6 +165,27 @@ def _prepare(config, dist, model, train_data, val_data, optimizer, scheduler, ob
     state.start_step, state.start_samples = state.step, state.samples_seen  # a resumed or continued fit counts on
     run.samples_at_log = state.samples_seen  # the first interval's samples/s counts from here
     return run
+
+
+def _memory_plan(summary, model, optimizer, objective, precision, config, dist, device, scheduler, teardown,
+                 continuing: bool):
+    """The memory plan (None: none made) and the optimizer to train with; its measures in place,
+    undone by the teardown, and said in the summary."""
+    memory = plan_run(summary, model, optimizer, objective, precision, config, dist, device, scheduler=scheduler,
+                      continuing=continuing)
+    if memory is not None and memory.measures:
+        optimizer, teardown.memory = apply_plan(memory, model, optimizer, objective)
+        summary.plan = memory.text()
+    return memory, optimizer
+
+
+def _then(first, second):
+    """Undo `second`, then `first` (either may be None)."""
+    def both():
+        second()
+        if first is not None:
+            first()
+    return both
 
 
 def _continuation(config, dist, model, optimizer, teardown, continue_from):
@@ -384,6 +412,13 @@ def _end_epoch(run: _Run, logged: list, timer) -> None:
     run.dist.sync_stop(state)  # ranks: a stop asked for at the epoch's end (early stopping) applies now
 
 
+def _memory_text(run: _Run) -> str:
+    """The summary's memory plan, and what an OOM added to it."""
+    fallback = run.stepper.memory_fallback
+    notes = fallback.notes if fallback is not None else []
+    return "; ".join(text for text in ((run.state.summary or {}).get("plan", ""), *notes) if text)
+
+
 def _result(run: _Run, timer) -> TrainResult:
     state, stepper = run.state, run.stepper
     device = state.device
@@ -393,6 +428,7 @@ def _result(run: _Run, timer) -> TrainResult:
         wall_time_s=timer.elapsed(), data_wait_s=timer.data_wait, validation_s=timer.validation,
         compute_s=max(0.0, timer.elapsed() - timer.data_wait - timer.validation),
         peak_memory_mb=peak, oom_recoveries=stepper.oom_recoveries, skipped_steps=run.precision.skipped_steps,
+        memory_plan=_memory_text(run),
         compilation=run.compilation.report(),
         ema_state_dict=stepper.ema.state_dict(to_cpu=True) if stepper.ema is not None else None,
         continue_state=continuing.capture(run, run.continued))

@@ -32,6 +32,7 @@ class TrainResult:
     validation_s: float = 0.0
     peak_memory_mb: float | None = None  # accelerator memory; None on CPU
     oom_recoveries: int = 0
+    memory_plan: str = ""  # the memory plan's measures and any taken after an OOM ("" when none)
     skipped_steps: int = 0  # fp16 steps skipped by the GradScaler (inf/NaN gradients)
     checkpoint_path: str | None = None
     best_checkpoint: str | None = None  # the best of the save_top_k checkpoints by best_monitor

@@ -195,7 +195,9 @@ class RunState:
         schedule, ema = self.schedule, self.ema
         return {"model": model, "optimizer": optimizer,
                 "frozen": frozen,  # None: `model` is the whole state; else the fingerprint of what it leaves out
-                "optimizer_type": type(self.optimizer).__name__ if self.optimizer is not None else None,
+                # the optimizer in backward saves the state of the optimizer it stands for (memory/in_backward.py)
+                "optimizer_type": (getattr(self.optimizer, "checkpoint_type", type(self.optimizer).__name__)
+                                   if self.optimizer is not None else None),
                 "scheduler": schedule.state_dict() if schedule is not None else None,
                 "scheduler_type": type(schedule.scheduler).__name__ if schedule is not None else None,
                 "ema": {"weights": ema.state_dict(), "updates": ema.updates} if ema is not None else None}

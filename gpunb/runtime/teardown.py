@@ -21,10 +21,11 @@ class Teardown:
         self.matmul_precision = torch.get_float32_matmul_precision()
         self.saved_globals = None  # set once seed_everything has changed them
         self.unwrap = None  # set once wrap_model has changed the module
+        self.memory = None  # set once the memory plan has taken measures (runtime/memory/measures.py)
         self.rollback = None  # a continued fit: puts what it moved back if it fails (runtime/state/continuing.py)
 
     def __call__(self, failed: bool, trained: bool = True) -> None:
-        steps = [self.unwrap] if self.unwrap is not None else []
+        steps = [undo for undo in (self.unwrap, self.memory) if undo is not None]
         if failed and self.rollback is not None:
             steps.append(lambda: self.rollback(announce=trained))  # after unwrapping: into the user's module
         if failed and not trained and self.device is not None:

@@ -3,8 +3,9 @@
 Everyday mistakes (float64 arrays from scikit-learn, float or (N, 1) labels for
 CrossEntropyLoss, features that do not match the first layer, a val_data of the wrong
 shape) otherwise surface as raw PyTorch errors deep in the loop, or only after a whole
-epoch. Here they cost one forward pass under no_grad, and the error says what the batch
-held, what the model expected, and the fix. Nothing is left changed: the buffers
+epoch. Here they cost one forward pass of CHECKED_SAMPLES samples under no_grad (a check
+never sets the run's memory peak); only when that fails does the whole batch go through,
+so that the error says what the batch held, what the model expected, and the fix. Nothing is left changed: the buffers
 (BatchNorm statistics), each module's train/eval mode and the RNGs are put back, so a
 run trains exactly as it would without the check.
 
@@ -22,11 +23,12 @@ from torch.utils.data import DataLoader
 from gpunb.errors import GpunbError
 from gpunb.runtime import device as devices
 from gpunb.runtime.feed.augmenter import apply_transforms
-from gpunb.runtime.feed.inputs import data_length, first_batch, is_mapping
+from gpunb.runtime.feed.inputs import batch_size_of, batch_tensors, data_length, first_batch, is_mapping, slice_batch
 from gpunb.runtime.probes import explain
 from gpunb.runtime.probes.explain import dtype_name
 
 AUTO_PROBE = 8  # samples in the checked batch under batch_size="auto" (the probe's first size)
+CHECKED_SAMPLES = 2  # samples of it that go through the model when all goes well (2: BatchNorm trains on >1)
 
 
 def preflight(model, train, val, objective, precision, device, config):
@@ -122,6 +124,9 @@ def _check_batch(model, objective, precision, data, device, config, what, traini
     if transforms:  # as the feed applies them (build_feed): the model sees transformed batches
         batch = apply_transforms(batch, transforms)
     model.train(training)
+    sample = small_sample(batch, CHECKED_SAMPLES)
+    if sample is not batch and _passes(model, objective, precision, sample, training):
+        return
     trace = explain.LayerTrace(model)
     try:
         with torch.no_grad(), precision.autocast(), trace:
@@ -137,6 +142,33 @@ def _check_batch(model, objective, precision, data, device, config, what, traini
         return  # training's own OOM handling (smaller micro-batches) takes it from here
     except Exception as error:
         _explain_failure(error, batch, model, objective, what, trace.failed_in_torch_layer(error))
+
+
+def small_sample(batch, samples: int):
+    """The first `samples` samples of `batch`, or the batch itself when it is no larger or its
+    tensors do not all hold one row per sample (it cannot be cut)."""
+    size = batch_size_of(batch)
+    shapes = [tuple(t.shape) for t in batch_tensors(batch)]
+    if size <= samples or not shapes or any(not shape or shape[0] != size for shape in shapes):
+        return batch
+    return slice_batch(batch, 0, samples)
+
+
+def _passes(model, objective, precision, sample, training: bool) -> bool:
+    """Whether `sample` goes through model and loss (an error: the whole batch explains it)."""
+    try:
+        with torch.no_grad(), precision.autocast():
+            if training:
+                objective.loss(model, sample)
+            else:
+                objective.evaluate(model, sample)
+                if objective.stateful is not None:
+                    objective.stateful.reset()
+    except torch.OutOfMemoryError:
+        return True  # training's own OOM handling (smaller micro-batches) takes it from here
+    except Exception:  # noqa: BLE001 - the whole batch runs next and explains the error
+        return False
+    return True
 
 
 def _name_the_data(error: GpunbError, batch, model, objective, what) -> GpunbError:

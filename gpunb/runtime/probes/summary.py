@@ -3,7 +3,12 @@
 One forward + backward of one micro-batch, at the batch size training will use, tells
 - the FLOPs per sample (torch.utils.flop_counter, the same on every machine);
 - the activations' memory: on CUDA the peak of that step above the weights and
-  gradients; elsewhere the tensors autograd saved for backward (saved_tensors_hooks).
+  gradients; elsewhere the tensors autograd saved for backward (saved_tensors_hooks);
+- the share of those saved inside the model's repeated blocks, and the blocks' inputs,
+  which the memory plan's activation checkpointing needs (runtime/memory/plan.py).
+The step runs on MEASURED_SAMPLES samples of the batch, not all of it, and the activations
+are scaled up to the batch: a check before training never sets the run's peak itself (with
+compile, a full eager step beforehand left its blocks cached beside the compiled step's).
 Weights and gradients are counted from the parameters; the optimizer's state from its
 tensors when it has some (a run that continues), else from its type (AdamW keeps two
 tensors the size of each parameter). Nothing is stepped: gradients, buffers, each
@@ -19,9 +24,12 @@ import torch
 
 from gpunb.runtime.feed.augmenter import apply_transforms
 from gpunb.runtime.feed.inputs import batch_size_of, first_batch, is_mapping, map_tensors
+from gpunb.runtime.memory.blocks import repeated_blocks
 from gpunb.runtime.probes.batch_size import count_flops
-from gpunb.runtime.probes.preflight import Untouched
+from gpunb.runtime.probes.preflight import Untouched, small_sample
 from gpunb.runtime.trainable import parameter_count
+
+MEASURED_SAMPLES = 2  # samples of the batch the step before training runs on
 
 # Tensors of a parameter's size each optimizer keeps per parameter (None: it depends).
 _STATES = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adadelta": 2, "Rprop": 2,
@@ -50,6 +58,11 @@ class RunSummary:
     ema_bytes: int = 0  # the weight average `ema` keeps: a copy of the trainable weights and buffers
     free_bytes: int | None = None  # free GPU memory, or the system's available memory on CPU
     memory_kind: str = "system"  # "GPU" or "system"
+    blocks: int = 0  # the model's repeated blocks (a transformer's layers)
+    block_class: str = ""
+    block_saved_bytes: int = 0  # of the activations, those saved inside the blocks
+    block_input_bytes: int = 0  # the blocks' inputs (what a checkpointed block keeps)
+    plan: str = ""  # the memory plan's measures ("" when none was needed)
 
     @property
     def params(self) -> int:
@@ -124,7 +137,8 @@ def summarize(model, optimizer, objective, precision, data, device, batch_size: 
 def dry_run(config, context, model, train_data, val_data=None, *, optimizer=None, loss_fn=None, step=None,
             metrics=None) -> RunSummary:
     """The summary fit would show, without training: fit's set-up and checks, the batch size
-    (an "auto" probe restores everything it touches), one forward + backward, undone.
+    (an "auto" probe restores everything it touches), one forward + backward, undone, and the
+    memory plan fit would take (raising, as fit does, when nothing can fit).
     No optimizer step, no checkpoint, no run in the registry; the model is moved to the device."""
     __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
     from gpunb.runtime.probes.batch_size import find_batch_size
@@ -139,7 +153,14 @@ def dry_run(config, context, model, train_data, val_data=None, *, optimizer=None
     if batch_size == "auto":
         batch_size = find_batch_size(model, ready.optimizer, objective, ready.precision, train, ready.device,
                                      config).size
-    return summarize(model, ready.optimizer, objective, ready.precision, train, ready.device, batch_size, config)
+    summary = summarize(model, ready.optimizer, objective, ready.precision, train, ready.device, batch_size, config)
+    from gpunb.runtime.memory.measures import plan_run
+
+    plan = plan_run(summary, model, ready.optimizer, objective, ready.precision, config, context, ready.device,
+                    continuing=bool(config.resume))
+    if plan is not None and plan.measures:
+        summary.plan = plan.text()  # what fit would take, not taken here
+    return summary
 
 
 def optimizer_state_bytes(optimizer) -> tuple[int | None, str]:
@@ -174,48 +195,78 @@ def free_memory(device) -> tuple[int | None, str]:
 
 
 def _measure(summary, model, objective, precision, data, device, batch_size, config) -> None:
-    """One forward + backward of a training micro-batch: FLOPs and activations. Nothing stays changed."""
+    """One forward + backward of a few samples of a training micro-batch: FLOPs and activations
+    (scaled to the batch). Nothing stays changed."""
+    _, blocks = repeated_blocks(model)
+    summary.blocks, summary.block_class = len(blocks), type(blocks[0]).__name__ if blocks else ""
     grads = [(p, p.grad) for p in model.parameters()]
-    saved = _SavedTensors(model)
     held = {}
+
+    # the batch is drawn inside too: a collate function or stream that draws random numbers
+    # (masking, random windows) would otherwise start training one batch ahead
+    with Untouched(model, device):
+        batch = map_tensors(first_batch(data, batch_size, device), torch.clone)  # transforms may work in place
+        if config.transforms:  # as the feed applies them: the model sees transformed batches
+            batch = apply_transforms(batch, config.transforms)
+        # tensors of its own (not views into the data), so that saved storages are the sample's
+        sample = map_tensors(small_sample(batch, MEASURED_SAMPLES), torch.clone)
+        try:
+            model.train()
+            try:
+                saved, flops = _step(model, objective, precision, sample, device, held)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception:  # noqa: BLE001 - a model that takes only whole batches: measured whole
+                if batch_size_of(sample) == batch_size_of(batch):
+                    raise
+                _restore(grads)
+                sample = map_tensors(batch, torch.clone)
+                saved, flops = _step(model, objective, precision, sample, device, held)
+        finally:
+            held.clear()
+            _restore(grads)
+        scale = batch_size_of(batch) / max(1, batch_size_of(sample))
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device) - saved.base - summary.gradients_bytes
+            summary.activations_bytes = round(max(0, peak) * scale)
+            summary.activations_note = "peak of one step above weights and gradients"
+        else:
+            summary.activations_bytes = round(saved.bytes * scale)
+            summary.activations_note = "tensors saved for backward in one step"
+        summary.block_saved_bytes = round(saved.block_bytes * scale)
+        summary.block_input_bytes = round(saved.block_inputs * scale)
+    summary.tokens_per_sample = tokens_per_sample(batch)
+    size = max(1, batch_size_of(sample))
+    forward_flops, backward_flops = flops
+    if forward_flops is not None:
+        summary.forward_flops = round(forward_flops / size)
+        if backward_flops is not None:
+            summary.train_flops = round((forward_flops + backward_flops) / size)
+
+
+def _step(model, objective, precision, batch, device, held):
+    """Forward and backward of `batch` under the FLOP counter and the saved-tensor count."""
+    _, blocks = repeated_blocks(model)
+    saved = _SavedTensors(model, blocks)
 
     def forward():
         with saved, precision.autocast():
             held["loss"] = objective.loss(model, batch)
 
-    # the batch is drawn inside too: a collate function or stream that draws random numbers
-    # (masking, random windows) would otherwise start training one batch ahead
-    with Untouched(model, device):
-        # a batch of its own (not a view into the data), so that saved storages are the batch's
-        batch = map_tensors(first_batch(data, batch_size, device), torch.clone)
-        if config.transforms:  # as the feed applies them: the model sees transformed batches
-            batch = apply_transforms(batch, config.transforms)
-        try:
-            model.train()
-            base = _start_peak(device)
-            forward_flops = count_flops(forward)
-            if "loss" not in held:  # the counter could not trace an op: run it plain
-                forward()
-            backward_flops = count_flops(lambda: held.pop("loss").backward())
-            if "loss" in held:
-                held.pop("loss").backward()
-        finally:
-            held.clear()
-            for param, grad in grads:
-                param.grad = grad
-        if device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(device) - base - summary.gradients_bytes
-            summary.activations_bytes = max(0, peak)
-            summary.activations_note = "peak of one step above weights and gradients"
-        else:
-            summary.activations_bytes = saved.bytes
-            summary.activations_note = "tensors saved for backward in one step"
-    summary.tokens_per_sample = tokens_per_sample(batch)
-    size = max(1, batch_size_of(batch))
-    if forward_flops is not None:
-        summary.forward_flops = round(forward_flops / size)
-        if backward_flops is not None:
-            summary.train_flops = round((forward_flops + backward_flops) / size)
+    saved.base = _start_peak(device)
+    forward_flops = count_flops(forward)
+    if "loss" not in held:  # the counter could not trace an op: run it plain
+        forward()
+    backward_flops = count_flops(lambda: held.pop("loss").backward())
+    if "loss" in held:
+        held.pop("loss").backward()
+    saved.remove()
+    return saved, (forward_flops, backward_flops)
+
+
+def _restore(grads) -> None:
+    for param, grad in grads:
+        param.grad = grad
 
 
 def tokens_per_sample(batch) -> int | None:
@@ -242,19 +293,39 @@ def _start_peak(device) -> int:
 
 
 class _SavedTensors(torch.autograd.graph.saved_tensors_hooks):
-    """Counts the bytes of the distinct storages autograd saves for backward, weights excepted."""
+    """Counts the bytes of the distinct storages autograd saves for backward, weights excepted,
+    and of those, the ones saved inside `blocks`; and the blocks' inputs."""
 
-    def __init__(self, model):
-        self.bytes = 0
+    def __init__(self, model, blocks=()):
+        self.bytes = self.block_bytes = self.block_inputs = self.base = 0
         self._seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._inside = 0
+        self._hooks = [hook for block in blocks for hook in (
+            block.register_forward_pre_hook(self._enter, with_kwargs=True),
+            block.register_forward_hook(self._leave, always_call=True))]
         super().__init__(self._pack, lambda tensor: tensor)
+
+    def _enter(self, module, args, kwargs):
+        if not self._inside and torch.is_grad_enabled():
+            first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            self.block_inputs += _nbytes(first) if first is not None else 0
+        self._inside += 1
+
+    def _leave(self, module, args, output):
+        self._inside -= 1
 
     def _pack(self, tensor):
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in self._seen:
             self._seen.add(storage.data_ptr())
             self.bytes += storage.nbytes()
+            if self._inside:
+                self.block_bytes += storage.nbytes()
         return tensor
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
 
 
 def _nbytes(tensor) -> int:

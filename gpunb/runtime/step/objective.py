@@ -41,6 +41,8 @@ class Objective:
                              "compute the loss inside `step(model, batch)`, or drop `step`.")
         check_kinds({"loss_fn": loss_fn, "step": step})
         self.loss_fn, self.step_fn = loss_fn, step
+        # the memory plan's loss for a model that computes its own (memory/chunked_loss.py); None: the model's
+        self.model_loss = None
         self.metrics, stateful = _metric_functions(metrics)
         self.stateful = StatefulMetrics(stateful) if stateful else None  # torchmetrics
         self.val_names = None  # the names evaluate() gave, once it has run (see monitor.py)
@@ -59,6 +61,8 @@ class Objective:
             output, target = self._forward(model, batch)
             loss_fn = self.loss_fn if loss_fn is None else loss_fn
             return _scalar(self._apply_loss(loss_fn, output, target), "loss_fn(output, target)")
+        if self.model_loss is not None:
+            return self.model_loss(model, batch)
         return _scalar(_call(model, batch), "the model's forward", tuples=True)
 
     def evaluate(self, model, batch, score: bool = True) -> dict[str, torch.Tensor]:

@@ -54,6 +54,8 @@ def blocker(stepper, world_size: int) -> str | None:
         return "gradient accumulation runs several backward passes a step"
     if stepper.precision.scaler is not None:
         return "fp16's loss scaler decides on the host whether to skip a step"
+    if getattr(optimizer, "steps_in_backward", False):
+        return "the optimizer steps inside backward, one parameter at a time (the memory plan)"
     if not isinstance(optimizer, torch.optim.Optimizer) or any("capturable" not in g for g in optimizer.param_groups):
         return f"the optimizer ({type(optimizer).__name__}) has no capturable mode"
     if stepper.schedule is not None and getattr(stepper.schedule.scheduler, "cycle_momentum", False):

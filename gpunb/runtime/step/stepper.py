@@ -69,6 +69,9 @@ class Stepper:
         self.replayed = False  # the engine took the whole step, update included
         self.failure = None  # (engine, error): the engine that failed, left for eager (compiling.py reports it)
         self._use(EagerEngine(model, objective))
+        # the memory plan's next measure after an OOM smaller micro-batches cannot fix (runtime/memory/measures.py)
+        self.memory_fallback = None
+        self.steps_taken = 0  # for the fallback's note
 
     def phase(self, name: str):
         """The profiler range of phase `name` while profiling, else a shared no-op context."""
@@ -186,6 +189,7 @@ class Stepper:
             torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad_norm)
 
     def _after_update(self) -> None:
+        self.steps_taken += 1
         if self.schedule is not None:
             self.schedule.after_step()
         if self.ema is not None:
@@ -259,7 +263,17 @@ class Stepper:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         size = self.objective.samples(batch)
-        if self.micro_batch_size(size) <= 1:
+        fallback = self.memory_fallback
+        cannot_split = self.micro_batch_size(size) <= 1 or (fallback is not None and not fallback.splittable)
+        if cannot_split and fallback is not None and fallback.next_measure(self.steps_taken + 1):
+            self.oom_recoveries += 1
+            return
+        if cannot_split and self.micro_batch_size(size) > 1:
+            raise GpunbError("Out of memory with the optimizer step fused into backward, which rules out smaller "
+                             "micro-batches (each piece would take a step of its own), and the memory plan has no "
+                             "measure left.", "pass a smaller `batch_size` (with `grad_accum=N` the plan keeps "
+                             "the optimizer step apart), or train fewer parameters (LoRA).")
+        if cannot_split:
             raise GpunbError("Out of memory even with a micro-batch of 1 sample.",
                              "the model itself does not fit: try `precision='bf16-mixed'`, "
                              "`activation_checkpointing=True`, a smaller model, or "
