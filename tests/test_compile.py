@@ -22,8 +22,11 @@ from gpunb.runtime.step.stepper import Stepper
 
 @pytest.fixture(autouse=True)
 def _no_compile_history(monkeypatch):
-    """Each test starts as a fresh kernel: no compile measured earlier in this process."""
+    """Each test starts as a fresh kernel: no compile measured earlier in this process, and no
+    code Dynamo compiled earlier (the same step code, with another test's backend, would be
+    reused by its cache, and forked ranks inherit that cache: their backend never ran)."""
     monkeypatch.setattr(compile_decision, "_measured_compile_s", {})
+    torch._dynamo.reset()
 
 
 def _data(n=256, seed=0):
