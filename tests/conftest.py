@@ -2,6 +2,7 @@ import base64
 import os
 import re
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,6 +61,22 @@ def charts_in(markup: str) -> list[str]:
 # Kernels started by the tests and by nbval inherit this: never the user's real registry,
 # even when the user's shell sets GPUNB_HOME (a default would keep theirs).
 os.environ["GPUNB_HOME"] = tempfile.mkdtemp(prefix="gpunb-test-home-")
+
+# The tutorials' kernels (nbval), quiet about optional libraries' notices at import. With torchao
+# installed, building any transformers model imports it; torchao then logs a warning for each of
+# its compiled extensions that does not match this torch build, and torch logs about the enums it
+# registers; bitsandbytes logs one for an optional kernel package it lacks. Those lines depend on
+# the machine's packages, not on the tutorial, so the kernels set those loggers to ERROR through an
+# IPython startup file in a temporary IPYTHONDIR. Everything else a tutorial prints is compared.
+_QUIET_IMPORTS = """\
+import logging
+for name in ("torchao", "torch.utils._pytree", "bitsandbytes"):
+    logging.getLogger(name).setLevel(logging.ERROR)
+"""
+_ipython = Path(tempfile.mkdtemp(prefix="gpunb-test-ipython-")) / "profile_default" / "startup"
+_ipython.mkdir(parents=True)
+(_ipython / "00-quiet-imports.py").write_text(_QUIET_IMPORTS)
+os.environ["IPYTHONDIR"] = str(_ipython.parent.parent)
 
 
 def pytest_addoption(parser):
