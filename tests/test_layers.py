@@ -40,7 +40,7 @@ RUNTIME_LAYERS = [
     {"memory"},  # the measures under which a run fits (the summary's probe finds the blocks with it)
     {"setup"},  # what a run needs before its first batch (the probes build trial runs with it)
     {"probes"},  # what a run learns about itself before its first step
-    {"epoch", "eta", "interrupt", "teardown", "result", "predict", "adapters", "loop", "__init__"},  # on top
+    {"epoch", "eta", "interrupt", "teardown", "result", "predict", "adapters", "prepare", "loop", "__init__"},  # on top
 ]
 
 

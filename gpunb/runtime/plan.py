@@ -2,7 +2,7 @@
 
 The config stays what was asked ("auto" batch size, "auto" precision, epochs counted from
 where a continued fit starts); the plan holds the answers, made once in set-up
-(loop._prepare) and read by the loop, the checkpoints, the callbacks and the result.
+(prepare.py) and read by the loop, the checkpoints, the callbacks and the result.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """setup(): what every run of the step needs before its first batch, built one way.
 
-fit (loop._prepare) and the learning-rate sweep (lr_find) both start here: the device,
+fit (prepare.py) and the learning-rate sweep (lr_find) both start here: the device,
 the precision (built once, with the loss scaler the context's strategy needs), the data
 in the forms the feed takes, the model on the device and its optimizer.
 """
