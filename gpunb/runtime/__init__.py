@@ -6,7 +6,8 @@ door, one layer up) picks the context and the default callbacks and calls it.
 Rooms along the path of one step, each importing only those above it in this list
 (docs/architecture.md maps every module):
 
-    events.py, context.py, device.py, roles.py, matching.py, trainable.py   the words every room uses
+    events.py, context.py, device.py, roles.py, matching.py, trainable.py,
+    run_state.py (RunState), plan.py (Plan)                              the words every room uses
     feed/         the user's data into batches on the training device
     step/         one optimizer step: stepper, objective, precision, optimizer, schedule, EMA, compile
     validation/   when and how the weights are scored on held-out data; early stopping
@@ -14,6 +15,7 @@ Rooms along the path of one step, each importing only those above it in this lis
     memory/       the memory plan: measures under which a run fits, and the next one after an OOM
     setup.py      what every run needs before its first batch
     probes/       before the first step: preflight, batch size, LR finder, summary, peak FLOPS
+    prepare.py    everything a fit needs before its first batch, in the order it is decided
     loop.py       run(): the training loop, top to bottom, with epoch.py, eta.py, interrupt.py,
                   teardown.py, result.py (TrainResult), predict.py (predict, evaluate) and
                   adapters.py (peft models at a fit's ends)
