@@ -29,7 +29,7 @@ _SCHEDULE_ALIASES = {"none": "none", "constant": "none", "one-cycle": "one-cycle
 LOGGERS = ("csv", "tensorboard", "mlflow", "wandb")
 _LOGGER_ALIASES = {name: name for name in LOGGERS} | {"tb": "tensorboard", "w&b": "wandb"}
 ACCELERATORS = ("auto", "cuda", "mps", "cpu")
-STRATEGIES = ("ddp", "fsdp")
+STRATEGIES = ("auto", "ddp", "fsdp")
 OPTIMIZER_STATES = ("auto", "full", "8bit", "cpu")
 BACKENDS = ("auto", "nccl", "gloo")
 LOG_POINTS = 100  # log_every="auto" aims at about this many log points a run
@@ -60,7 +60,8 @@ class TrainConfig:
     drop_last: bool = setting(False, "drop a final partial batch")
     accelerator: str = setting("auto", "\"auto\" (cuda > mps > cpu), \"cuda\", \"mps\" or \"cpu\"", section="hardware")
     devices: Union[int, str] = setting(1, "processes/devices to train on, or \"all\"")
-    strategy: str = setting("ddp", "with devices > 1: \"ddp\" (replicate) or \"fsdp\" (shard)")
+    strategy: str = setting("auto", "with devices > 1: \"auto\" (DDP, or FSDP when the memory estimate fits "
+                                    "only sharded), \"ddp\" (replicate) or \"fsdp\" (shard)")
     backend: str = setting("auto", "how the processes talk: \"auto\" (NCCL between GPUs, gloo between CPU "
                                    "processes), \"nccl\" or \"gloo\"; under \"gloo\" there may be more processes "
                                    "than GPUs (they share them: multi-process code on one GPU)")
@@ -143,7 +144,7 @@ class TrainConfig:
                                "use `'auto'`, `True`, `False`, `'reduce-overhead'` (CUDA graphs), `'max-autotune'` "
                                "or `'step-graph'` (the whole step as one CUDA graph)")
         self.strategy = _choice("strategy", self.strategy, {s: s for s in STRATEGIES},
-                                "use `ddp` or `fsdp`")
+                                "use `auto`, `ddp` or `fsdp`")
         self.backend = _choice("backend", self.backend, {b: b for b in BACKENDS},
                                "use `auto`, `nccl` or `gloo`")
         if self.backend == "nccl" and self.accelerator in ("cpu", "mps"):

@@ -59,6 +59,8 @@ def result_text(result) -> str:
     lines = [head, f"  {metrics}" if metrics else "  no metrics"]
     if result.frozen_params:  # a model with a frozen part (LoRA adapters on a base): what trained
         lines.append(f"  parameters: {parameters_text(result)}")
+    if auto_sharded(result):
+        lines.append(f"  strategy: fsdp — {result.strategy_reason}")
     plan = getattr(result, "memory_plan", "")
     if plan:  # the measures the memory plan took, and any an OOM added
         lines.append(f"  {plan if plan.startswith('plan: ') else 'plan: ' + plan}")
@@ -70,6 +72,11 @@ def result_text(result) -> str:
     if result.best_step is not None:
         lines.append(f"  best: {best_text(result)}")
     return "\n".join(lines)
+
+
+def auto_sharded(r) -> bool:
+    """strategy="auto" chose FSDP (the memory estimate fits only sharded): the result says why."""
+    return getattr(r, "strategy", None) == "fsdp" and getattr(r, "strategy_reason", "asked for") != "asked for"
 
 
 def parameters_text(r) -> str:
@@ -118,6 +125,8 @@ def summary_rows(r) -> list[tuple[str, str]]:
         rows.append(("peak memory", f"{r.peak_memory_mb:,.0f} MiB"))
     if r.energy_j is not None:
         rows.append(("energy", f"{r.energy_wh:.3f} Wh ({r.joules_per_sample:.4f} J/sample)"))
+    if auto_sharded(r):
+        rows.append(("strategy", f"fsdp — {r.strategy_reason}"))
     if getattr(r, "memory_plan", ""):
         rows.append(("memory plan", r.memory_plan))
     if r.oom_recoveries:
@@ -224,6 +233,8 @@ def summary_text(s) -> str:
     head = (f"RunSummary({s.model!r}: {s.params:,} parameters ({s.trainable_params:,} trainable, "
             f"{s.frozen_params:,} frozen), batch {s.batch_size}, device={s.device}, precision={s.precision})")
     lines = [head, f"  FLOPs per sample: {flops_text(s)}", f"  memory: {memory_text(s)}"]
+    if getattr(s, "strategy", ""):
+        lines.append(f"  {s.strategy}")
     if getattr(s, "plan", ""):
         lines.append(f"  {s.plan}")
     return "\n".join(lines)
@@ -261,6 +272,8 @@ def summary_html(s) -> str:
                       f"{s.frozen_params:,} frozen)"),
             ("batch", f"{s.batch_size} on {s.device}, precision {s.precision}"),
             ("FLOPs per sample", flops_text(s)), ("memory", memory_text(s)), ("against", free_memory_text(s))]
+    if getattr(s, "strategy", ""):
+        rows.append(("strategy", s.strategy.removeprefix("strategy: ")))
     if getattr(s, "plan", ""):
         rows.append(("memory plan", s.plan))
     return f"<div class='gpunb-summary'>{html_table(rows, key_column=True)}</div>"

@@ -10,6 +10,7 @@ on either (see runtime/context.py), so it reads the same in both cases:
     reduce_loss(mean_loss, state)  the log interval's one sync (and, in a group, its stop vote)
     sync_stop(state)               the vote alone, at an epoch's end
     reduce_sums(sums, count)       validation means over all ranks
+    use_strategy(strategy)         the strategy set-up resolved ("auto": FSDP when only sharded fits), before wrap
     wrap(model, device)            DDP, or FSDP2 sharding (then adopt_shards: the optimizer)
     grad_scaler                    FSDP's fp16 loss scaler, given to Precision when it is built
     state_dicts / load_*           checkpoints (FSDP gathers to rank 0 and scatters back)
@@ -37,7 +38,7 @@ class ProcessGroupRank:
         import torch.distributed as dist
 
         self.dist = dist
-        self.strategy = strategy
+        self.strategy = "ddp" if strategy == "auto" else strategy  # "auto": DDP unless set-up shards (use_strategy)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         self.device = torch.device("cpu")  # set by wrap(); where collectives' tensors live
@@ -73,6 +74,11 @@ class ProcessGroupRank:
         self._all_reduce(values)
         values = values.cpu()
         return dict(zip(sums, (values[:-1] / max(1.0, values[-1].item())).tolist()))
+
+    def use_strategy(self, strategy: str) -> None:
+        """The strategy set-up resolved (strategy="auto": the memory plan's choice); called before
+        wrap(), the same on every rank. The checkpoints and the weights returned read it too."""
+        self.strategy = strategy
 
     def wrap(self, model, device):
         self.device = device

@@ -97,7 +97,7 @@ def _join_group(rank: int, plan: Plan) -> None:
 
 
 def _fit(rank: int, plan: Plan, args: FitArgs, queue, stop) -> dict:
-    from gpunb.distributed.context import ProcessGroupRank, current_context
+    from gpunb.distributed.context import current_context
     from gpunb.runtime.device import select_device
     from gpunb.runtime.trainable import trainable_part
 
@@ -107,12 +107,13 @@ def _fit(rank: int, plan: Plan, args: FitArgs, queue, stop) -> dict:
         model.to(select_device(plan.accelerator, rank))
         optimizer.load_state_dict(optimizer.state_dict())
     callbacks = [Relay(queue, stop)] if rank == 0 else []
-    result = plan.entry(args.config, current_context(args.config), model, args.train_data, args.val_data,
+    context = current_context(args.config)  # after the fit it holds the strategy set-up resolved ("auto")
+    result = plan.entry(args.config, context, model, args.train_data, args.val_data,
                         optimizer=optimizer, scheduler=args.scheduler, loss_fn=args.loss_fn, step=args.step,
                         metrics=args.metrics, callbacks=callbacks, state_type=args.state_type)
     # Every rank takes part (FSDP gathers the shards); rank 0 writes the weights.
     returned_optimizer = optimizer if plan.return_optimizer else None
-    model_state, optimizer_state = ProcessGroupRank(args.config.strategy).state_dicts(model, returned_optimizer)
+    model_state, optimizer_state = context.state_dicts(model, returned_optimizer)
     if rank == 0:
         # The weight average travels in the file too: tensors sent over the queue would be shared
         # through file descriptors that die with this process. Frozen weights stay behind: the

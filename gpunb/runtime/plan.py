@@ -27,6 +27,8 @@ class Plan:
     total_steps: int | None = None  # optimizer steps the run will take, when known
     log_every: int = 1  # steps between metric reads (the only host syncs)
     compile: object = "auto"  # what was asked of torch.compile; compiling.py decides when (result.compilation)
+    strategy: str | None = None  # devices > 1: "ddp" or "fsdp" ("auto" resolved by the memory plan); None: one
+    strategy_reason: str = ""  # why: "asked for", or under "auto" the memory estimate's numbers
 
     @property
     def epoch_limit(self) -> int:
@@ -37,8 +39,9 @@ class Plan:
 
     def settings(self, config) -> dict:
         """The config as the run used it: the user's, with the decisions above filled in."""
+        strategy = {"strategy": self.strategy} if self.strategy is not None else {}
         return {**config.to_dict(), "batch_size": self.batch_size, "precision": self.precision,
-                "log_every": self.log_every, "epochs": self.epochs, "max_steps": self.max_steps}
+                "log_every": self.log_every, "epochs": self.epochs, "max_steps": self.max_steps, **strategy}
 
 
 def length(config, num_batches: int | None, continued=None) -> dict:

@@ -8,7 +8,7 @@ the step's engine, and what a continued or resumed fit loads. loop.py then train
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.utils.data import DataLoader
@@ -17,7 +17,7 @@ from gpunb.config import TrainConfig
 from gpunb.runtime.eta import EtaClock
 from gpunb.runtime.events import Callbacks
 from gpunb.runtime.feed.feeds import build_feed, with_batch_size
-from gpunb.runtime.memory.measures import MemoryFallback, apply_plan, plan_run
+from gpunb.runtime.memory.measures import MemoryFallback, apply_plan, plan_run, run_strategy
 from gpunb.runtime.plan import Plan
 from gpunb.runtime.plan import length as plan_length
 from gpunb.runtime.probes.batch_size import BatchChoice, find_batch_size
@@ -94,6 +94,7 @@ def prepare(config, dist, model, train_data, val_data, optimizer, scheduler, obj
     # measures chosen from the summary's estimate, before the schedule binds the optimizer
     memory, optimizer = _memory_plan(summary, model, optimizer, objective, precision, config, dist, device,
                                      scheduler, teardown, continuing=carried is not None or bool(config.resume))
+    plan, precision = _strategy(plan, config, dist, memory, summary, precision)  # before anything wraps the model
     schedule = _schedule(scheduler, optimizer, config, plan.total_steps, val_names, carried)
     # a continued fit goes on under the name of the fit it continues; the class: before FSDP renames it
     run_name = config.name or (carried.run_name if carried is not None else None) or type(model).__name__
@@ -138,6 +139,20 @@ def _memory_plan(summary, model, optimizer, objective, precision, config, dist, 
         optimizer, teardown.memory = apply_plan(memory, model, optimizer, objective)
         summary.plan = memory.text()
     return memory, optimizer
+
+
+def _strategy(plan, config, dist, memory, summary, precision):
+    """The plan with the strategy the run trains under (strategy="auto": FSDP when the memory plan
+    shards), the context told, and the precision rebuilt where FSDP's fp16 needs its own scaler."""
+    strategy, reason = run_strategy(config, dist.world_size, memory)
+    if strategy is None:
+        return plan, precision
+    dist.use_strategy(strategy)
+    if strategy == "fsdp" and config.strategy == "auto":
+        summary.strategy = f"strategy: fsdp — {reason}"
+        if precision.scaler is not None:  # built for DDP: FSDP skips a step on every rank together
+            precision = Precision(precision.name, precision.device, scaler_type=dist.grad_scaler)
+    return replace(plan, strategy=strategy, strategy_reason=reason), precision
 
 
 def _then(first, second):

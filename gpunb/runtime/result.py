@@ -21,6 +21,8 @@ class TrainResult:
     micro_batch_size: int = 0  # after OOM recovery (== batch_size when none happened)
     grad_accum: int = 1  # loaded batches per optimizer step
     world_size: int = 1
+    strategy: str | None = None  # devices > 1: "ddp" or "fsdp" (strategy="auto" resolved); None: one process
+    strategy_reason: str = ""  # "asked for", or under "auto" why: the memory estimate's numbers when it shards
     steps: int = 0
     start_step: int = 0  # the step this fit began at (> 0 when it resumed or continued a run)
     total_steps: int | None = None  # optimizer steps the run was set to take, when known
@@ -85,7 +87,8 @@ class TrainResult:
         if plan is not None:
             fields.update(precision=plan.precision, precision_reason=plan.precision_reason,
                           batch_size=plan.batch_size, batch_size_reason=plan.batch_size_reason,
-                          micro_batch_size=plan.batch_size, batch_probe=plan.batch_probe)
+                          micro_batch_size=plan.batch_size, batch_probe=plan.batch_probe,
+                          strategy=plan.strategy, strategy_reason=plan.strategy_reason)
         elif isinstance(state.config.batch_size, int):  # a launch that ended before rank 0 set up
             fields.update(batch_size=state.config.batch_size)
         return cls(**{**fields, **figures})

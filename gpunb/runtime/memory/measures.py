@@ -25,6 +25,7 @@ from gpunb.runtime.memory.plan import LOSS_CHUNKS, MEASURES, SAFETY, Footprint, 
 
 _ADAMS = ("Adam", "AdamW")
 _HYPER = ("lr", "betas", "eps", "weight_decay")
+_AUTO = "strategy='auto' shards only when DDP does not fit"  # FSDP left out of the DDP plan, for the second one
 
 
 def plan_run(summary, model, optimizer, objective, precision, config, dist, device, *,
@@ -52,13 +53,52 @@ def plan_run(summary, model, optimizer, objective, precision, config, dist, devi
         split = plan_memory(footprint, budget, unavailable, kept)
         if split.fits or split.fixed_after <= SAFETY * budget:
             plan = split
-    if not plan.fits and plan.fixed_after > SAFETY * budget:
+    over = not plan.fits and plan.fixed_after > SAFETY * budget
+    if may_shard(config, dist.world_size, unavailable):
+        # strategy="auto": every rank shards when any rank's DDP estimate is over (0 is the vote to shard)
+        if dist.smallest(0 if over else 1) == 0:
+            sharded = _sharded(footprint, budget, unavailable, kept)
+            if sharded.fits or sharded.fixed_after <= SAFETY * budget:
+                from gpunb.render import format_bytes  # only when it is said
+
+                sharded.strategy_reason = (f"DDP needs {format_bytes(plan.after)} per device of "
+                                           f"{format_bytes(budget)}; sharded: {format_bytes(sharded.after)}")
+                return sharded
+            over = True  # sharded too, the weights, gradients and states are over: said below
+    if over:
         sharded = None
-        if dist.world_size > 1 and config.strategy == "ddp":  # the switch is the user's: the message names it
-            allowed = {m: why for m, why in unavailable.items() if m != "fsdp"}
-            sharded = plan_memory(footprint, budget, allowed, (*kept, "fsdp"))
+        if dist.world_size > 1 and (config.strategy == "ddp" or
+                                    (config.strategy == "auto" and _why_not_sharded(config) is None)):
+            sharded = _sharded(footprint, budget, unavailable, kept)  # the switch is the user's: the message names it
         raise does_not_fit(plan, footprint, sharded)
     return plan
+
+
+def may_shard(config, world_size: int, unavailable: dict) -> bool:
+    """Whether this run decides DDP or FSDP itself (strategy="auto"), from the estimate."""
+    return world_size > 1 and config.strategy == "auto" and config.memory_plan and unavailable.get("fsdp") == _AUTO
+
+
+def _sharded(footprint, budget, unavailable, kept) -> Plan:
+    """The plan with FSDP sharding, and what else it needs."""
+    allowed = {m: why for m, why in unavailable.items() if m != "fsdp"}
+    return plan_memory(footprint, budget, allowed, (*kept, "fsdp"))
+
+
+def run_strategy(config, world_size: int, memory: Plan | None) -> tuple[str | None, str]:
+    """The strategy the run trains under (None: one process) and why: the one asked for, or under
+    "auto" DDP unless the memory plan shards (then the plan says the numbers)."""
+    if world_size < 2:
+        return None, ""
+    if config.strategy != "auto":
+        return config.strategy, "asked for"
+    if memory is not None and memory.has("fsdp"):
+        return "fsdp", memory.strategy_reason
+    if not config.memory_plan:
+        return "ddp", "auto: memory_plan=False keeps DDP"
+    if memory is None:
+        return "ddp", "auto: no memory budget known"
+    return "ddp", "auto: the whole model fits on each device"
 
 
 def kept_measures(config, world_size: int) -> tuple:
@@ -132,12 +172,24 @@ def unavailable_measures(model, optimizer, objective, precision, config, world_s
         out["states_cpu"] = "the states are in host memory already"
     if "bf16_weights" not in out and precision.name != "bf16-mixed":
         out["bf16_weights"] = "bf16 weights need bf16 autocast (`precision='bf16-mixed'`)"
-    # switching a DDP run to FSDP mid-set-up is not done: the plan names it, the user passes it
+    # FSDP is never one measure among others: "ddp" is the user's (the message names the switch);
+    # "auto" shards only when DDP does not fit (plan_run)
     if world_size < 2:
         out["fsdp"] = "one device"
     elif config.strategy == "ddp":
         out["fsdp"] = "pass `strategy='fsdp'` to shard"
+    elif config.strategy == "auto":
+        out["fsdp"] = _why_not_sharded(config) or _AUTO
     return out
+
+
+def _why_not_sharded(config) -> str | None:
+    """What rules FSDP out under strategy="auto" (distributed/context.py refuses it when asked for)."""
+    if config.batch_size == "auto":
+        return "batch_size='auto' probes the whole model on one device"
+    if config.ema is not None:
+        return "ema keeps whole parameters beside the shards"
+    return None
 
 
 def _why_not_replaced(optimizer, scheduler, continuing) -> str | None:

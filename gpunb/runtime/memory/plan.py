@@ -88,6 +88,7 @@ class Plan:
     kept: tuple = ()  # measures the user set by hand
     unavailable: dict = field(default_factory=dict)  # measure -> why it could not be used
     fixed_after: int = 0  # the part of `after` no smaller micro-batch can shrink
+    strategy_reason: str = ""  # strategy="auto" that shards: DDP's estimate per device against the sharded one
 
     @property
     def names(self) -> tuple:

@@ -63,6 +63,7 @@ class RunSummary:
     block_saved_bytes: int = 0  # of the activations, those saved inside the blocks
     block_input_bytes: int = 0  # the blocks' inputs (what a checkpointed block keeps)
     plan: str = ""  # the memory plan's measures ("" when none was needed)
+    strategy: str = ""  # strategy="auto" that shards: "strategy: fsdp — DDP needs ... per device of ...; sharded: ..."
 
     @property
     def params(self) -> int:
@@ -88,7 +89,7 @@ class RunSummary:
 
     @classmethod
     def from_plain(cls, plain: dict) -> "RunSummary":
-        return cls(**{f.name: plain[f.name] for f in fields(cls)})
+        return cls(**{f.name: plain[f.name] for f in fields(cls) if f.name in plain})  # older: fewer
 
     def __repr__(self) -> str:
         from gpunb.render import summary_text
@@ -160,6 +161,8 @@ def dry_run(config, context, model, train_data, val_data=None, *, optimizer=None
                     continuing=bool(config.resume))
     if plan is not None and plan.measures:
         summary.plan = plan.text()  # what fit would take, not taken here
+    if plan is not None and plan.strategy_reason:  # strategy="auto" would shard
+        summary.strategy = f"strategy: fsdp — {plan.strategy_reason}"
     return summary
 
 

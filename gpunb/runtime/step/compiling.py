@@ -63,7 +63,7 @@ class Compilation:
         elif self.requested != "auto":
             self._compile(self.requested, at_step=0, validation=True)
             self.info["reason"] = f"compile={self.requested!r}"
-        elif blocker := auto_blocker(device, self.world_size, total_steps, config.strategy):
+        elif blocker := auto_blocker(device, self.world_size, total_steps, getattr(dist, "strategy", "ddp")):
             self.info["reason"] = blocker
         else:
             self.timings = StepTimings(device)  # started at on_fit_start, from the step the fit starts at
