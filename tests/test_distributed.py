@@ -7,6 +7,7 @@ failures, interrupts, the torchrun export; and after every test, no child proces
 import gc
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -221,6 +222,43 @@ def test_fsdp_fp16_skips_a_step_on_every_rank_when_one_shard_overflows():
                      **CPU2).fit(model, (x, y), loss_fn=nn.CrossEntropyLoss())
     assert result.skipped_steps == 1 and [t["steps"] for t in result.per_rank] == [8, 8]
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class ShardProbe(nn.Module):
+    """1.03 MiB of weights; its buffer notes whether it trained sharded (FSDP2 renames the class)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(10, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 3))
+        self.register_buffer("sharded", torch.zeros(()))
+
+    def forward(self, x):
+        if self.training:
+            self.sharded.fill_(float(type(self).__name__.startswith("FSDP")))
+        return self.body(x)
+
+
+def test_auto_shards_a_run_that_fits_only_sharded_and_says_why():
+    data = classification_data(n=128)
+
+    def run(budget):
+        model = ShardProbe()
+        result = Trainer(batch_size=16, memory_budget=budget, **CPU2).fit(model, data, loss_fn=nn.CrossEntropyLoss())
+        return model, result
+
+    # weights, gradients and AdamW's two states: 4.1 MiB whole on each device, over 0.9 x 3 MiB; half each sharded
+    sharded, result = run("3MiB")
+    assert sharded.sharded.item() == 1.0 and result.steps == 4 and type(sharded.body[0].weight) is nn.Parameter
+    assert result.strategy == "fsdp" and result.config["strategy"] == "fsdp"
+    assert re.fullmatch(r"DDP needs 4\.\d MiB per device of 3\.0 MiB; sharded: 2\.\d MiB", result.strategy_reason)
+    assert f"  strategy: fsdp — {result.strategy_reason}\n  plan: FSDP sharding over 2 devices" in repr(result)
+    assert result.summary.strategy == f"strategy: fsdp — {result.strategy_reason}"
+    # a budget DDP fits: DDP as before, and the same training
+    replicated, result = run("64MiB")
+    assert replicated.sharded.item() == 0.0 and result.strategy == "ddp" and "strategy:" not in repr(result)
+    assert result.strategy_reason == "auto: the whole model fits on each device"
+    assert_same_weights(sharded.body, replicated.body)
 
 
 # --------------------------------------------------------------------------- start methods

@@ -373,11 +373,86 @@ def test_a_ddp_run_that_fits_only_sharded_is_told_to_shard():
                          optimizer_bytes=200 * MiB, activations_bytes=10 * MiB, free_bytes=0)
     with pytest.raises(GpunbError) as error:
         plan_run(summary, model, torch.optim.AdamW(model.parameters()), Objective(nn.MSELoss()),
-                 Precision("32", torch.device("cpu")), TrainConfig(memory_budget=200 * MiB), FourRanks(),
-                 torch.device("cpu"))
+                 Precision("32", torch.device("cpu")), TrainConfig(memory_budget=200 * MiB, strategy="ddp"),
+                 FourRanks(), torch.device("cpu"))
     # 400 MiB whole on each device; a quarter each sharded: 100 + 10 of activations
     assert "Sharded with FSDP the estimate is 110.0 MiB" in str(error.value)
     assert "pass `strategy='fsdp'`" in error.value.hint
+
+
+class FourRanks:
+    """What plan_run asks of a process group's context; `others`: the other ranks' smallest vote (0: shard)."""
+
+    world_size = 4
+
+    def __init__(self, others=1):
+        self.others, self.asked = others, []
+
+    def smallest(self, value):
+        self.asked.append(value)
+        return min(value, self.others) if len(self.asked) > 1 else value  # the first: the budget
+
+
+def planned(budget, ranks=None, **options):
+    """plan_run on 4 ranks, each with 100 MiB of weights, 100 of gradients, 200 of AdamW states and
+    10 of activations (no repeated blocks, no other measure: torchao and the rest are one-device)."""
+    from gpunb.config import TrainConfig
+    from gpunb.runtime.memory.measures import plan_run, run_strategy
+    from gpunb.runtime.probes.summary import RunSummary
+    from gpunb.runtime.step.objective import Objective
+    from gpunb.runtime.step.precision import Precision
+
+    model = nn.Linear(8, 8)
+    summary = RunSummary("M", 64, 0, 8, "cpu", "32", weights_bytes=100 * MiB, gradients_bytes=100 * MiB,
+                         optimizer_bytes=200 * MiB, activations_bytes=10 * MiB, free_bytes=0)
+    config = TrainConfig(memory_budget=budget, batch_size=8, **options)
+    plan = plan_run(summary, model, torch.optim.AdamW(model.parameters()), Objective(nn.MSELoss()),
+                    Precision("32", torch.device("cpu")), config, ranks or FourRanks(), torch.device("cpu"))
+    return plan, run_strategy(config, 4, plan)
+
+
+def test_auto_shards_when_only_the_sharded_estimate_fits():
+    # DDP: 100 + 100 + 200 + 10 = 410 MiB a device, over 0.9 x 200; FSDP: 400 / 4 + 10 = 110 MiB, within
+    plan, (strategy, reason) = planned(200 * MiB)
+    assert plan.names == ("fsdp",) and plan.fits and plan.after == 110 * MiB
+    assert strategy == "fsdp" and reason == "DDP needs 410.0 MiB per device of 200.0 MiB; sharded: 110.0 MiB"
+    assert plan.text() == "plan: FSDP sharding over 4 devices: 110.0 MiB of 200.0 MiB; expected step time +10%"
+
+
+def test_auto_keeps_ddp_when_the_whole_model_fits_on_each_device():
+    ranks = FourRanks()
+    plan, (strategy, reason) = planned(500 * MiB, ranks)  # 410 MiB within 0.9 x 500 = 450
+    assert plan.names == () and plan.fits and plan.after == 410 * MiB
+    assert (strategy, reason) == ("ddp", "auto: the whole model fits on each device")
+    assert ranks.asked == [500 * MiB, 1]  # the budget, then this rank's vote: no need to shard
+
+
+def test_auto_shards_on_every_rank_when_another_rank_does_not_fit():
+    plan, (strategy, _) = planned(500 * MiB, FourRanks(others=0))  # fits here; another rank voted to shard
+    assert plan.has("fsdp") and strategy == "fsdp"
+
+
+def test_auto_with_no_fit_even_sharded_says_so_and_explicit_ddp_keeps_its_message():
+    with pytest.raises(GpunbError, match="does not fit in memory, even with every measure") as error:
+        planned(100 * MiB)  # sharded: 110 MiB, over 0.9 x 100
+    assert "pass `strategy='fsdp'`" not in error.value.hint
+    with pytest.raises(GpunbError, match="under DDP") as error:
+        planned(200 * MiB, strategy="ddp")
+    assert "pass `strategy='fsdp'` (`--strategy fsdp`)" in error.value.hint
+
+
+def test_auto_keeps_ddp_without_a_plan_or_where_fsdp_cannot_train():
+    from gpunb.config import TrainConfig
+    from gpunb.runtime.memory.measures import run_strategy
+
+    with pytest.raises(GpunbError, match="under DDP"):  # memory_plan=False: DDP, the old message
+        planned(200 * MiB, memory_plan=False, activation_checkpointing=True)
+    with pytest.raises(GpunbError, match="does not fit in memory, even") as error:  # ema: no FSDP
+        planned(200 * MiB, ema=0.99)
+    assert "ema keeps whole parameters" not in str(error.value)
+    assert run_strategy(TrainConfig(memory_plan=False), 4, None) == ("ddp", "auto: memory_plan=False keeps DDP")
+    assert run_strategy(TrainConfig(strategy="fsdp"), 4, None) == ("fsdp", "asked for")
+    assert run_strategy(TrainConfig(), 1, None) == (None, "")
 
 
 def test_a_run_with_the_step_in_backward_resumes_from_its_checkpoint(tmp_path):
