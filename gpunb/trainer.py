@@ -29,7 +29,8 @@ class Trainer:
     `config` is a TrainConfig; keyword overrides are applied on top of it.
 
     With `devices=N` (or "all") fit starts one process per device and trains under
-    DDP (`strategy="fsdp"`: sharded); each process reads its own share of the data.
+    DDP, or sharded with FSDP when only the sharded memory estimate fits (`strategy="auto"`;
+    "ddp" or "fsdp" to choose); each process reads its own share of the data.
     `batch_size` is per device, so an optimizer step sees batch_size x grad_accum x N
     samples. The learning rate is never scaled for you: when moving from one device to
     N, raise `lr` yourself if the larger batch calls for it. Under torchrun (or any
