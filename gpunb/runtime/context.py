@@ -7,7 +7,6 @@ version. This one lives here so that a one-process run needs nothing from above.
     reduce_loss(mean_loss, state)  the log interval's one sync
     sync_stop(state)               a stop vote at an epoch's end (nothing to vote on here)
     reduce_sums(sums, count)       validation means
-    use_strategy(strategy)         the strategy set-up resolved (nothing to use here)
     wrap(model, device)            the model the loop calls (here: the model itself)
     adopt_shards(optimizer)        after wrap: point the optimizer at sharded parameters (nothing here)
     grad_scaler                    the fp16 loss scaler's class for Precision (None: torch's own)
@@ -45,9 +44,6 @@ class LocalContext:
             return {}
         values = torch.stack([v.float() for v in sums.values()]).cpu() / max(1, count)
         return dict(zip(sums, values.tolist()))
-
-    def use_strategy(self, strategy) -> None:
-        pass
 
     def wrap(self, model, device):
         return model
