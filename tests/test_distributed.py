@@ -261,6 +261,18 @@ def test_auto_shards_a_run_that_fits_only_sharded_and_says_why():
     assert_same_weights(sharded.body, replicated.body)
 
 
+def test_auto_sharded_fp16_skips_a_step_on_every_rank_when_one_shard_overflows():
+    # the precision was built for DDP before the plan sharded (its rebuild: test_memory_plan.py)
+    x, y = classification_data(n=256)
+    x[37] = float("inf")  # in rank 1's share of the third step only
+    model = ShardProbe()
+    result = Trainer(batch_size=16, shuffle=False, precision="16-mixed", detect_nan=False, memory_budget="3MiB",
+                     **CPU2).fit(model, (x, y), loss_fn=nn.CrossEntropyLoss())
+    assert result.strategy == "fsdp" and model.sharded.item() == 1.0
+    assert result.skipped_steps == 1 and [t["steps"] for t in result.per_rank] == [8, 8]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 # --------------------------------------------------------------------------- start methods
 
 CELL = '''

@@ -477,3 +477,37 @@ def test_the_step_in_backward_is_not_captured_as_one_cuda_graph():
                               config=SimpleNamespace(grad_accum=1), schedule=None)
     assert blocker(stepper, 1) == "the optimizer steps inside backward, one parameter at a time (the memory plan)"
     optimizer.close()
+
+
+def test_a_run_auto_shards_tells_its_context_and_takes_fsdps_loss_scaler():
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from gpunb.config import TrainConfig
+    from gpunb.runtime.plan import Plan
+    from gpunb.runtime.prepare import _strategy
+    from gpunb.runtime.probes.summary import RunSummary
+    from gpunb.runtime.step.precision import Precision
+
+    class TwoRanks:  # the part of a process group's context that _strategy uses
+        world_size, strategy = 2, "ddp"
+
+        def use_strategy(self, strategy):
+            self.strategy = strategy
+
+        @property
+        def grad_scaler(self):
+            return ShardedGradScaler if self.strategy == "fsdp" else None
+
+    sharded, _ = planned(200 * MiB)
+    cpu = torch.device("cpu")
+    summary, dist, plan = RunSummary("M", 64, 0, 8, "cpu", "16-mixed"), TwoRanks(), Plan(cpu, "16-mixed", "", 8)
+    plan, precision = _strategy(plan, TrainConfig(), dist, sharded, summary, Precision("16-mixed", cpu))
+    assert dist.strategy == plan.strategy == "fsdp" and isinstance(precision.scaler, ShardedGradScaler)
+    assert plan.strategy_reason == sharded.strategy_reason and plan.settings(TrainConfig())["strategy"] == "fsdp"
+    assert summary.strategy == f"strategy: fsdp — {sharded.strategy_reason}"
+    assert f"\n  {summary.strategy}" in repr(summary)
+    kept, _ = planned(500 * MiB)  # DDP fits: the context and the precision stay as they were
+    dist, before = TwoRanks(), Precision("16-mixed", cpu)
+    plan, precision = _strategy(Plan(cpu, "16-mixed", "", 8), TrainConfig(), dist, kept, RunSummary(
+        "M", 64, 0, 8, "cpu", "16-mixed"), before)
+    assert (dist.strategy, plan.strategy, precision) == ("ddp", "ddp", before)
