@@ -100,6 +100,7 @@ def test_detached_job_trains_the_kernels_weights_and_streams_its_rows():
     assert watch.ended is result and result.model is model
     run = Registry().get_run(result.job["run_id"])
     assert run["status"] == "completed" and run["job"]["cluster"] == "local" and run["step"] == 24
+    assert run["job"]["state"] not in ("PENDING", None)  # the scheduler's view followed the job past its queue
 
 
 def test_two_task_job_matches_the_two_process_launch():

@@ -183,8 +183,8 @@ class Follower:
         if (state, reason) == self.scheduler_state:
             return
         self.scheduler_state = (state, reason)
-        if self.registry is not None and state not in ("RUNNING", "COMPLETED"):
-            try:  # the job's own recorder writes a running run; the scheduler's view fills the rest
+        if self.registry is not None:
+            try:  # the job's own recorder writes the run's status once it runs; the scheduler's state is ours
                 status = "queued" if state in ("PENDING", "REQUEUED", "CONFIGURING") else None
                 self.registry.set_job(self.spec.run_id, {"state": state, "reason": reason}, status=status)
             except Exception:
