@@ -269,7 +269,7 @@ class Follower:
 
         if self.registry is not None:
             try:
-                self.registry.set_job(self.spec.run_id, {"state": "CANCELLED"}, status="cancelled")
+                self.registry.set_job(self.spec.run_id, {"state": "CANCELLED", "reason": None}, status="cancelled")
             except Exception:
                 pass
         found = list_checkpoints(self.spec.checkpoint_dir)
