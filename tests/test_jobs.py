@@ -6,6 +6,7 @@ Every test ends with no process of its job left (the `no_leftovers` fixture)."""
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -100,6 +101,7 @@ def test_detached_job_trains_the_kernels_weights_and_streams_its_rows():
     assert watch.ended is result and result.model is model
     run = Registry().get_run(result.job["run_id"])
     assert run["status"] == "completed" and run["job"]["cluster"] == "local" and run["step"] == 24
+    assert run["job"]["state"] not in ("PENDING", None)  # the scheduler's view followed the job past its queue
 
 
 def test_two_task_job_matches_the_two_process_launch():
@@ -290,6 +292,74 @@ def test_the_interrupt_button_stops_the_job_and_a_second_press_cancels_it():
     result = Trainer(**SETTINGS, cluster="local", max_steps=100_000, checkpoint_every=4, name="pressed-twice").fit(
         mlp(), data(), loss_fn=SlowLoss(), callbacks=[InterruptAt(8, times=2)])
     assert result.status == "cancelled" and Registry().get_run(result.job["run_id"])["status"] == "cancelled"
+
+
+class GpuWatch:
+    """Records the GPU samples a job's follower hands over, and whether the job had finished by then."""
+
+    def __init__(self):
+        self.samples, self.folder = [], None
+
+    def on_job_state(self, state, job):
+        self.folder = job["folder"]
+
+    def on_gpu_samples(self, state, samples):
+        done = os.path.exists(os.path.join(self.folder, "result.pt"))
+        self.samples += [(sample, done) for sample in samples]
+
+
+def test_each_nodes_gpu_samples_reach_the_kernel_while_the_job_runs_and_give_its_energy(monkeypatch):
+    # The job's processes get two fake GPUs from tests/fake_gpus/sitecustomize.py (NVML is absent here).
+    fake_gpus = os.path.join(os.path.dirname(__file__), "fake_gpus")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([fake_gpus, os.environ.get("PYTHONPATH", "")]))
+    watch = GpuWatch()
+    result = Trainer(**SETTINGS, cluster="local", gpus_per_node=2, max_steps=64, name="gpus").fit(
+        mlp(), data(), loss_fn=SlowLoss(), callbacks=[watch])
+    assert result.status == "completed" and result.world_size == 2
+    folder = result.job["folder"]
+    assert sorted(name for name in os.listdir(folder) if name.startswith("gpus-")) == ["gpus-0.jsonl"]
+    with open(os.path.join(folder, "gpus-0.jsonl")) as handle:
+        lines = [json.loads(line) for line in handle]
+    written = [sample for line in lines for sample in line["samples"]]
+    assert [sample for sample, _ in watch.samples] == [{"node": 0, "host": socket.gethostname(), **sample}
+                                                       for sample in written]  # each one once, in order
+    assert any(not done for _, done in watch.samples), "every sample came after the job had finished"
+    for gpu in (0, 1):
+        mine = [sample for sample in written if sample["index"] == gpu]
+        assert mine and all((s["utilization_gpu"], s["memory_used_mb"], s["power_w"], s["temperature_c"]) ==
+                            (90 + gpu, 1024 * (gpu + 1), 300 + 10 * gpu, 60 + gpu) for s in mine)
+    # Each GPU's counter gains 50 J a read: its samples, then the end's read.
+    assert lines[-1]["energy_j"] == pytest.approx(50.0 * len(written))
+    assert result.energy_j == lines[-1]["energy_j"] and result.energy_by_node == {0: result.energy_j}
+
+
+def test_the_kernel_adds_up_the_energy_of_every_node_and_attempt(tmp_path):
+    from gpunb.jobs.events import append
+    from gpunb.jobs.gpus import NodeGpuReader, gpus_path
+
+    def write(node, attempt, energy):
+        append(gpus_path(tmp_path, node), "gpu_samples", node=node, host=f"n{node}", attempt=attempt,
+               samples=[{"index": 0, "power_w": 300.0 + node}], energy_j=energy)
+
+    for node, attempt, energy in ((0, 1.0, 100.0), (1, 1.0, 200.0), (0, 2.0, 30.0)):  # node 0 was requeued
+        write(node, attempt, energy)
+    reader = NodeGpuReader(tmp_path)
+    assert [(s["node"], s["host"], s["power_w"]) for s in reader.read()] == [
+        (0, "n0", 300.0), (0, "n0", 300.0), (1, "n1", 301.0)]
+    assert reader.energy_by_node == {0: 130.0, 1: 200.0} and reader.energy_j == 330.0
+    write(1, 1.0, 250.0)  # a newer line of the same attempt replaces its energy
+    assert len(reader.read()) == 1 and reader.energy_j == 380.0 and reader.read() == []
+
+
+def test_the_dashboard_shows_each_node_and_gpu_of_a_job():
+    from gpunb.notebook.dashboard import Dashboard
+
+    view = Dashboard()
+    view.on_gpu_samples(None, [{"node": 0, "host": "a", "index": 0, "utilization_gpu": 90.0, "temperature_c": 60.0},
+                               {"node": 1, "host": "b", "index": 1, "utilization_gpu": 91.0, "power_w": 301.0}])
+    shown = view._gpu_html()
+    assert shown.index("node 0 · a · GPU 0") < shown.index("node 1 · b · GPU 1")
+    assert "90%" in shown and "60 C" in shown and "91%" in shown and "301 W" in shown
 
 
 class SlowLoss(nn.CrossEntropyLoss):

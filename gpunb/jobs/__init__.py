@@ -4,6 +4,7 @@
     spec.py       a job's folder: job.json (what, where, which versions) and the shipped arguments
     checks.py     before submitting: what would break remotely, one message each
     events.py     the events file: rank 0 appends the run's events, the kernel reads them back
+    gpus.py       the GPU samples file of each node: its first task appends, the kernel reads them back
     control.py    in the job: stop requests (a file, the registry) and preemption signals
     entry.py      in the job: each task's body (versions, the group, the fit, result or requeue)
     scheduler.py  submitit executors (local, Slurm), scheduler states, cancel

@@ -8,6 +8,7 @@
    as it does under torchrun: NCCL between GPUs, gloo between CPU processes.
 3. The fit: the Trainer's rank entry with the shipped arguments; checkpoints go to the job
    folder; a job that has checkpoints (requeued) resumes from its newest, exactly.
+   Each node's first task also writes its GPUs' samples to gpus-<node>.jsonl (gpus.py).
 4. The end: rank 0 writes result.pt (weights, optimizer state) and result.pkl (the
    TrainResult, timings of every rank, energy summed over them). A run stopped for
    preemption is requeued instead (Slurm: `scontrol requeue`; local: submitit's requeue exit
@@ -26,6 +27,7 @@ from pathlib import Path
 from gpunb.errors import GpunbError
 from gpunb.jobs import events, spec as job_spec
 from gpunb.jobs.control import PREEMPTED, JobControl
+from gpunb.jobs.gpus import NodeGpuWriter, gpus_path
 
 TAG = "job-entry"
 
@@ -93,6 +95,9 @@ def _train(spec, environment) -> str:
     callbacks = [control]
     if rank == 0:
         callbacks += [events.EventsWriter(spec.events_path), *_recorder(spec, config), *_loggers(config)]
+    if environment.local_rank == 0 and spec.gpus_per_node:
+        callbacks.append(NodeGpuWriter(gpus_path(spec.folder, environment.node), node=environment.node,
+                                       host=environment.hostname, cuda_indices=range(spec.gpus_per_node)))
     module, _, name = spec.entry.partition(":")
     entry = getattr(importlib.import_module(module), name)
     model, optimizer = args.model, args.optimizer

@@ -5,6 +5,8 @@ rank 0's, and calls the caller's callbacks (the dashboard, a text line) with it,
 launcher does for ranks on this machine. Between the run's events it asks the scheduler
 how the job stands (every SCHEDULER_POLL_S): while it waits, Slurm's state and reason go
 to the run registry (the sidebar) and to callbacks that define `on_job_state(state, job)`.
+Each node's GPU samples (gpus.py) go to callbacks that define `on_gpu_samples(state, samples)`,
+each sample with its node and host; the result's energy is their nodes' sum, when they wrote any.
 
 The kernel's interrupt button asks the job to stop (the stop file and the registry's stop
 request): it stops at its next step, writes a checkpoint and sends its weights. A second
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from gpunb.errors import GpunbError
 from gpunb.jobs import scheduler
 from gpunb.jobs.events import EventsReader, relayed_fields
+from gpunb.jobs.gpus import NodeGpuReader
 from gpunb.runtime.events import Callbacks
 from gpunb.runtime.run_state import RunState
 from gpunb.runtime.interrupt import InterruptFlag
@@ -41,6 +44,7 @@ class JobResult(TrainResult):
     job: dict = field(default_factory=dict)
     gpu_hours: float | None = None
     cost: float | None = None  # gpu_hours x the GPU-hour price, when one is set
+    energy_by_node: dict | None = None  # node number -> its GPUs' energy (J), from their samples files
 
     def __repr__(self) -> str:
         job = self.job or {}
@@ -61,11 +65,13 @@ class Follower:
         self.attached = attached  # found an existing job (not submitted now)
         self.callbacks = Callbacks([cb for cb in callbacks])
         self.job_hooks = [getattr(cb, "on_job_state") for cb in callbacks if hasattr(cb, "on_job_state")]
+        self.gpu_hooks = [getattr(cb, "on_gpu_samples") for cb in callbacks if hasattr(cb, "on_gpu_samples")]
         self.state = RunState(config=config, model=model, module=model, optimizer=optimizer,
                               device=torch.device("cpu"), run_name=spec.name,
                               world_size=spec.nodes * spec.tasks_per_node)
         self.state.extras["run_id"] = spec.run_id
         self.reader = EventsReader(spec.events_path)
+        self.gpus = NodeGpuReader(spec.path)
         self.started = False  # the run's first on_fit_start was dispatched
         self.last_logged = -1  # the newest step whose log row the callbacks heard
         self.attempts: list = []  # (start, end) times of each of the job's starts
@@ -130,6 +136,7 @@ class Follower:
 
     # ------------------------------------------------------------------ events
     def _read(self) -> dict | None:
+        self._read_gpus()
         for line in self.reader.read():
             kind = line["event"]
             if kind == "job_started":
@@ -144,6 +151,12 @@ class Follower:
             else:
                 self._dispatch(kind, line)
         return None
+
+    def _read_gpus(self, every_node: bool = False) -> None:
+        samples = self.gpus.read_all() if every_node else self.gpus.read()
+        if samples:
+            for hook in self.gpu_hooks:
+                hook(self.state, samples)
 
     def _dispatch(self, event: str, line: dict) -> None:
         state = self.state
@@ -183,8 +196,8 @@ class Follower:
         if (state, reason) == self.scheduler_state:
             return
         self.scheduler_state = (state, reason)
-        if self.registry is not None and state not in ("RUNNING", "COMPLETED"):
-            try:  # the job's own recorder writes a running run; the scheduler's view fills the rest
+        if self.registry is not None:
+            try:  # the job's own recorder writes the run's status once it runs; the scheduler's state is ours
                 status = "queued" if state in ("PENDING", "REQUEUED", "CONFIGURING") else None
                 self.registry.set_job(self.spec.run_id, {"state": state, "reason": reason}, status=status)
             except Exception:
@@ -212,6 +225,7 @@ class Follower:
     # ------------------------------------------------------------------ the end
     def _finish(self, outcome: dict) -> JobResult:
         kind = outcome["event"]
+        self._read_gpus(every_node=True)  # every node's last line (its energy) is written before the job's end
         if kind == "job_failed":
             error = _remote_error(outcome, self.spec)
             self.callbacks.call("on_exception", self.state, error)
@@ -255,7 +269,7 @@ class Follower:
 
         if self.registry is not None:
             try:
-                self.registry.set_job(self.spec.run_id, {"state": "CANCELLED"}, status="cancelled")
+                self.registry.set_job(self.spec.run_id, {"state": "CANCELLED", "reason": None}, status="cancelled")
             except Exception:
                 pass
         found = list_checkpoints(self.spec.checkpoint_dir)
@@ -279,6 +293,8 @@ class Follower:
         if scheduler_state is not None:
             job["state"] = scheduler_state
         result = JobResult(**fields, status=status, job=job)
+        if self.gpus.energy_j is not None:  # every node's GPUs, every attempt (result.pkl: the ranks' own)
+            result.energy_j, result.energy_by_node = self.gpus.energy_j, self.gpus.energy_by_node
         hours = sum((end or time.time()) - start for start, end in self.attempts) / 3600
         gpus = self.spec.nodes * self.spec.gpus_per_node
         if gpus and self.attempts:

@@ -111,7 +111,7 @@ def stop_job(registry, run: dict) -> bool:
     spec = job_spec.load(run["job"]["folder"])
     if run["status"] == "queued" or run.get("stop_requested"):
         scheduler.cancel(spec)
-        registry.set_job(run["id"], {"state": "CANCELLED"}, status="cancelled")
+        registry.set_job(run["id"], {"state": "CANCELLED", "reason": None}, status="cancelled")
         return True
     spec.stop_path.touch()  # the job reads it even where it cannot reach this registry
     registry.request_stop(run["id"])

@@ -4,6 +4,7 @@
         job.json          this spec (written by the kernel; the scheduler's job id added once known)
         args.pkl          fit's arguments, cloudpickled (distributed/shipping.py)
         events.jsonl      the run's events, appended by rank 0 (events.py)
+        gpus-<node>.jsonl each node's GPU samples, appended by its first task (gpus.py)
         checkpoints/      the run's checkpoints (unless checkpoint_dir is set)
         stop              present: the kernel asked the job to stop (control.py)
         result.pt         at the end: the trained weights (and optimizer state)

@@ -35,6 +35,7 @@ class Dashboard:
         self.val_points: list = []
         self.epoch_rows: list = []
         self.gpu_samples: deque = deque(maxlen=120)
+        self.node_gpus: dict = {}  # a job's GPUs, "node N · host · GPU i" -> its newest samples
         self.draws = 0
         self._stop_drawn = False
 
@@ -80,6 +81,12 @@ class Dashboard:
         if "gpu" in state.extras:
             self.gpu_samples.append(state.extras["gpu"])
 
+    def on_gpu_samples(self, state, samples) -> None:
+        """A job's GPU samples, each with its node (jobs/follow.py): one view per node and GPU."""
+        for sample in samples:
+            name = f"node {sample['node']} · {sample['host']} · GPU {sample['index']}"
+            self.node_gpus.setdefault(name, deque(maxlen=120)).append(sample)
+
     def on_validation_end(self, state, metrics) -> None:
         if "val_loss" in metrics:
             self.val_points.append((state.step, metrics["val_loss"]))
@@ -106,8 +113,14 @@ class Dashboard:
         self.status.value = f"<span style='{TEXT_STYLE}'>{html.escape(line)}</span>"
         self.metrics.value = f"<span style='{TEXT_STYLE}'>{_metrics_html(state)}</span>"
         self.curve.value = loss_chart(self.train_points, self.val_points, x_max=state.total_steps)
-        if self.gpu_samples:
-            self.gpu.value = gpu_sparklines_html(list(self.gpu_samples))
+        if self.gpu_samples or self.node_gpus:
+            self.gpu.value = self._gpu_html()
+
+    def _gpu_html(self) -> str:
+        if self.node_gpus:
+            return "".join(f"<div><b>{html.escape(name)}</b>{gpu_sparklines_html(list(samples))}</div>"
+                           for name, samples in sorted(self.node_gpus.items()))
+        return gpu_sparklines_html(list(self.gpu_samples)) if self.gpu_samples else ""
 
     def _finish(self, summary) -> None:
         if self.handle is not None:
@@ -140,7 +153,7 @@ class HtmlDashboard(Dashboard):
     def _html(self, state) -> str:
         total = max(1, state.total_steps or 1)
         line = html.escape(" · ".join(progress_parts(state, with_loss=False)))
-        gpu = gpu_sparklines_html(list(self.gpu_samples)) if self.gpu_samples else ""
+        gpu = self._gpu_html()
         # a frame is stored in the notebook (the last one stays if the kernel dies): an image
         curve = as_image(loss_chart(self.train_points, self.val_points, x_max=state.total_steps), "loss")
         return (f"<div class='gpunb-live'><div>{_header_html(state)}</div>"
@@ -233,10 +246,10 @@ def _metrics_html(state) -> str:
 
 
 def gpu_sparklines_html(samples: list) -> str:
-    """Small SVG lines of GPU utilisation, memory and power from telemetry samples."""
+    """Small SVG lines of GPU utilisation, memory, power and temperature from telemetry samples."""
     rows = []
     for key, label, unit in (("utilization_gpu", "GPU util", "%"), ("memory_used_mb", "memory", " MiB"),
-                             ("power_w", "power", " W")):
+                             ("power_w", "power", " W"), ("temperature_c", "temperature", " C")):
         values = [s[key] for s in samples if key in s]
         if not values:
             continue

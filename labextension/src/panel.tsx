@@ -12,7 +12,7 @@ import { gpuKey, IDevices, IRun, IRunDetail, requestAPI } from './api';
 import { RunDetail } from './detail';
 import { Devices, HOST_KEY } from './gpus';
 import { gpuIcon } from './icon';
-import { IRunActions, Runs } from './runs';
+import { cancels, IRunActions, Runs } from './runs';
 
 const POLL_MS = 2000;
 const HISTORY_SAMPLES = 60; // kept per GPU and for the host CPU, like nvdashboard
@@ -174,21 +174,40 @@ export class GpunbPanel extends ReactWidget {
   }
 
   private async _stop(run: IRun): Promise<void> {
-    const result = await showDialog({
-      title: 'Stop training run?',
-      body: `"${run.name}" stops cleanly at its next log interval and keeps the weights trained so far.`,
-      buttons: [
-        Dialog.cancelButton(),
-        Dialog.warnButton({ label: 'Stop run' })
-      ]
-    });
+    const cancel = cancels(run);
+    const result = await showDialog(
+      cancel
+        ? {
+            title: 'Cancel job?',
+            body:
+              run.status === 'queued'
+                ? `"${run.name}" leaves the queue: it has not started, nothing is lost.`
+                : `"${run.name}" ends now instead of at its next step: its newest checkpoint stays, the steps since it are lost.`,
+            buttons: [
+              Dialog.cancelButton({ label: 'Keep it' }),
+              Dialog.warnButton({ label: 'Cancel job' })
+            ]
+          }
+        : {
+            title: 'Stop training run?',
+            body: `"${run.name}" stops cleanly at its next log interval and keeps the weights trained so far.`,
+            buttons: [
+              Dialog.cancelButton(),
+              Dialog.warnButton({ label: 'Stop run' })
+            ]
+          }
+    );
     if (!result.button.accept) {
       return;
     }
     try {
+      // The server decides again from the registry: a job asked to stop meanwhile is cancelled.
       await requestAPI(`runs/${run.id}/stop`, { method: 'POST' });
     } catch (error) {
-      void showErrorMessage('Could not stop the run', error as Error);
+      void showErrorMessage(
+        cancel ? 'Could not cancel the job' : 'Could not stop the run',
+        error as Error
+      );
     }
     void this._poll.refresh();
   }

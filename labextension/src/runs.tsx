@@ -17,6 +17,15 @@ export function bestMetric(run: IRun): [string, number] | null {
   return notLoss ?? entries[0] ?? null;
 }
 
+/**
+ * Whether the card's button cancels the job at once (scancel; local: its controller) rather
+ * than asking it to stop at its next step: a job still waiting in the queue has no step to
+ * stop at, and a job already asked to stop is cancelled by a second request (gpunb.jobs).
+ */
+export function cancels(run: IRun): boolean {
+  return !!run.job && (run.status === 'queued' || !!run.stop_requested);
+}
+
 /** `1m 05s · 1,125 steps · MFU 31.5% · best val_acc 0.953 · 5 min ago` */
 export function finishedSummary(run: IRun): string {
   const parts: string[] = [];
@@ -46,9 +55,9 @@ function RunRow(props: {
 }): JSX.Element {
   const { run, actions } = props;
   const running = run.status === 'running';
-  // A queued job can be stopped too (a second Stop cancels a job: scancel).
-  const stoppable = running || run.status === 'queued';
-  const stopping = stoppable && run.stop_requested;
+  const queued = run.status === 'queued';
+  const stopping = running && run.stop_requested;
+  const cancel = cancels(run);
   const loss = run.latest?.loss;
   const steps = run.total_steps
     ? `step ${run.step ?? 0} / ${run.total_steps}`
@@ -96,7 +105,7 @@ function RunRow(props: {
         </div>
       ) : null}
       {run.job ? (
-        <div className="jp-gpunb-muted jp-gpunb-job">{jobText(run.job)}</div>
+        <div className="jp-gpunb-muted jp-gpunb-job">{jobText(run.job, queued)}</div>
       ) : null}
       {running ? (
         <Bar
@@ -109,6 +118,10 @@ function RunRow(props: {
                 (run.eta_s ? ` · ETA ${duration(run.eta_s)}` : '')
           }
         />
+      ) : queued ? (
+        <div className="jp-gpunb-run-summary">
+          {`submitted ${ago(run.started_at)}`}
+        </div>
       ) : (
         <div className="jp-gpunb-run-summary">{finishedSummary(run)}</div>
       )}
@@ -117,15 +130,17 @@ function RunRow(props: {
         <span className="jp-gpunb-muted">
           {typeof loss === 'number' ? `loss ${metric(loss)}` : ''}
         </span>
-        {stoppable
+        {running || queued
           ? button(
-              stopping && run.job ? 'Cancel' : 'Stop',
+              cancel ? 'Cancel' : 'Stop',
               'jp-gpunb-stop jp-mod-warn',
-              stopping && run.job
-                ? 'Cancel this job now (its newest checkpoint stays)'
+              cancel
+                ? queued
+                  ? 'Take this job off the queue'
+                  : 'Cancel this job now (its newest checkpoint stays)'
                 : 'Stop this run cleanly at its next log interval',
               actions.onStop,
-              stopping && !run.job
+              stopping && !cancel // a run in the kernel: asked once, it stops on its own
             )
           : button(
               'Remove',
@@ -139,28 +154,35 @@ function RunRow(props: {
   );
 }
 
-/** "slurm job 4242 · 2 nodes × 8 GPUs · PENDING (Priority)" */
-export function jobText(job: IJob): string {
+/**
+ * "slurm job 4242 · 2 nodes × 8 GPUs · PENDING (Priority)": the scheduler's state and reason
+ * only while the job waits (the card's status says the rest; the registry keeps the last
+ * state the scheduler was asked for, PENDING even after the job started).
+ */
+export function jobText(job: IJob, waiting: boolean): string {
   const where = job.id ? `${job.cluster} job ${job.id}` : `${job.cluster} job`;
   const unit = job.gpus_per_node ? 'GPU' : 'process';
   const count = job.tasks_per_node;
   const size = `${job.nodes} node${job.nodes === 1 ? '' : 's'} × ${count} ${unit}${count === 1 ? '' : unit === 'GPU' ? 's' : 'es'}`;
-  const state = job.state
-    ? ` · ${job.state}${job.reason ? ` (${job.reason})` : ''}`
-    : '';
+  const state =
+    waiting && job.state
+      ? ` · ${job.state}${job.reason ? ` (${job.reason})` : ''}`
+      : '';
   return `${where} · ${size}${state}`;
 }
 
-/** The runs of every kernel, newest first, running ones on top. */
+/** The runs of every kernel, newest first, running runs and waiting jobs on top. */
 export function Runs(props: {
   runs: IRun[];
   losses: Map<string, number[]>;
   error: string | null;
   actions: IRunActions;
 }): JSX.Element {
+  const active = (run: IRun) =>
+    Number(run.status === 'running' || run.status === 'queued');
   const runs = [...props.runs].sort(
     (a, b) =>
-      Number(b.status === 'running') - Number(a.status === 'running') ||
+      active(b) - active(a) ||
       (b.started_at ?? 0) - (a.started_at ?? 0)
   );
   return (
