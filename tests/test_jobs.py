@@ -137,29 +137,30 @@ def test_stop_ends_the_job_with_a_checkpoint_and_its_weights():
     assert Registry().get_run(result.job["run_id"])["status"] == "stopped"
 
 
-class PreemptAt:
-    """Sends the job's task SIGUSR2 (submitit's preemption signal) at a step."""
+class PreemptOnce:
+    """A forward pre-hook that, in the job, sends its own process SIGUSR2 (submitit's preemption
+    signal) at the model's n-th call, once: the marker file keeps the requeued attempt from being
+    preempted again. Sent from inside the job, the signal lands mid-run however fast the job
+    runs (a kernel-side trigger could come after a quick job had already finished)."""
 
-    def __init__(self, step):
-        self.step, self.folder, self.sent = step, None, False
+    def __init__(self, calls, marker):
+        self.calls, self.marker, self.seen = calls, str(marker), 0
 
-    def on_job_state(self, state, job):
-        self.folder = job["folder"]
-
-    def on_log(self, state, row):
-        if row["step"] >= self.step and not self.sent:
-            with open(os.path.join(self.folder, "events.jsonl")) as handle:
-                started = [json.loads(line) for line in handle if '"job_started"' in line]
-            os.kill(started[-1]["pid"], signal.SIGUSR2)
-            self.sent = True
+    def __call__(self, module, args):
+        self.seen += 1
+        if self.seen == self.calls and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGUSR2)
 
 
-def test_preempted_job_checkpoints_requeues_and_resumes_exactly():
+def test_preempted_job_checkpoints_requeues_and_resumes_exactly(tmp_path):
     model = mlp()
+    hook = model.register_forward_pre_hook(PreemptOnce(12, tmp_path / "preempted"))
     result = Trainer(**SETTINGS, cluster="local", max_steps=40, name="preempted").fit(
-        model, data(), loss_fn=nn.CrossEntropyLoss(), callbacks=[PreemptAt(8)])
-    assert result.status == "completed" and result.steps == 40
-    assert result.resumed_from is not None and 8 <= result.resumed_from["step"] < 40
+        model, data(), loss_fn=nn.CrossEntropyLoss())
+    hook.remove()
+    assert (tmp_path / "preempted").exists() and result.status == "completed" and result.steps == 40
+    assert result.resumed_from is not None and 0 < result.resumed_from["step"] < 40
     with open(os.path.join(result.job["folder"], "events.jsonl")) as handle:
         kinds = [json.loads(line)["event"] for line in handle]
     assert kinds.count("job_started") == 2 and kinds.count("requeued") == 1

@@ -38,7 +38,7 @@ def test_a_two_node_job_trains_the_weights_of_two_processes_in_the_kernel(slurm_
     assert weights_equal(model, in_kernel(devices=2, max_steps=12))
     assert any(not done for _, done, _ in watch.rows), "every row came after the job had finished"
     assert "PENDING" in [job["state"] for job in watch.jobs] or "RUNNING" in [job["state"] for job in watch.jobs]
-    assert slurm_cluster.state(result.job["id"]) == "COMPLETED"
+    slurm_cluster.wait_for_state(result.job["id"], "COMPLETED", timeout=30)  # sacct learns of the end a moment later
     run = Registry().get_run(result.job["run_id"])
     assert run["status"] == "completed" and run["job"]["cluster"] == "slurm" and run["job"]["nodes"] == 2
 
@@ -99,7 +99,7 @@ def test_a_cancelled_job_is_reported_cancelled(slurm_cluster):
     result = Trainer(**slurm(slurm_cluster, max_steps=100_000, checkpoint_every=4, name="scancelled")).fit(
         model, data(), loss_fn=SlowLoss(), callbacks=[At(8, lambda job: slurm_cluster.run(["scancel", job["id"]]))])
     assert result.status == "cancelled" and result.stop_reason == "cancelled"
-    assert slurm_cluster.state(result.job["id"]) == "CANCELLED"
+    slurm_cluster.wait_for_state(result.job["id"], "CANCELLED", timeout=30)
     assert Registry().get_run(result.job["run_id"])["status"] == "cancelled"
     checkpoint = torch.load(result.checkpoint_path, weights_only=True)
     assert all(torch.equal(checkpoint["model"][k], v) for k, v in model.state_dict().items())

@@ -9,7 +9,7 @@ from torch import nn
 from gpunb import Trainer, render
 from gpunb.config import TrainConfig
 from gpunb.runtime import device as devices
-from gpunb.runtime import loop
+from gpunb.runtime import prepare
 from gpunb.runtime.events import FitState
 from gpunb.runtime.probes.peak_flops import device_peak_tflops, peak_tflops, precision_kind
 from gpunb.runtime.probes.summary import RunSummary, tokens_per_sample
@@ -79,7 +79,7 @@ def test_a_cpu_result_has_flops_per_step_and_achieved_tflops_but_no_mfu():
 
 
 def test_mfu_is_achieved_over_the_devices_peak(monkeypatch):
-    monkeypatch.setattr(loop, "device_peak_tflops", lambda device, precision: 500.0)
+    monkeypatch.setattr(prepare, "device_peak_tflops", lambda device, precision: 500.0)
     result = fit_linear()
     assert result.peak_tflops == 500.0
     assert result.mfu == pytest.approx(result.achieved_tflops / 500.0)
@@ -174,7 +174,7 @@ def test_the_live_progress_line_shows_mfu_from_the_last_intervals_step_time():
 def test_the_registry_keeps_the_runs_compute_figures(monkeypatch):
     from gpunb.runs.registry import Registry
 
-    monkeypatch.setattr(loop, "device_peak_tflops", lambda device, precision: 500.0)
+    monkeypatch.setattr(prepare, "device_peak_tflops", lambda device, precision: 500.0)
     result = fit_linear(track=True)
     (run,) = Registry().list_runs()
     assert run["latest"]["mfu"] == pytest.approx(result.mfu)

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from gpunb import Trainer
 from gpunb.errors import GpunbError
-from gpunb.runtime import loop as trainer_module
+from gpunb.runtime import prepare
 
 
 def fit(model=None, data=None, val_data=None, *, loss_fn=nn.CrossEntropyLoss(), optimizer=None,
@@ -173,7 +173,7 @@ def test_the_check_changes_nothing_in_training(monkeypatch):
     x, y = classification_data()
     checked_model = model()
     checked = fit(checked_model, (x, y), val_data=(x, y), max_steps=None, epochs=2)
-    monkeypatch.setattr(trainer_module, "preflight", lambda m, t, v, *rest: (t, v))
+    monkeypatch.setattr(prepare, "preflight", lambda m, t, v, *rest: (t, v))
     plain_model = model()
     plain = fit(plain_model, (x, y), val_data=(x, y), max_steps=None, epochs=2)
     assert [r["loss"] for r in checked.history] == [r["loss"] for r in plain.history]
