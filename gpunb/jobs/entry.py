@@ -64,6 +64,10 @@ class JobEntry:
             raise
         if outcome == PREEMPTED:
             _requeue(spec, environment, rank)
+        if environment.num_tasks > 1:
+            # The result is written. Returning would tear the gloo group down at interpreter exit,
+            # which can abort: the task's exit code, and Slurm's verdict on the job, would be FAILED.
+            _leave(0)
         return outcome
 
 
