@@ -75,9 +75,9 @@ def test_a_two_node_job_runs_one_task_on_each_node(slurm_cluster, tmp_path):
     job = slurm_cluster.executor(tmp_path, nodes=2, tasks_per_node=1).submit(where_am_i)
     results = job.results()
     assert [(rank, node) for rank, node, _ in results] == [(0, "n1"), (1, "n2")]
-    # sacct learns of the job's end (and of its whole node list) a moment after the results
+    # each task reported its own node above; sacct's NodeList is not asserted: on this one-host
+    # cluster it reads "n1" or "n[1-2]" from run to run
     slurm_cluster.wait_for_state(job.job_id, "COMPLETED", timeout=30)
-    assert job.get_info(mode="force")["NodeList"] == "n[1-2]"
 
 
 def test_a_plain_sbatch_writes_its_output_beside_the_cluster_not_in_the_checkout(slurm_cluster):
