@@ -29,37 +29,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import cloudpickle
 import slurm_support
-
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
-def sleep_once(marker: str) -> int:
-    """Sleeps on its first start only; how often it was started."""
-    starts = Path(marker)
-    count = len(starts.read_text()) + 1 if starts.exists() else 1
-    starts.write_text("x" * count)
-    if count == 1:
-        time.sleep(300)
-    return count
-
-
-class Preemptible:
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __call__(self) -> str:
-        if Path(self.marker).exists():
-            return "resumed"
-        Path(self.marker).write_text("started")
-        time.sleep(300)
-        return "never preempted"
-
-    def checkpoint(self):
-        import submitit
-
-        return submitit.helpers.DelayedSubmission(self)
+from slurm_jobs import Preemptible, sleep_then_say_how_often_started
 
 
 def timed(function, *args):
@@ -84,7 +55,7 @@ def one_round(folder: Path) -> dict[str, float]:
         two = cluster.executor(folder, nodes=2, tasks_per_node=1)
         times["2 nodes"], _ = timed(lambda: two.submit(pow, 2, 10).results())
 
-        job = executor.submit(sleep_once, str(folder / f"starts-{time.time()}"))
+        job = executor.submit(sleep_then_say_how_often_started, str(folder / f"starts-{time.time()}"), 300)
         cluster.wait_for_state(job.job_id, "RUNNING")
         begin = time.perf_counter()
         cluster.run(["scontrol", "requeue", job.job_id])

@@ -1,54 +1,16 @@
 """The local Slurm cluster of .ci/slurm, through submitit as gpunb's jobs use it: results come
 back, two nodes form one job, cancellation and requeue are seen, and stop leaves nothing."""
 
-import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import cloudpickle
 import pytest
 import slurm_support
+from slurm_jobs import Preemptible, sleep_then_say_how_often_started, where_am_i
 
 pytestmark = pytest.mark.slurm
-
-# The jobs import nothing from the tests: what they run travels by value.
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
-def where_am_i():
-    return int(os.environ["SLURM_PROCID"]), os.environ["SLURMD_NODENAME"], os.getcwd()
-
-
-def sleep_then_say_how_often_started(marker: str, seconds: float) -> int:
-    """Sleeps on its first start (to be requeued meanwhile); returns how often it was started."""
-    starts = Path(marker)
-    count = len(starts.read_text()) + 1 if starts.exists() else 1
-    starts.write_text("x" * count)
-    if count == 1:
-        time.sleep(seconds)
-    return count
-
-
-class Preemptible:
-    """A submitit Checkpointable: sleeps until preempted, then finishes when started again."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __call__(self) -> str:
-        if Path(self.marker).exists():
-            return "resumed"
-        Path(self.marker).write_text("started")
-        time.sleep(300)
-        return "never preempted"
-
-    def checkpoint(self):
-        import submitit
-
-        return submitit.helpers.DelayedSubmission(self)
 
 
 def running(cluster, job, timeout=60):
