@@ -353,12 +353,12 @@ def _lost_peer(info: dict) -> bool:
 
 def _load_into(model, optimizer, final: dict) -> None:
     """Rank 0's weights into the caller's model (wherever its parameters live)."""
-    from gpunb.runtime.context import optimizer_state_by_index
-    from gpunb.runtime.trainable import load_weights
+    from gpunb.runtime.context import LocalContext
 
-    load_weights(model, final["model"])  # what trained; the frozen weights never left
+    local = LocalContext()
+    local.load_model_state(model, final["model"])  # what trained; the frozen weights never left
     if optimizer is not None and final.get("optimizer") is not None:
-        optimizer.load_state_dict(optimizer_state_by_index(final["optimizer"], model, optimizer))
+        local.load_optimizer_state(model, optimizer, final["optimizer"])
 
 
 def _start(plan: worker.Plan, payload: FitArgs | Couriers, queue, stop):

@@ -21,11 +21,9 @@ import importlib
 import os
 import pickle
 import sys
-import traceback
-from pathlib import Path
 
-from gpunb.errors import GpunbError
-from gpunb.jobs import events, spec as job_spec
+from gpunb.jobs import events
+from gpunb.jobs import spec as job_spec
 from gpunb.jobs.control import PREEMPTED, JobControl
 from gpunb.jobs.gpus import NodeGpuWriter, gpus_path
 
@@ -55,11 +53,9 @@ class JobEntry:
             outcome = _train(spec, environment)
         except BaseException as error:
             if rank == 0:
-                info = {"type": type(error).__name__, "message": str(error),
-                        "traceback": traceback.format_exc()}
-                if isinstance(error, GpunbError):
-                    info.update(what=error.what, hint=error.hint)
-                events.append(events_path, "job_failed", **info)
+                from gpunb.distributed.worker import describe
+
+                events.append(events_path, "job_failed", **describe(error))
                 _record(spec, {"state": "FAILED"}, "failed", f"{type(error).__name__}: {error}"[:500])
             raise
         if outcome == PREEMPTED:
@@ -165,15 +161,15 @@ def _write_result(spec, context, model, optimizer, result, timings) -> None:
     """result.pt (weights) and result.pkl (the TrainResult), each written whole then renamed."""
     import torch
 
-    if context.world_size > 1:
-        model_state, optimizer_state = context.state_dicts(model, optimizer)
-    else:
-        model_state = model.state_dict()
-        optimizer_state = optimizer.state_dict() if optimizer is not None else None
+    from gpunb.runtime.trainable import trainable_part
+
+    model_state, optimizer_state = context.state_dicts(model, optimizer)  # FSDP: every rank gathers
     if result is None:
         return
     temporary = spec.weights_path.with_suffix(".pt.partial")
-    torch.save({"model": model_state, "optimizer": optimizer_state, "ema": result.ema_state_dict}, temporary)
+    # what trained: the kernel's model holds the frozen weights already (a LoRA job leaves its base out)
+    torch.save({"model": trainable_part(model, model_state), "optimizer": optimizer_state,
+                "ema": result.ema_state_dict}, temporary)
     os.replace(temporary, spec.weights_path)
     result.ema_state_dict = None
     result.per_rank = timings
@@ -217,9 +213,3 @@ def _leave(code) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code if isinstance(code, int) else 1)
-
-
-def load_weights(path: Path) -> dict:
-    import torch
-
-    return torch.load(path, map_location="cpu", weights_only=True)

@@ -26,9 +26,9 @@ from gpunb.jobs import scheduler
 from gpunb.jobs.events import EventsReader, relayed_fields
 from gpunb.jobs.gpus import NodeGpuReader
 from gpunb.runtime.events import Callbacks
-from gpunb.runtime.run_state import RunState
 from gpunb.runtime.interrupt import InterruptFlag
 from gpunb.runtime.result import TrainResult
+from gpunb.runtime.run_state import RunState
 
 POLL_S = 0.1  # the events file is read this often (the dashboard's lag behind the job)
 SCHEDULER_POLL_S = 2.0  # squeue / the local controller is asked this often
@@ -69,7 +69,6 @@ class Follower:
         self.state = RunState(config=config, model=model, module=model, optimizer=optimizer,
                               device=torch.device("cpu"), run_name=spec.name,
                               world_size=spec.nodes * spec.tasks_per_node)
-        self.state.extras["run_id"] = spec.run_id
         self.reader = EventsReader(spec.events_path)
         self.gpus = NodeGpuReader(spec.path)
         self.started = False  # the run's first on_fit_start was dispatched
@@ -265,7 +264,10 @@ class Follower:
 
     def _without_result(self, status: str, reason: str) -> JobResult:
         """Cancelled: the newest checkpoint's weights, when there is one."""
-        from gpunb.runtime.state.checkpoint_files import list_checkpoints, load_checkpoint
+        from gpunb.runtime.state.checkpoint_files import (
+            list_checkpoints,
+            load_checkpoint,
+        )
 
         if self.registry is not None:
             try:
@@ -308,11 +310,12 @@ class Follower:
     def _load(self, model_state: dict, optimizer_state: dict | None) -> None:
         if self.model is None:
             return
-        from gpunb.runtime.context import optimizer_state_by_index
+        from gpunb.runtime.context import LocalContext
 
-        self.model.load_state_dict(model_state)
+        local = LocalContext()
+        local.load_model_state(self.model, model_state)  # a checkpoint may hold only what trains
         if self.optimizer is not None and optimizer_state is not None:
-            self.optimizer.load_state_dict(optimizer_state_by_index(optimizer_state, self.model, self.optimizer))
+            local.load_optimizer_state(self.model, self.optimizer, optimizer_state)
 
 
 def _remote_error(outcome: dict, spec) -> GpunbError:

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gpunb.errors import GpunbError
+from gpunb.jobs.events import EVENTS_FILE
 
 
 @dataclass
@@ -53,7 +54,7 @@ class JobSpec:
 
     @property
     def events_path(self) -> Path:
-        return self.path / "events.jsonl"
+        return self.path / EVENTS_FILE
 
     @property
     def args_path(self) -> Path:

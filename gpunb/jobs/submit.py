@@ -20,8 +20,8 @@ DEFAULT_SLURM_TIME_MIN = 24 * 60  # a Slurm job's time limit when neither the ru
 
 def run_job(config, entry, model, train_data, val_data=None, *, callbacks=(), key=None, wait=True, **arguments):
     """Submit (or find) the job of this run and follow it; returns its JobResult (the weights in `model`)."""
-    from gpunb.jobs.lookup import find_job
     from gpunb.jobs.follow import Follower
+    from gpunb.jobs.lookup import find_job
 
     if arguments.get("continue_from") is not None:
         raise GpunbError("--continue goes on with objects in this kernel's memory, which a job cannot reach.",

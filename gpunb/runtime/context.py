@@ -51,8 +51,8 @@ class LocalContext:
     def adopt_shards(self, optimizer) -> None:
         pass
 
-    def state_dicts(self, model, optimizer) -> tuple[dict, dict]:
-        return model.state_dict(), optimizer.state_dict()
+    def state_dicts(self, model, optimizer) -> tuple[dict, dict | None]:
+        return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
 
     def load_model_state(self, model, state: dict) -> None:
         load_weights(model, state)  # a checkpoint may hold only what trains
