@@ -288,3 +288,27 @@ def test_a_get_batch_stream_on_the_global_rng_trains_as_the_plain_loop_bit_for_b
     _plain_loop(plain, loader, 6, lambda model, batch: model(*batch)[1])
     for name, value in plain.state_dict().items():
         assert torch.equal(ours.state_dict()[name], value), name
+
+
+class WholeBatchesOnly(nn.Module):
+    """Repeated blocks, and a forward that refuses anything but a batch of 8 (the summary's
+    2-sample try fails, then its whole-batch try too when the batch is 4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(10, 10) for _ in range(3))
+        self.head = nn.Linear(10, 3)
+
+    def forward(self, x):
+        if len(x) != 8:
+            raise ValueError("a batch of 8, please")
+        for block in self.blocks:
+            x = block(x).relu()
+        return self.head(x)
+
+
+@pytest.mark.parametrize("batch_size", [8, 4])
+def test_the_summary_leaves_no_hook_on_the_blocks_when_its_forward_fails(batch_size):
+    model = WholeBatchesOnly()
+    summary_of(model, classification_data(), batch_size=batch_size)
+    assert all(not block._forward_pre_hooks and not block._forward_hooks for block in model.blocks)

@@ -70,9 +70,14 @@ class OptimizerInBackward(torch.optim.Optimizer):
         return closure() if closure is not None else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for inners in self._layout:
-            for inner in inners:
-                inner.zero_grad(set_to_none=set_to_none)
+        # A loop of our own, not each inner optimizer's zero_grad (a profiler range per parameter,
+        # every step); backward's hooks have already freed the gradients they stepped.
+        for group in self.param_groups:
+            for param in group["params"]:
+                if set_to_none:
+                    param.grad = None
+                elif param.grad is not None:
+                    param.grad.zero_()
 
     def close(self) -> None:
         """Removes the hooks: the model's backward steps nothing any more."""

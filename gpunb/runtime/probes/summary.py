@@ -256,14 +256,16 @@ def _step(model, objective, precision, batch, device, held):
         with saved, precision.autocast():
             held["loss"] = objective.loss(model, batch)
 
-    saved.base = _start_peak(device)
-    forward_flops = count_flops(forward)
-    if "loss" not in held:  # the counter could not trace an op: run it plain
-        forward()
-    backward_flops = count_flops(lambda: held.pop("loss").backward())
-    if "loss" in held:
-        held.pop("loss").backward()
-    saved.remove()
+    try:  # the blocks' hooks go whatever happens: a failed try is retried or given up, and training goes on
+        saved.base = _start_peak(device)
+        forward_flops = count_flops(forward)
+        if "loss" not in held:  # the counter could not trace an op: run it plain
+            forward()
+        backward_flops = count_flops(lambda: held.pop("loss").backward())
+        if "loss" in held:
+            held.pop("loss").backward()
+    finally:
+        saved.remove()
     return saved, (forward_flops, backward_flops)
 
 
