@@ -245,13 +245,6 @@ class TrainConfig:
         if price is not None and (isinstance(price, bool) or not isinstance(price, (int, float)) or price < 0):
             raise GpunbError(f"gpu_hour_price must be a price >= 0, got {price!r}.", "pass e.g. `gpu_hour_price=2.5`.")
 
-    @property
-    def epoch_limit(self) -> int:
-        """Epochs the loop may run: `epochs`, else unbounded under max_steps, else 1."""
-        if self.epochs is not None:
-            return self.epochs
-        return 2**62 if self.max_steps is not None else 1
-
     def resolved_log_every(self, total_steps: int | None, steps_per_epoch: int | None) -> int:
         """`log_every`, or for "auto" an interval giving ~LOG_POINTS points a run and >= 1 an epoch."""
         if self.log_every != "auto":

@@ -32,10 +32,7 @@ class Plan:
 
     @property
     def epoch_limit(self) -> int:
-        """Epochs the loop may run: `epochs`, else unbounded under max_steps, else 1."""
-        if self.epochs is not None:
-            return self.epochs
-        return 2**62 if self.max_steps is not None else 1
+        return epoch_limit(self.epochs, self.max_steps)
 
     def settings(self, config) -> dict:
         """The config as the run used it: the user's, with the decisions above filled in."""
@@ -54,9 +51,15 @@ def length(config, num_batches: int | None, continued=None) -> dict:
         if config.epochs is not None or config.max_steps is None:
             epochs = continued.next_epoch + (config.epochs or 1)
     steps_per_epoch = math.ceil(num_batches / config.grad_accum) if num_batches is not None else None
-    limit = epochs if epochs is not None else (2**62 if max_steps is not None else 1)
-    total_steps = steps_per_epoch * limit if steps_per_epoch is not None else None
+    total_steps = steps_per_epoch * epoch_limit(epochs, max_steps) if steps_per_epoch is not None else None
     if max_steps is not None:
         total_steps = min(total_steps or max_steps, max_steps)
     return {"epochs": epochs, "max_steps": max_steps, "steps_per_epoch": steps_per_epoch,
             "total_steps": total_steps}
+
+
+def epoch_limit(epochs: int | None, max_steps: int | None) -> int:
+    """Epochs the loop may run: `epochs`, else unbounded under max_steps, else 1."""
+    if epochs is not None:
+        return epochs
+    return 2**62 if max_steps is not None else 1

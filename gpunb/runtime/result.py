@@ -74,7 +74,7 @@ class TrainResult:
         plan, final = state.plan, last_epoch_train_loss(state.history)  # also when stopped within that epoch
         if state.validations:
             final.update({k: v for k, v in state.validations[-1].items() if k.startswith("val_")})
-        resolved = plan.settings(state.config) if plan is not None else state.config.to_dict()
+        resolved = state.settings()
         fields = dict(
             run_name=state.run_name, history=list(state.history), epochs=list(state.epochs),
             validations=list(state.validations), final_metrics=final, config=resolved, device=str(state.device),

@@ -196,8 +196,7 @@ class RunState:
         return {"model": model, "optimizer": optimizer,
                 "frozen": frozen,  # None: `model` is the whole state; else the fingerprint of what it leaves out
                 # the optimizer in backward saves the state of the optimizer it stands for (memory/in_backward.py)
-                "optimizer_type": (getattr(self.optimizer, "checkpoint_type", type(self.optimizer).__name__)
-                                   if self.optimizer is not None else None),
+                "optimizer_type": optimizer_type(self.optimizer) if self.optimizer is not None else None,
                 "scheduler": schedule.state_dict() if schedule is not None else None,
                 "scheduler_type": type(schedule.scheduler).__name__ if schedule is not None else None,
                 "ema": {"weights": ema.state_dict(), "updates": ema.updates} if ema is not None else None}
@@ -315,3 +314,9 @@ def _plain(value, depth: int = 0) -> bool:
     if isinstance(value, dict):
         return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
     return False
+
+
+def optimizer_type(optimizer) -> str:
+    """The optimizer's name as a checkpoint records it; the optimizer in backward gives the one it
+    stands for, whose state it saves (memory/in_backward.py)."""
+    return getattr(optimizer, "checkpoint_type", type(optimizer).__name__)

@@ -52,8 +52,8 @@ class Checkpointer:
         if self.best is None or not self.best.wants(value) or not self._loss_finite(state):
             return
         kept = self.best.with_entry(state.step, value)
-        payload = self._payload(state)  # every rank takes part (FSDP gathers its shards to rank 0)
-        if state.rank != 0:
+        payload = self._payload(state)
+        if payload is None:
             self.best.commit(kept, None)
             return
         payload["best"]["kept"] = kept
@@ -88,9 +88,9 @@ class Checkpointer:
             return
         if not self._loss_finite(state):
             return
-        payload = self._payload(state)  # every rank takes part (FSDP gathers its shards to rank 0); rank 0 writes
+        payload = self._payload(state)
         self.saved_step = state.step
-        if state.rank != 0:
+        if payload is None:
             return
         try:
             path = ckpt.save_checkpoint(self._directory(state), payload, state.step, self.config.keep_last)
@@ -119,12 +119,18 @@ class Checkpointer:
         self.losses.warn_unsaved(bad_step)  # the next check judges only the steps after this one
         return False
 
-    def _payload(self, state) -> dict:
-        """The run's state, and a header: which run wrote it, with which settings, when."""
+    def _payload(self, state) -> dict | None:
+        """The run's state, and a header: which run wrote it, with which settings, when. Rank 0
+        writes it; the other ranks only take part in gathering the weights (FSDP gathers its
+        shards to rank 0), building nothing they would throw away, and get None."""
+        if state.rank != 0:
+            if state.module is not None and state.optimizer is not None:
+                self.dist.state_dicts(state.module, state.optimizer)
+            return None
         return {**state.state_dict(self.dist),
                 "total_steps": state.total_steps,
                 "batches_per_epoch": state.batches_per_epoch,  # a resume with other data is told its epochs differ
-                "config": json.dumps(state.plan.settings(self.config), default=repr),
+                "config": json.dumps(state.settings(), default=repr),
                 "run_id": state.checkpoint_run, "saved_at": time.time(), "world_size": state.world_size,
                 "origin": (state.resumed or {}).get("origin")}  # the run directory this one was resumed from
 

@@ -18,6 +18,7 @@ import torch
 from gpunb.errors import GpunbError
 from gpunb.runtime import device as devices
 from gpunb.runtime import trainable
+from gpunb.runtime.run_state import optimizer_type
 
 _LISTED = 12  # names shown per kind of mismatch; the count says how many more there are
 
@@ -53,7 +54,7 @@ def check_fits(run, payload: dict, path) -> None:
                          "resume from an earlier checkpoint of the run (`resume=<path to a step-*.pt>`), or "
                          "start a fresh run without `resume` (load the weights alone with "
                          "`model.load_state_dict(torch.load(path)['model'])`).")
-    problems = config_problems(run.plan.settings(run.config), payload.get("config", {}), payload,
+    problems = config_problems(run.state.settings(), payload.get("config", {}), payload,
                                run.state.world_size)
     if problems:
         raise GpunbError(f"The checkpoint {path!s} was written by a run with other batch settings, so "
@@ -84,7 +85,7 @@ def model_problems(model: torch.nn.Module, saved: dict, frozen: dict | None = No
 
 def optimizer_problems(optimizer: torch.optim.Optimizer, payload: dict) -> list[str]:
     saved = payload["optimizer"]
-    saved_type, current_type = payload.get("optimizer_type"), type(optimizer).__name__
+    saved_type, current_type = payload.get("optimizer_type"), optimizer_type(optimizer)
     if saved_type is not None and saved_type != current_type:
         return [f"the checkpoint holds the state of {saved_type}, this run uses {current_type}"]
     groups = saved.get("param_groups", []) if isinstance(saved, dict) else []
