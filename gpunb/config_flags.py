@@ -44,8 +44,7 @@ def config_flags(config_class: type = TrainConfig) -> list[Flag]:
         kind = _kind(hints[field.name])
         if kind is None:
             continue  # functions, objects: set in Python
-        own = "--" + field.name.replace("_", "-")
-        spellings = (RENAMED[field.name], own) if field.name in RENAMED else (own,)
+        spellings = tuple(dict.fromkeys((flag_of(field.name), "--" + field.name.replace("_", "-"))))
         flags.append(Flag(field.name, spellings, kind, _help(field, kind), section))
     return flags
 
@@ -88,16 +87,22 @@ def flag_of(field: str) -> str:
 
 
 def as_flag_hints(message: str, config_class: type = TrainConfig) -> str:
-    """A config error speaks of `field=value`; on a command line the fix is `--flag value`."""
-    fields = {f.name for f in dataclasses.fields(config_class)}
+    """A config error speaks of `field=value`; on a command line the fix is `--flag value` (a switch:
+    `--flag` or `--no-flag`). A field with no flag, or a hint naming several settings in one
+    code span, is left as it is."""
+    flags = {flag.field: flag for flag in config_flags(config_class)}
 
     def flag(match):
         name, value = match.group(1), match.group(2).strip("'\"")
-        if name not in fields:
+        if name not in flags:
             return match.group(0)
-        return f"`{flag_of(name)} {value}`"
+        spelling = flags[name].spellings[0]
+        if flags[name].kind == "switch" and value in ("True", "False"):
+            return f"`{spelling if value == 'True' else '--no-' + spelling[2:]}`"
+        return f"`{spelling} {value}`"
 
-    return re.sub(r"`(\w+)=([^`]*)`", flag, message)
+    # one value a span: quoted (it may hold commas), or up to a space or comma
+    return re.sub(r"`(\w+)=('[^'`]*'|\"[^\"`]*\"|[^`,\s]+)`", flag, message)
 
 
 def _kind(hint) -> str | None:

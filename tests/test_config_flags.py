@@ -132,3 +132,12 @@ def test_only_one_place_turns_gpunb_errors_into_usage_errors():
                 if "UsageError(" in "".join(ast.unparse(statement) for statement in node.body):
                     converting.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert len(converting) == 1 and converting[0].startswith("notebook/options.py:"), converting
+
+
+def test_a_hint_becomes_a_flag_only_where_a_flag_exists():
+    assert as_flag_hints("pass `memory_plan=False` or `restore_best=True`.") == \
+        "pass `--no-memory-plan` or `--restore-best`."
+    assert as_flag_hints("pass `batch_size_fn=f`.") == "pass `batch_size_fn=f`."  # set in Python only
+    assert as_flag_hints("pass `loggers='tensorboard,csv'`.") == "pass `--log tensorboard,csv`."
+    several = "shard over more GPUs (`devices=N, strategy='fsdp'`)"
+    assert as_flag_hints(several) == several  # one span, two settings: left whole
