@@ -10,11 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import classification_data, mlp
+from data.make_checkpoint_v1 import data as v1_data  # what made the old checkpoint trains on from it here
+from data.make_checkpoint_v1 import model as v1_model
+from data.make_checkpoint_v1 import options as v1_options
 from torch import nn
 
 from gpunb import Trainer
-from gpunb.runtime.state.checkpoint_files import list_checkpoints, load_checkpoint
 from gpunb.runtime.run_state import RunState
+from gpunb.runtime.state.checkpoint_files import list_checkpoints, load_checkpoint
 
 V1 = Path(__file__).parent / "data" / "checkpoint_v1"
 
@@ -90,22 +93,6 @@ def test_the_checkpoint_lists_every_carried_field_and_a_state_dict_round_trips()
         assert torch.equal(fresh.module.state_dict()[name], value), name
 
 
-def _v1_options(directory):
-    return dict(epochs=2, batch_size=8, log_every=2, track=False, accelerator="cpu", lr_schedule="cosine",
-                ema=0.9, save_top_k=1, keep_last=5, checkpoint_dir=str(directory))
-
-
-def _v1_model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 3), nn.Dropout(0.2), nn.Linear(3, 2))
-
-
-def _v1_data():
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(32, 4, generator=g)
-    return x, x[:, :2] * 2 + 0.1 * torch.randn(32, 2, generator=g)
-
-
 class LoadedAtStart:
     def on_fit_start(self, state):
         self.weights = {k: v.clone() for k, v in state.module.state_dict().items()}
@@ -120,9 +107,9 @@ def test_a_checkpoint_written_before_run_state_resumes_exactly(tmp_path):
     directory = tmp_path / "checkpoints"
     saved = load_checkpoint(next(directory.glob("run-*/step-*.pt")))
     expected = torch.load(directory / "expected.pt", weights_only=True)
-    model, start = _v1_model(), LoadedAtStart()
-    val = _v1_data()
-    result = Trainer(**_v1_options(directory), resume="last").fit(model, _v1_data(), val, loss_fn=nn.MSELoss(),
+    model, start = v1_model(), LoadedAtStart()
+    val = v1_data()
+    result = Trainer(**v1_options(directory), resume="last").fit(model, v1_data(), val, loss_fn=nn.MSELoss(),
                                                                     callbacks=[start])
     # what the new code loaded is exactly what the old code saved
     assert start.position == (4, 1, 0, 32)

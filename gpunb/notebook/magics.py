@@ -114,8 +114,7 @@ class GpuMagics(Magics):
             result = Trainer(config).fit(
                 found["model"], found["train_data"], found["val_data"], optimizer=found["optimizer"],
                 scheduler=found["scheduler"], loss_fn=found["loss_fn"], step=found["step"],
-                metrics=found["metrics"], callbacks=callbacks, continue_from=previous,
-                **({"job_key": job_key} if config.cluster is not None else {}))
+                metrics=found["metrics"], callbacks=callbacks, continue_from=previous, job_key=job_key)
         _remember(config, found, args, result)
         self.shell.user_ns[args.out] = result
         if not any(getattr(cb, "handle", None) for cb in callbacks):
