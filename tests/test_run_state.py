@@ -10,9 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import classification_data, mlp
-from data.make_checkpoint_v1 import (
-    data as v1_data,  # what made the old checkpoint trains on from it here
-)
+from data.make_checkpoint_v1 import data as v1_data
 from data.make_checkpoint_v1 import model as v1_model
 from data.make_checkpoint_v1 import options as v1_options
 from torch import nn
