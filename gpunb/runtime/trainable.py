@@ -59,11 +59,10 @@ def frozen_keys(model: torch.nn.Module) -> list[str]:
 def split_state(model: torch.nn.Module, state: dict) -> tuple[dict, dict | None]:
     """(what trains, the fingerprint of the rest) of `state`, the model's state_dict; a model
     without frozen parameters: (`state` whole, None)."""
-    if not has_frozen(model):
+    kept = trainable_part(model, state)
+    if kept is state:
         return state, None
-    frozen = set(frozen_keys(model))
-    kept = {name: value for name, value in state.items() if name not in frozen}
-    return kept, fingerprint({name: value for name, value in state.items() if name in frozen})
+    return kept, fingerprint({name: value for name, value in state.items() if name not in kept})
 
 
 def trainable_part(model: torch.nn.Module, state: dict) -> dict:
