@@ -10,7 +10,7 @@ touches CUDA or NVML at import time.
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["Trainer", "TrainConfig", "TrainResult", "predict", "evaluate", "profile", "runs", "compare", "attach"]
+__all__ = ["Trainer", "TrainConfig", "TrainResult", "predict", "evaluate", "profile", "runs", "compare", "attach", "stop"]
 
 _LAZY = {
     "Trainer": "gpunb.trainer",
@@ -22,6 +22,7 @@ _LAZY = {
     "runs": "gpunb.runs",
     "compare": "gpunb.runs",
     "attach": "gpunb.jobs",
+    "stop": "gpunb.jobs",
 }
 
 

@@ -103,14 +103,18 @@ def _samples_text(r) -> str:
 def summary_rows(r) -> list[tuple[str, str]]:
     """(name, text) pairs describing a TrainResult: the HTML summary and `gpunb demo` print these."""
     reason = f" ({r.stop_reason})" if r.stop_reason not in (None, r.status) else ""
-    rows = [("status", r.status + reason),
-            ("device", r.device), ("precision", f"{r.precision} ({r.precision_reason})"),
-            ("batch", f"{r.batch_size} x {r.grad_accum} accumulation x {r.world_size} "
-                      f"device(s) (micro-batch {r.micro_batch_size})"),
+    # Only what is known: a job that has not started (or was cancelled before it set up) has no
+    # precision, batch or timings yet.
+    rows = [("status", r.status + reason), *([("device", r.device)] if r.device else []),
+            *([("precision", r.precision + (f" ({r.precision_reason})" if r.precision_reason else ""))]
+              if r.precision else []),
+            *([("batch", f"{r.batch_size} x {r.grad_accum} accumulation x {r.world_size} "
+                         f"device(s) (micro-batch {r.micro_batch_size})")] if r.batch_size else []),
             *([("batch size", r.batch_size_reason)] if r.batch_size_reason else []),
             ("progress", progress_text(r)),
             *([("parameters", parameters_text(r))] if r.frozen_params else []),
-            ("wall time", f"{r.wall_time_s:.1f} s ({_samples_text(r)}, {r.samples_per_s:,.0f}/s)")]
+            *([("wall time", f"{r.wall_time_s:.1f} s ({_samples_text(r)}, {r.samples_per_s:,.0f}/s)")]
+              if r.wall_time_s else [])]
     if r.wall_time_s:
         share = 100 * r.data_wait_s / r.wall_time_s
         rows.append(("data wait", f"{r.data_wait_s:.2f} s ({share:.1f}% of wall time)"))

@@ -200,8 +200,12 @@ def test_a_cancelled_job_is_reported_cancelled():
     spec = job_spec.load(submitted.job["folder"])
     scheduler.cancel(spec)
     result = gpunb.attach("cancelled")
-    assert result.status == "cancelled" and result.stop_reason == "cancelled"
-    assert Registry().get_run(spec.run_id)["status"] == "cancelled"
+    assert result.status == "cancelled" and result.stop_reason == "cancelled from gpunb"
+    row = Registry().get_run(spec.run_id)
+    assert (row["status"], row["stop_reason"]) == ("cancelled", "cancelled from gpunb")
+    if not result.steps:  # cancelled before it set up: its summary says only what is known
+        shown = result._repr_html_()
+        assert "precision" not in shown and "micro-batch" not in shown and "wall time" not in shown
 
 
 def test_an_unpicklable_object_is_named_before_submitting(gpunb_home):
@@ -367,3 +371,137 @@ class SlowLoss(nn.CrossEntropyLoss):
     def forward(self, output, target):
         time.sleep(0.05)
         return super().forward(output, target)
+
+
+def test_the_key_of_a_cell_changes_with_its_options_values():
+    from gpunb.jobs.lookup import cell_key
+
+    cell = "model = make()\ntrain_data = data()"
+    sixty = cell_key(cell, "--detach --max-steps 60")
+    assert sixty == cell_key(cell + "\n\n", "--detach  --max-steps 60 --quiet --no-wait")  # how it waits: the same run
+    assert sixty != cell_key(cell, "--detach --max-steps 80") != cell_key(cell, "--detach --max-steps 60 --lr 0.1")
+
+
+def test_a_changed_option_is_another_job(gpunb_home):
+    first = Trainer(**SETTINGS, cluster="local", max_steps=4, name="options").fit(
+        mlp(), data(), loss_fn=nn.CrossEntropyLoss())
+    second = Trainer(**SETTINGS, cluster="local", max_steps=6, name="options").fit(
+        mlp(), data(), loss_fn=nn.CrossEntropyLoss())
+    assert not second.job["attached"] and second.job["folder"] != first.job["folder"] and second.steps == 6
+
+
+class KillAfterCheckpoint:
+    """Kills the job's every process (controller and tasks, SIGKILL) once a checkpoint at or after
+    `step` is written: the job ends without a result, as after an out-of-memory kill."""
+
+    def __init__(self, step):
+        self.step, self.job = step, None
+
+    def on_job_state(self, state, job):
+        self.job = job
+
+    def on_checkpoint(self, state, path):
+        if state.step >= self.step and self.job is not None:
+            controller = psutil.Process(int(self.job["id"]))
+            for process in [*controller.children(recursive=True), controller]:
+                process.kill()
+            self.job = None
+
+
+def test_a_killed_jobs_cell_run_again_resumes_from_its_newest_checkpoint(capsys):
+    from gpunb.runtime.state.checkpoint_files import list_checkpoints
+
+    settings = dict(**SETTINGS, cluster="local", max_steps=40, checkpoint_every=4, name="killed")
+    with pytest.raises(GpunbError, match="without a result"):
+        Trainer(**settings).fit(mlp(), data(), loss_fn=SlowLoss(), callbacks=[KillAfterCheckpoint(8)])
+    folder = [run for run in Registry().list_runs() if run["name"] == "killed"][0]["job"]["folder"]
+    newest = list_checkpoints(os.path.join(folder, "checkpoints"))[-1]
+    saved = torch.load(newest, weights_only=True)["step"]
+    assert 8 <= saved < 40
+    model = mlp()
+    result = Trainer(**settings).fit(model, data(), loss_fn=nn.CrossEntropyLoss())
+    assert f"it goes on from its newest checkpoint (step {saved})" in capsys.readouterr().out
+    assert result.status == "completed" and result.steps == 40 and result.job["folder"] == folder
+    assert result.resumed_from["step"] == saved and result.resumed_from["path"] == str(newest)
+    assert weights_equal(model, in_kernel(max_steps=40, checkpoint_every=4))
+    fresh = Trainer(**settings, resubmit=True).fit(mlp(), data(), loss_fn=nn.CrossEntropyLoss())
+    assert fresh.job["folder"] != folder and fresh.resumed_from is None and fresh.steps == 40
+
+
+def test_a_cancel_loads_the_newest_checkpoint(gpunb_home):
+    from gpunb.runtime.state.checkpoint_files import list_checkpoints
+
+    model = mlp()
+    result = Trainer(**SETTINGS, cluster="local", max_steps=100_000, checkpoint_every=4, name="cancel-newest").fit(
+        model, data(), loss_fn=SlowLoss(), callbacks=[CancelAfterCheckpoints(3)])
+    assert result.status == "cancelled" and result.stop_reason == "cancelled from the notebook"
+    written = list_checkpoints(os.path.join(result.job["folder"], "checkpoints"))
+    steps = [torch.load(path, weights_only=True)["step"] for path in written]
+    assert len(written) >= 2 and steps == sorted(steps)
+    assert result.loaded_step == steps[-1] and result.checkpoint_path == str(written[-1])
+    newest = torch.load(written[-1], weights_only=True)["model"]
+    assert all(torch.equal(newest[k], v) for k, v in model.state_dict().items())
+    row = Registry().get_run(result.job["run_id"], with_history=False)
+    assert (row["status"], row["stop_reason"], row["error"]) == ("cancelled", "cancelled from the notebook", None)
+
+
+class CancelAfterCheckpoints:
+    """Cancels the job (as a second press of the interrupt button does) after `count` checkpoints."""
+
+    def __init__(self, count):
+        self.count, self.seen, self.follower = count, 0, None
+
+    def on_checkpoint(self, state, path):
+        self.seen += 1
+        if self.seen == self.count:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_an_interrupt_followed_by_a_shutdown_leaves_the_job_running(monkeypatch):
+    """The shutdown_request that follows a restart's interrupt may come late on a loaded machine:
+    within the grace, the interrupt is not taken for a stop."""
+    import IPython
+
+    shell = type("Shell", (), {"exit_now": False})()
+    monkeypatch.setattr(IPython, "get_ipython", lambda: shell)
+    result = Trainer(**SETTINGS, cluster="local", max_steps=40, name="restarted").fit(
+        mlp(), data(), loss_fn=SlowLoss(), callbacks=[InterruptThenShutdown(8, shell)])
+    assert result.status in ("queued", "running") and result.model is None
+    assert not os.path.exists(os.path.join(result.job["folder"], "stop"))
+    shell.exit_now = False  # a new kernel
+    model = mlp()
+    ended = Trainer(**SETTINGS, cluster="local", max_steps=40, name="restarted").fit(
+        model, data(), loss_fn=nn.CrossEntropyLoss())
+    assert ended.job["attached"] and ended.status == "completed" and ended.steps == 40
+    assert weights_equal(model, in_kernel(max_steps=40))
+
+
+class InterruptThenShutdown:
+    """SIGINT at a step, and the kernel's shutdown (ipykernel's `exit_now`) a second after it."""
+
+    def __init__(self, step, shell):
+        self.step, self.shell, self.done = step, shell, False
+
+    def on_log(self, state, row):
+        if row["step"] >= self.step and not self.done:
+            self.done = True
+            os.kill(os.getpid(), signal.SIGINT)
+            threading.Timer(1.0, setattr, (self.shell, "exit_now", True)).start()
+
+
+def test_an_interrupt_stands_only_past_its_grace_and_without_a_shutdown(monkeypatch):
+    import IPython
+
+    from gpunb.jobs.interrupts import GRACE_S, KernelInterrupts
+
+    shell = type("Shell", (), {"exit_now": False})()
+    monkeypatch.setattr(IPython, "get_ipython", lambda: shell)
+    interrupts = KernelInterrupts()
+    interrupts.times = [100.0]
+    assert interrupts.due(now=100.0) == 0 and interrupts.due(now=100.0 + GRACE_S - 0.5) == 0
+    assert interrupts.due(now=100.0 + GRACE_S) == 1
+    interrupts.times.append(101.0)
+    assert interrupts.due(now=101.0 + GRACE_S) == 2
+    shell.exit_now = True
+    assert interrupts.shutting_down() and interrupts.due(now=200.0) == 0

@@ -10,7 +10,8 @@
     scheduler.py  submitit executors (local, Slurm), scheduler states, cancel
     submit.py     the kernel's side of a submission: folder, checks, executor, registry row
     follow.py     the kernel's side of a running job: events into the dashboard, stop, weights back
-    lookup.py     gpunb.attach(name_or_run_id), and the job of a cell run again
+    lookup.py     gpunb.attach(name_or_run_id), gpunb.stop(...), and the job of a cell run again
+    interrupts.py the kernel's interrupt while a cell follows a job, told apart from a restart
 
 Nothing here is imported by a run in the kernel; submitit is imported only to submit or
 to run a job.
@@ -26,3 +27,13 @@ def attach(name_or_run_id: str, *, wait: bool = True, callbacks=()):
     from gpunb.jobs.lookup import attach as attach_job
 
     return attach_job(name_or_run_id, wait=wait, callbacks=callbacks)
+
+
+def stop(name_or_run_id: str) -> str:
+    """Ask a run (by run name, a running one first, or run id) to stop at its next step, keeping its
+    weights and writing a checkpoint; for a job, a second call (or one while it waits in the queue)
+    cancels it. Returns "stopping", "cancelled", or the status of a run that has ended. Neither a
+    kernel restart nor an interrupt of a cell that follows a job stops the job: this does."""
+    from gpunb.jobs.lookup import stop as stop_run
+
+    return stop_run(name_or_run_id)

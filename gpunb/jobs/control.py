@@ -1,9 +1,9 @@
 """In the job: the requests that end a run early, read at step boundaries.
 
-- a stop from the notebook: the kernel writes the job folder's `stop` file (its interrupt
-  button, or `stop()`); the sidebar's Stop goes through the run registry, which the job's
-  RunRecorder reads. Either way the run stops at the next step, writes a checkpoint and
-  sends its weights back.
+- a stop: the job folder's `stop` file, which holds who asked, in words (`request_stop`: the
+  kernel's interrupt button, `gpunb.stop`, the sidebar's Stop); the sidebar's Stop also goes
+  through the run registry, which the job's RunRecorder reads. Either way the run stops at the
+  next step, writes a checkpoint and sends its weights back.
 - preemption or the time limit: Slurm's warning signal (`--signal=USR2@90`, or a
   `scancel --signal=USR1`) reaches every task. The handler only sets a flag (a signal
   handler must not write checkpoints in the middle of a collective); the next step stops
@@ -21,6 +21,7 @@ import time
 
 STOP_POLL_S = 0.5  # the stop file is looked for this often (a stat on a shared file system is not free)
 PREEMPTED = "preempted"
+DEFAULT_STOP = "stopped from the notebook"
 PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -47,5 +48,22 @@ class JobControl:
         now = time.monotonic()
         if now - self._checked >= STOP_POLL_S:
             self._checked = now
-            if os.path.exists(self.stop_path):
-                state.request_stop("stopped from the notebook")
+            reason = stop_reason(self.stop_path)
+            if reason is not None:
+                state.request_stop(reason)
+
+
+def request_stop(spec, reason: str) -> None:
+    """Ask the job of `spec` to stop at its next step; `reason` is what its result and row will say."""
+    temporary = spec.path / f".stop.{os.getpid()}"
+    temporary.write_text(reason)
+    os.replace(temporary, spec.stop_path)  # whole: the job never reads half a reason
+
+
+def stop_reason(path) -> str | None:
+    """The reason in a stop file (an empty one: the notebook's), None when there is none."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read().strip() or DEFAULT_STOP
+    except FileNotFoundError:
+        return None

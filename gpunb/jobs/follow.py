@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from gpunb.errors import GpunbError
 from gpunb.jobs import scheduler
 from gpunb.jobs.events import EventsReader, relayed_fields
+from gpunb.jobs.control import request_stop
 from gpunb.jobs.gpus import NodeGpuReader
+from gpunb.jobs.interrupts import KernelInterrupts
 from gpunb.runtime.events import Callbacks
-from gpunb.runtime.interrupt import InterruptFlag
 from gpunb.runtime.result import TrainResult
 from gpunb.runtime.run_state import RunState
 
@@ -45,6 +46,7 @@ class JobResult(TrainResult):
     gpu_hours: float | None = None
     cost: float | None = None  # gpu_hours x the GPU-hour price, when one is set
     energy_by_node: dict | None = None  # node number -> its GPUs' energy (J), from their samples files
+    loaded_step: int | None = None  # cancelled: the step of the checkpoint whose weights were loaded
 
     def __repr__(self) -> str:
         job = self.job or {}
@@ -76,21 +78,21 @@ class Follower:
         self.attempts: list = []  # (start, end) times of each of the job's starts
         self.scheduler_state = ("SUBMITTED" if not attached else "ATTACHED", None)
         self.stop_asked = False
+        self.cancel_reason: str | None = None  # who cancelled the job, in words, when this kernel did
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> JobResult:
-        """Follow the job to its end; returns its result, the weights loaded into the model."""
+        """Follow the job to its end; returns its result, the weights loaded into the model. A kernel
+        that is shutting down (a restart, a shut down) leaves the job running (interrupts.py)."""
         outcome = None
         self._announce()
         next_poll = 0.0
         try:
-            with InterruptFlag() as interrupt:
+            with KernelInterrupts() as interrupts:
                 while outcome is None:
-                    outcome = self._read()
+                    outcome = self._read() or self._interrupted(interrupts)
                     if outcome is not None:
                         break
-                    if interrupt.raised and not self.stop_asked:
-                        self.stop()
                     now = time.monotonic()
                     if now >= next_poll:
                         next_poll = now + SCHEDULER_POLL_S
@@ -98,13 +100,25 @@ class Follower:
                         if outcome is not None:
                             break
                     time.sleep(POLL_S)
-        except KeyboardInterrupt:  # the second interrupt: cancel now
-            self.cancel()
-            outcome = {"event": "cancelled"}
         except BaseException as error:
             self.callbacks.call("on_exception", self.state, error)
             raise
+        if outcome["event"] == "detached":
+            return self._result(status="running" if self.attempts else "queued")
         return self._finish(outcome)
+
+    def _interrupted(self, interrupts) -> dict | None:
+        """The kernel's interrupts that stand (not a restart's or a shutdown's): the first asks the job
+        to stop, a second cancels it; a kernel shutting down detaches (the job goes on)."""
+        if interrupts.shutting_down():
+            return {"event": "detached"}
+        pressed = interrupts.due()
+        if pressed >= 2:
+            self.cancel("cancelled from the notebook")
+            return {"event": "cancelled"}
+        if pressed == 1 and not self.stop_asked:
+            self.stop()
+        return None
 
     def now(self) -> JobResult:
         """Without waiting: the result if the job has ended, else what is known (status queued or running)."""
@@ -115,20 +129,16 @@ class Follower:
         self._job_state(state, reason)  # the registry (the sidebar) hears it too
         return self._result(status="running" if self.attempts else "queued", scheduler_state=state)
 
-    def stop(self) -> None:
+    def stop(self, reason: str = "stopped from the notebook") -> None:
         """Ask the job to stop at its next step (checkpoint written, weights sent back)."""
         self.stop_asked = True
         self.state.request_stop("interrupted")
-        self.spec.stop_path.touch()
-        if self.registry is not None:
-            try:
-                self.registry.request_stop(self.spec.run_id)
-            except Exception:  # the stop file is enough; the registry is the sidebar's path
-                pass
+        request_stop(self.spec, reason)
         self.callbacks.call("on_step_end", self.state)  # the dashboard shows "stopping" at once
 
-    def cancel(self) -> None:
+    def cancel(self, reason: str = "cancelled from the notebook") -> None:
         scheduler.cancel(self.spec)
+        self.cancel_reason = reason
         deadline = time.monotonic() + CANCEL_WAIT_S
         while time.monotonic() < deadline and scheduler.job_state(self.spec)[0] not in scheduler.ENDED:
             time.sleep(0.2)
@@ -136,9 +146,16 @@ class Follower:
     # ------------------------------------------------------------------ events
     def _read(self) -> dict | None:
         self._read_gpus()
-        for line in self.reader.read():
+        lines = self.reader.read()
+        # A job submitted again in its folder (submit.resume_in_folder): its earlier end is not this one.
+        again = max((i for i, line in enumerate(lines) if line["event"] == "resubmitted"), default=-1)
+        for index, line in enumerate(lines):
             kind = line["event"]
-            if kind == "job_started":
+            if kind == "resubmitted" or (index < again and kind in ("job_done", "job_failed")):
+                self._end_attempt(line["t"])
+            elif kind == "job_started":
+                if not self.attempts:
+                    self.state.started_at = line["t"]  # elapsed time counts from the job's start, re-attached too
                 self.attempts.append([line["t"], None])
                 self._job_state("RUNNING", None)
             elif kind == "requeued":
@@ -188,19 +205,23 @@ class Follower:
         if outcome is not None:
             return outcome
         if state.startswith("CANCELLED") or (self.spec.path / scheduler.CANCELLED_MARK).exists():
-            return {"event": "cancelled"}
+            return {"event": "cancelled", "reason": self._cancel_reason()}
         return {"event": "gone", "state": state}
 
     def _job_state(self, state: str, reason: str | None) -> None:
         if (state, reason) == self.scheduler_state:
             return
-        self.scheduler_state = (state, reason)
         if self.registry is not None:
             try:  # the job's own recorder writes the run's status once it runs; the scheduler's state is ours
                 status = "queued" if state in ("PENDING", "REQUEUED", "CONFIGURING") else None
                 self.registry.set_job(self.spec.run_id, {"state": state, "reason": reason}, status=status)
             except Exception:
                 pass
+        self._tell(state, reason)
+
+    def _tell(self, state: str, reason: str | None) -> None:
+        """The job's state to the callbacks that follow it (the line above the dashboard)."""
+        self.scheduler_state = (state, reason)
         job = self._job_info()
         for hook in self.job_hooks:
             hook(self.state, job)
@@ -217,14 +238,14 @@ class Follower:
             self.attempts[-1][1] = t
 
     def _announce(self) -> None:
-        job = self._job_info()
-        for hook in self.job_hooks:
-            hook(self.state, job)
+        self._tell(*self.scheduler_state)
 
     # ------------------------------------------------------------------ the end
     def _finish(self, outcome: dict) -> JobResult:
         kind = outcome["event"]
         self._read_gpus(every_node=True)  # every node's last line (its energy) is written before the job's end
+        if kind == "job_failed" and self._was_cancelled():
+            kind = "cancelled"  # a cancelled job's ranks die of their peers' end (gloo): that is no failure
         if kind == "job_failed":
             error = _remote_error(outcome, self.spec)
             self.callbacks.call("on_exception", self.state, error)
@@ -232,12 +253,12 @@ class Follower:
         if kind == "job_done":
             result = self._done()
         elif kind == "cancelled":
-            result = self._without_result("cancelled", "cancelled")
+            result = self._without_result(outcome.get("reason") or self._cancel_reason())
         else:
             error = GpunbError(f"The job ended ({outcome.get('state')}) without a result or an error from gpunb.",
                                f"its log is in {self.spec.submitit_dir}; a killed process (out of memory, the "
                                "time limit without a requeue) leaves nothing else. Its checkpoints are in "
-                               f"{self.spec.checkpoint_dir}.")
+                               f"{self.spec.checkpoint_dir}; running the cell again resumes from the newest.")
             if self.registry is not None:
                 try:
                     self.registry.set_job(self.spec.run_id, {"state": outcome.get("state")}, status="failed",
@@ -247,9 +268,29 @@ class Follower:
             self.callbacks.call("on_exception", self.state, error)
             raise error
         self.state.result = result
+        self._tell(result.status.upper(), result.stop_reason if result.status != "completed" else None)
         if self.started:
             self.callbacks.call("on_fit_end", self.state)
         return result
+
+    def _was_cancelled(self) -> bool:
+        return self.cancel_reason is not None or (self.spec.path / scheduler.CANCELLED_MARK).exists()
+
+    def _cancel_reason(self) -> str:
+        """Who cancelled the job, in words: this kernel, the sidebar or gpunb.stop (their words are in
+        the registry), or the scheduler (scancel, a time limit without a requeue)."""
+        if self.cancel_reason is not None:
+            return self.cancel_reason
+        try:
+            row = self.registry.get_run(self.spec.run_id, with_history=False) if self.registry else None
+        except Exception:
+            row = None
+        if row and (row.get("stop_reason") or "").startswith("cancelled"):
+            return row["stop_reason"]
+        if (self.spec.path / scheduler.CANCELLED_MARK).exists():
+            return "cancelled from gpunb"
+        return "cancelled by Slurm (scancel, or an administrator)" if self.spec.cluster == "slurm" else \
+            "cancelled: the job's controller was stopped"
 
     def _done(self) -> JobResult:
         import torch
@@ -262,34 +303,35 @@ class Follower:
         self._load(final["model"], final.get("optimizer"))
         return result
 
-    def _without_result(self, status: str, reason: str) -> JobResult:
-        """Cancelled: the newest checkpoint's weights, when there is one."""
-        from gpunb.runtime.state.checkpoint_files import (
-            list_checkpoints,
-            load_checkpoint,
-        )
-
+    def _without_result(self, reason: str) -> JobResult:
+        """Cancelled: the newest readable checkpoint's weights, when there is one."""
         if self.registry is not None:
             try:
-                self.registry.set_job(self.spec.run_id, {"state": "CANCELLED", "reason": None}, status="cancelled")
+                self.registry.set_job(self.spec.run_id, {"state": "CANCELLED", "reason": None}, status="cancelled",
+                                      stop_reason=reason)
             except Exception:
                 pass
-        found = list_checkpoints(self.spec.checkpoint_dir)
-        result = self._result(status=status)
+        result = self._result(status="cancelled")
         result.interrupted, result.stop_reason = True, reason
-        if found:
-            payload = load_checkpoint(found[-1])
+        newest = newest_checkpoint(self.spec.checkpoint_dir)
+        if newest is not None:
+            path, payload = newest
             self._load(payload["model"], None)
-            result.checkpoint_path = str(found[-1])
+            result.checkpoint_path, result.loaded_step = str(path), payload.get("step")
         return result
 
     def _result(self, status: str, base: TrainResult | None = None, scheduler_state: str | None = None) -> JobResult:
         state = self.state
-        if base is None:
+        if base is None:  # what the job's events told so far; nothing of a job that never set up
+            plan = getattr(state, "plan", None)
+            known = {} if plan is None else dict(
+                device=str(state.device), precision=plan.precision, precision_reason=plan.precision_reason,
+                batch_size=plan.batch_size, micro_batch_size=plan.batch_size, grad_accum=self.config.grad_accum)
             base = TrainResult(run_name=state.run_name, history=list(state.history), epochs=list(state.epochs),
                                validations=list(state.validations), config=self.config.to_dict(),
-                               device=str(state.device), world_size=state.world_size, steps=state.step,
-                               samples=state.samples_seen, checkpoint_path=state.checkpoint_path)
+                               world_size=state.world_size, steps=state.step, samples=state.samples_seen,
+                               checkpoint_path=state.checkpoint_path,
+                               **{"device": "", "precision": "", **known})
         fields = {name: value for name, value in base.__dict__.items() if not name.startswith("_")}
         job = self._job_info()
         if scheduler_state is not None:
@@ -316,6 +358,22 @@ class Follower:
         local.load_model_state(self.model, model_state)  # a checkpoint may hold only what trains
         if self.optimizer is not None and optimizer_state is not None:
             local.load_optimizer_state(self.model, self.optimizer, optimizer_state)
+
+
+def newest_checkpoint(directory) -> tuple | None:
+    """(path, payload) of the newest checkpoint in `directory` that loads; None when none does."""
+    import warnings
+
+    from gpunb.runtime.state.checkpoint_files import list_checkpoints, load_checkpoint
+
+    found = list_checkpoints(directory)
+    for path in reversed(found):
+        try:
+            return path, load_checkpoint(path)
+        except Exception as error:  # damaged: the one before it still holds good weights
+            warnings.warn(f"gpunb: the checkpoint {path} cannot be read ({error}); the one before it is used.",
+                          stacklevel=2)
+    return None
 
 
 def _remote_error(outcome: dict, spec) -> GpunbError:

@@ -1,8 +1,9 @@
 """Finding a job again: by the key of the cell that submitted it, or by run name or id.
 
 A re-run of the same cell (the same source and options: the key) finds its job in the
-run registry, and follows it instead of submitting again, unless that job failed or was
-cancelled. `attach(name_or_run_id)` does it from any cell of any kernel: the model comes
+run registry, and follows it instead of submitting again; a job that ended without a result
+(killed, cancelled, failed) is submitted again in its folder and goes on from its newest
+checkpoint (submit.py). `attach(name_or_run_id)` does it from any cell of any kernel: the model comes
 from the job folder's shipped arguments, with the job's weights loaded into it.
 """
 
@@ -14,7 +15,6 @@ import os
 from gpunb.errors import GpunbError
 from gpunb.jobs import spec as job_spec
 
-RESUBMIT_AFTER = ("failed", "cancelled", "interrupted")  # a job that ended so is submitted again
 SEARCHED = 1000  # newest registry rows searched for a job
 
 
@@ -30,17 +30,27 @@ def cell_key(cell: str, line: str) -> str:
 
 
 def find_job(key: str, registry) -> job_spec.JobSpec | None:
-    """The newest job submitted with `key` that is queued, running or ended with a result."""
+    """The newest job submitted with `key`, while its folder is there (running, ended with a result,
+    or ended without one: see `ended_without_result`)."""
     if registry is None:
         return None
     for row in registry.list_runs(limit=SEARCHED):
         job = row.get("job")
         if not job or job.get("key") != key:
             continue
-        if row["status"] in RESUBMIT_AFTER or not os.path.exists(os.path.join(job["folder"], "job.json")):
+        if not os.path.exists(os.path.join(job["folder"], "job.json")):
             return None
         return job_spec.load(job["folder"])
     return None
+
+
+def ended_without_result(spec) -> bool:
+    """The job is over (its scheduler says so) and left no weights: killed, cancelled or failed."""
+    from gpunb.jobs import scheduler
+
+    if spec.weights_path.exists() or spec.job_id is None:
+        return False
+    return scheduler.job_state(spec)[0] in scheduler.ENDED
 
 
 def attach(name_or_run_id: str, *, wait: bool = True, callbacks=()):
@@ -101,18 +111,43 @@ def refresh_waiting(registry, runs: list[dict]) -> list[dict]:
     return registry.list_runs(series=True) if changed else runs
 
 
-def stop_job(registry, run: dict) -> bool:
-    """The sidebar's Stop for a job: the first asks it to stop at its next step (checkpoint, weights
-    kept); a second, or one for a job still waiting in the queue, cancels it. False if it has ended."""
+def stop_job(registry, run: dict, by: str = "the sidebar") -> bool:
+    """The sidebar's Stop (or gpunb.stop) for a job: the first asks it to stop at its next step
+    (checkpoint, weights kept); a second, or one for a job still waiting in the queue, cancels it.
+    `by` says who, in the job's result and row. False if it has ended."""
     from gpunb.jobs import scheduler
+    from gpunb.jobs.control import request_stop
 
     if run["status"] not in ("queued", "running"):
         return False
     spec = job_spec.load(run["job"]["folder"])
-    if run["status"] == "queued" or run.get("stop_requested"):
+    if run["status"] == "queued" or run.get("stop_requested") or spec.stop_path.exists():
         scheduler.cancel(spec)
-        registry.set_job(run["id"], {"state": "CANCELLED", "reason": None}, status="cancelled")
+        registry.set_job(run["id"], {"state": "CANCELLED", "reason": None}, status="cancelled",
+                         stop_reason=f"cancelled from {by}")
         return True
-    spec.stop_path.touch()  # the job reads it even where it cannot reach this registry
-    registry.request_stop(run["id"])
+    request_stop(spec, f"stopped from {by}")  # the job reads it even where it cannot reach this registry
+    if by == "the sidebar":
+        registry.request_stop(run["id"])  # the sidebar shows "stopping…" from the registry
     return True
+
+
+def stop(name_or_run_id: str) -> str:
+    """gpunb.stop: see gpunb/jobs/__init__.py."""
+    from gpunb.runs import Registry
+
+    registry = Registry()
+    row = registry.get_run(name_or_run_id, with_history=False)
+    if row is None:
+        rows = [r for r in registry.list_runs(limit=SEARCHED) if r["name"] == name_or_run_id]
+        row = next((r for r in rows if r["status"] in ("queued", "running")), rows[0] if rows else None)
+    if row is None:
+        raise GpunbError(f"{name_or_run_id!r} names no run in the run registry.",
+                         "pass a run's name or id; `gpunb.runs()` lists them.")
+    asked_before = row.get("stop_requested") or (row.get("job") and os.path.exists(
+        os.path.join(row["job"]["folder"], "stop")))
+    if row.get("job") and stop_job(registry, row, by="gpunb.stop"):
+        return "cancelled" if asked_before or row["status"] == "queued" else "stopping"
+    if not row.get("job") and registry.request_stop(row["id"]):
+        return "stopping"
+    return row["status"]

@@ -21,7 +21,7 @@ DEFAULT_SLURM_TIME_MIN = 24 * 60  # a Slurm job's time limit when neither the ru
 def run_job(config, entry, model, train_data, val_data=None, *, callbacks=(), key=None, wait=True, **arguments):
     """Submit (or find) the job of this run and follow it; returns its JobResult (the weights in `model`)."""
     from gpunb.jobs.follow import Follower
-    from gpunb.jobs.lookup import find_job
+    from gpunb.jobs.lookup import ended_without_result, find_job
 
     if arguments.get("continue_from") is not None:
         raise GpunbError("--continue goes on with objects in this kernel's memory, which a job cannot reach.",
@@ -30,6 +30,8 @@ def run_job(config, entry, model, train_data, val_data=None, *, callbacks=(), ke
     registry = _registry(config)
     spec = None if config.resubmit or key is None else find_job(key, registry)
     attached = spec is not None
+    if spec is not None and ended_without_result(spec):
+        spec, attached = resume_in_folder(spec, config, registry), False  # killed, cancelled, failed
     if spec is None:
         from gpunb.distributed.shipping import FitArgs
 
@@ -85,6 +87,38 @@ def submit(config, entry, args, *, key: str | None, registry) -> JobSpec:
     spec.save()
     if registry is not None:
         registry.set_job(run_id, {"id": spec.job_id, "state": "PENDING"})
+    return spec
+
+
+def resume_in_folder(spec: JobSpec, config, registry) -> JobSpec | None:
+    """Submit a job that ended without a result again, in its own folder: like a requeued job it
+    goes on exactly from the folder's newest checkpoint (entry.py), and says so in one line. None
+    when it left no checkpoint (then it is submitted anew)."""
+    from gpunb.jobs import events
+    from gpunb.runtime.state.checkpoint_files import list_checkpoints
+
+    found = list_checkpoints(config.checkpoint_dir or spec.checkpoint_dir)
+    if not found:
+        return None
+    for leftover in (spec.stop_path, spec.path / scheduler.CANCELLED_MARK):
+        leftover.unlink(missing_ok=True)  # the old job's stop or cancel is not the new one's
+    events.append(spec.events_path, "resubmitted")
+    step = int(re.sub(r"\D", "", found[-1].name) or 0)
+    print(f"Job {spec.name!r} ended without a result; it goes on from its newest checkpoint (step {step}) "
+          "in its folder. `--resubmit` starts afresh.")
+    settings = job_settings(config)
+    executor = scheduler.executor(spec, settings, timeout_minutes(spec.cluster, settings))
+    from gpunb.jobs.entry import JobEntry
+
+    job = executor.submit(JobEntry(spec.folder))
+    spec.job_id, spec.job_started = str(job.job_id), None
+    if spec.cluster == "local":
+        import psutil
+
+        spec.job_started = psutil.Process(int(job.job_id)).create_time()
+    spec.save()
+    if registry is not None:
+        registry.set_job(spec.run_id, {"id": spec.job_id, "state": "PENDING", "reason": None}, status="queued")
     return spec
 
 

@@ -113,7 +113,7 @@ class RunRecorder:
             value = getattr(result, name, None)
             if value is not None:
                 self._latest[name] = value
-        self._finish(state, status, energy_j=getattr(result, "energy_j", None))
+        self._finish(state, status, energy_j=getattr(result, "energy_j", None), stop_reason=state.stop_reason)
 
     def on_exception(self, state, error: BaseException) -> None:
         if self.run_id is None:

@@ -54,6 +54,7 @@ CREATE TABLE IF NOT EXISTS runs (
     best TEXT,                                 -- each validation metric's best value, set at the end
     heartbeat_at REAL,                         -- stamped every few seconds by the running run's own thread
     job TEXT,                                  -- a run as a job: cluster, job id, folder, nodes, scheduler state
+    stop_reason TEXT,                          -- a stopped or cancelled run: who or what ended it, in words
     metric_seq INTEGER NOT NULL DEFAULT 0,     -- metric points added so far
     metric_stride INTEGER NOT NULL DEFAULT 1   -- keep every stride-th point (doubles when full)
 );
@@ -66,11 +67,11 @@ CREATE TABLE IF NOT EXISTS stop_requests (run_id TEXT PRIMARY KEY, requested_at 
 """
 _RUN_COLUMNS = ("id", "name", "notebook", "kernel_id", "pid", "host", "status", "config",
                 "started_at", "ended_at", "updated_at", "progress", "step", "total_steps",
-                "epoch", "eta_s", "latest", "device", "energy_j", "error", "best", "heartbeat_at", "job")
-_UPDATABLE = ("progress", "step", "total_steps", "epoch", "eta_s", "latest", "device", "energy_j")
+                "epoch", "eta_s", "latest", "device", "energy_j", "error", "best", "heartbeat_at", "job", "stop_reason")
+_UPDATABLE = ("progress", "step", "total_steps", "epoch", "eta_s", "latest", "device", "energy_j", "stop_reason")
 # what a reopened run takes from the process that goes on with it (the rest is the run's own)
 _REOPENED = ("notebook", "kernel_id", "pid", "pid_started", "host", "config", "updated_at", "total_steps", "device")
-_ADDED_COLUMNS = {"best": "TEXT", "heartbeat_at": "REAL", "job": "TEXT"}  # columns newer than the first registries
+_ADDED_COLUMNS = {"best": "TEXT", "heartbeat_at": "REAL", "job": "TEXT", "stop_reason": "TEXT"}  # columns newer than the first registries
 
 
 def json_safe(value: Any, _depth: int = 0) -> Any:
@@ -133,7 +134,7 @@ class Registry:
         insert = f"INSERT INTO runs ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})"
         if reopen:
             insert += (" ON CONFLICT(id) DO UPDATE SET status = 'running', ended_at = NULL, error = NULL, "
-                       "eta_s = NULL, " + ", ".join(f"{key} = excluded.{key}" for key in _REOPENED))
+                       "eta_s = NULL, stop_reason = NULL, " + ", ".join(f"{key} = excluded.{key}" for key in _REOPENED))
         with self._write() as db:
             db.execute(insert, tuple(row.values()))
         return run_id
@@ -152,9 +153,11 @@ class Registry:
             db.execute(f"UPDATE runs SET {assignments} WHERE id = ?", (*values.values(), run_id))
             _revive(db, run_id)
 
-    def set_job(self, run_id: str, job: dict, status: str | None = None, error: str | None = None) -> None:
+    def set_job(self, run_id: str, job: dict, status: str | None = None, error: str | None = None,
+                stop_reason: str | None = None) -> None:
         """Merge `job` into a job's record (its scheduler state, reason, nodes); with `status`, also
-        move the run there ("queued" again after a requeue, "cancelled", "failed" ...)."""
+        move the run there ("queued" again after a requeue, "cancelled", "failed" ...), with
+        `stop_reason` (who cancelled it, in words) beside it."""
         with self._write() as db:
             row = db.execute("SELECT job FROM runs WHERE id = ?", (run_id,)).fetchone()
             if row is None:
@@ -163,8 +166,12 @@ class Registry:
             db.execute("UPDATE runs SET job = ?, updated_at = ? WHERE id = ?", (_dumps(merged), time.time(), run_id))
             if status is not None:
                 ended = None if status in ("queued", "running") else time.time()
-                db.execute("UPDATE runs SET status = ?, error = COALESCE(?, error), ended_at = ? WHERE id = ?",
-                           (status, error, ended, run_id))
+                # A cancel says why in words: the error its dying ranks wrote (gloo's) goes, and they
+                # cannot make a cancelled run failed afterwards.
+                cancel = status == "cancelled"
+                db.execute("UPDATE runs SET status = ?, error = CASE WHEN ? THEN ? ELSE COALESCE(?, error) END, "
+                           "ended_at = ?, stop_reason = ? WHERE id = ? AND NOT (status = 'cancelled' AND ? = 'failed')",
+                           (status, cancel, error, error, ended, stop_reason, run_id, status))
 
     def heartbeat(self, run_id: str) -> bool:
         """Stamp the run as alive now (its recorder's thread does, every few seconds); False if
