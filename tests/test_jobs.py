@@ -99,6 +99,7 @@ def test_detached_job_trains_the_kernels_weights_and_streams_its_rows():
     assert steps == sorted(steps) and steps[-1] == 24 and len(steps) >= 6
     assert any(not done for _, done, _ in watch.rows), "every row came after the job had finished"
     assert watch.ended is result and result.model is model
+    assert watch.jobs[-1]["state"] == "COMPLETED"  # the line above the dashboard follows the job to its end
     run = Registry().get_run(result.job["run_id"])
     assert run["status"] == "completed" and run["job"]["cluster"] == "local" and run["step"] == 24
     assert run["job"]["state"] not in ("PENDING", None)  # the scheduler's view followed the job past its queue
@@ -134,7 +135,9 @@ def test_stop_ends_the_job_with_a_checkpoint_and_its_weights():
     checkpoint = torch.load(result.checkpoint_path, weights_only=True)
     assert checkpoint["step"] == result.steps
     assert all(torch.equal(checkpoint["model"][k], v) for k, v in model.state_dict().items())
-    assert Registry().get_run(result.job["run_id"])["status"] == "stopped"
+    run = Registry().get_run(result.job["run_id"])
+    assert (run["status"], run["stop_reason"]) == ("stopped", "stopped from the notebook")
+    assert result.stop_reason == "stopped from the notebook"
 
 
 class PreemptOnce:
@@ -169,10 +172,20 @@ def test_preempted_job_checkpoints_requeues_and_resumes_exactly(tmp_path):
     assert weights_equal(model, in_kernel(max_steps=40))
 
 
+class StartedAt:
+    def on_fit_start(self, state):
+        self.started_at = state.started_at
+
+
 def test_the_same_run_again_attaches_instead_of_resubmitting(gpunb_home):
     first, second = mlp(), mlp()
     one = Trainer(**SETTINGS, cluster="local", max_steps=8, name="again").fit(first, data(), loss_fn=nn.CrossEntropyLoss())
-    two = Trainer(**SETTINGS, cluster="local", max_steps=8, name="again").fit(second, data(), loss_fn=nn.CrossEntropyLoss())
+    started = StartedAt()
+    two = Trainer(**SETTINGS, cluster="local", max_steps=8, name="again").fit(
+        second, data(), loss_fn=nn.CrossEntropyLoss(), callbacks=[started])
+    with open(os.path.join(one.job["folder"], "events.jsonl")) as handle:
+        began = [event["t"] for event in map(json.loads, handle) if event["event"] == "job_started"]
+    assert started.started_at == began[0]  # the dashboard's elapsed time counts from the job's start
     assert not one.job["attached"] and two.job["attached"] and one.job["folder"] == two.job["folder"]
     assert len(os.listdir(gpunb_home / "jobs")) == 1 and weights_equal(first, second)
     three = Trainer(**SETTINGS, cluster="local", max_steps=8, name="again", resubmit=True).fit(
@@ -505,3 +518,25 @@ def test_an_interrupt_stands_only_past_its_grace_and_without_a_shutdown(monkeypa
     assert interrupts.due(now=101.0 + GRACE_S) == 2
     shell.exit_now = True
     assert interrupts.shutting_down() and interrupts.due(now=200.0) == 0
+
+
+def test_gpunb_stop_stops_a_job_and_a_second_call_cancels_it():
+    submitted = Trainer(**SETTINGS, cluster="local", max_steps=100_000, checkpoint_every=4, name="stop-me").submit(
+        mlp(), data(), loss_fn=SlowLoss())
+    stop_file = os.path.join(submitted.job["folder"], "stop")
+    deadline = time.monotonic() + 120
+    while Registry().get_run(submitted.job["run_id"])["status"] == "queued":  # a waiting job is cancelled
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert gpunb.stop("stop-me") == "stopping"
+    with open(stop_file) as handle:
+        assert handle.read() == "stopped from gpunb.stop"
+    result = gpunb.attach("stop-me")
+    assert result.status == "stopped" and result.stop_reason == "stopped from gpunb.stop"
+    assert Registry().get_run(submitted.job["run_id"])["stop_reason"] == "stopped from gpunb.stop"
+    assert gpunb.stop("stop-me") == "stopped"  # ended: nothing to do
+    again = Trainer(**SETTINGS, cluster="local", max_steps=100_000, name="cancel-me").submit(
+        mlp(), data(), loss_fn=SlowLoss())
+    assert gpunb.stop(again.job["run_id"]) in ("stopping", "cancelled")
+    assert gpunb.stop(again.job["run_id"]) == "cancelled"
+    assert gpunb.attach("cancel-me").stop_reason == "cancelled from gpunb.stop"

@@ -98,9 +98,11 @@ def test_a_cancelled_job_is_reported_cancelled(slurm_cluster):
     model = mlp()
     result = Trainer(**slurm(slurm_cluster, max_steps=100_000, checkpoint_every=4, name="scancelled")).fit(
         model, data(), loss_fn=SlowLoss(), callbacks=[At(8, lambda job: slurm_cluster.run(["scancel", job["id"]]))])
-    assert result.status == "cancelled" and result.stop_reason == "cancelled"
+    said = "cancelled by Slurm (scancel, or an administrator)"  # not by gpunb: its result says so in words
+    assert result.status == "cancelled" and result.stop_reason == said
     slurm_cluster.wait_for_state(result.job["id"], "CANCELLED", timeout=30)
-    assert Registry().get_run(result.job["run_id"])["status"] == "cancelled"
+    row = Registry().get_run(result.job["run_id"])
+    assert (row["status"], row["stop_reason"], row["error"]) == ("cancelled", said, None)
     checkpoint = torch.load(result.checkpoint_path, weights_only=True)
     assert all(torch.equal(checkpoint["model"][k], v) for k, v in model.state_dict().items())
 

@@ -29,7 +29,7 @@ from gpunb.runs.journal import enable_wal
 
 RUN_KEYS = {"id", "name", "notebook", "kernel_id", "pid", "host", "status", "config", "started_at",
             "ended_at", "updated_at", "progress", "step", "total_steps", "epoch", "eta_s", "latest",
-            "device", "energy_j", "error", "best", "heartbeat_at", "stop_requested", "job"}
+            "device", "energy_j", "error", "best", "heartbeat_at", "stop_requested", "job", "stop_reason"}
 
 
 @pytest.fixture
@@ -406,6 +406,7 @@ def test_stop_request_round_trip(registry, clock):
     assert rec.flush(10)  # the end is written in the background (fit waits 2 s at most)
     run = _recorded(registry, state)
     assert (run["status"], run["energy_j"], run["stop_requested"]) == ("stopped", 99.0, False)
+    assert run["stop_reason"] == "stopped from the sidebar"  # the sidebar's card says why
 
 
 def test_a_long_log_interval_still_gets_heartbeats_and_stop_checks(registry, clock):
@@ -473,6 +474,7 @@ def test_final_status(registry, clock, interrupted, reason, status):
     run = _recorded(registry, state)
     assert (run["status"], run["latest"], run["progress"]) == (status, {"loss": 0.25}, 1.0)
     assert run["history"][-1]["loss"] == 0.25 and run["ended_at"] is not None
+    assert run["stop_reason"] == reason
 
 
 def test_an_exception_is_recorded_as_failed_with_its_first_line(registry, clock):

@@ -22,6 +22,7 @@ import time
 STOP_POLL_S = 0.5  # the stop file is looked for this often (a stat on a shared file system is not free)
 PREEMPTED = "preempted"
 DEFAULT_STOP = "stopped from the notebook"
+SLURM_CANCEL = "cancelled by Slurm (scancel, or an administrator)"  # a cancel that did not come from gpunb
 PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from gpunb.errors import GpunbError
 from gpunb.jobs import scheduler
 from gpunb.jobs.events import EventsReader, relayed_fields
-from gpunb.jobs.control import request_stop
+from gpunb.jobs.control import SLURM_CANCEL, request_stop
 from gpunb.jobs.gpus import NodeGpuReader
 from gpunb.jobs.interrupts import KernelInterrupts
 from gpunb.runtime.events import Callbacks
@@ -289,8 +289,7 @@ class Follower:
             return row["stop_reason"]
         if (self.spec.path / scheduler.CANCELLED_MARK).exists():
             return "cancelled from gpunb"
-        return "cancelled by Slurm (scancel, or an administrator)" if self.spec.cluster == "slurm" else \
-            "cancelled: the job's controller was stopped"
+        return SLURM_CANCEL if self.spec.cluster == "slurm" else "cancelled: the job's controller was stopped"
 
     def _done(self) -> JobResult:
         import torch

@@ -94,6 +94,7 @@ def refresh_waiting(registry, runs: list[dict]) -> list[dict]:
     import time
 
     from gpunb.jobs import scheduler
+    from gpunb.jobs.control import SLURM_CANCEL
 
     if time.monotonic() - _refreshed["at"] < REFRESH_EVERY_S:
         return runs
@@ -106,7 +107,8 @@ def refresh_waiting(registry, runs: list[dict]) -> list[dict]:
         state, reason = scheduler.slurm_state(job["id"])
         if (state, reason) != (job.get("state"), job.get("reason")) and state != "UNKNOWN":
             ended = state.startswith("CANCELLED") and "cancelled" or (state in scheduler.ENDED and "failed")
-            registry.set_job(run["id"], {"state": state, "reason": reason}, status=ended or None)
+            registry.set_job(run["id"], {"state": state, "reason": reason}, status=ended or None,
+                             stop_reason=SLURM_CANCEL if ended == "cancelled" else None)
             changed = True
     return registry.list_runs(series=True) if changed else runs
 

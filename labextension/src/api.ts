@@ -80,6 +80,7 @@ export interface IRun {
   latest?: { [metric: string]: number | null }; // null for a non-finite value
   device?: string | null;
   error?: string | null;
+  stop_reason?: string | null; // a stopped or cancelled run: who or what ended it, in words
   stop_requested?: boolean;
   started_at?: number | null;
   ended_at?: number | null;

@@ -125,6 +125,9 @@ function RunRow(props: {
       ) : (
         <div className="jp-gpunb-run-summary">{finishedSummary(run)}</div>
       )}
+      {!running && !queued && run.stop_reason ? (
+        <div className="jp-gpunb-muted jp-gpunb-stop-reason">{run.stop_reason}</div>
+      ) : null}
       <Sparkline values={props.losses} title="Training loss" />
       <div className="jp-gpunb-run-footer">
         <span className="jp-gpunb-muted">
