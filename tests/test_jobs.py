@@ -540,3 +540,17 @@ def test_gpunb_stop_stops_a_job_and_a_second_call_cancels_it():
     assert gpunb.stop(again.job["run_id"]) in ("stopping", "cancelled")
     assert gpunb.stop(again.job["run_id"]) == "cancelled"
     assert gpunb.attach("cancel-me").stop_reason == "cancelled from gpunb.stop"
+
+
+def test_a_job_that_has_not_started_shows_only_what_is_known(tmp_path):
+    from gpunb.config import TrainConfig
+    from gpunb.jobs.follow import Follower
+    from gpunb.jobs.spec import JobSpec
+
+    spec = JobSpec(run_id="0" * 32, name="waiting", key=None, cluster="slurm", folder=str(tmp_path), nodes=2,
+                   tasks_per_node=8, gpus_per_node=8, accelerator="cuda", entry="m:f", registry=None)
+    result = Follower(spec, TrainConfig(cluster="slurm")).now()
+    assert result.status == "queued"
+    shown = result._repr_html_()
+    for unknown in ("precision", "micro-batch", "wall time", "device"):
+        assert unknown not in shown, unknown
