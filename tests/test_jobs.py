@@ -554,3 +554,33 @@ def test_a_job_that_has_not_started_shows_only_what_is_known(tmp_path):
     shown = result._repr_html_()
     for unknown in ("precision", "micro-batch", "wall time", "device"):
         assert unknown not in shown, unknown
+
+
+def test_a_cancelled_two_task_job_says_cancelled_not_what_killed_its_ranks():
+    result = Trainer(**SETTINGS, cluster="local", devices=2, max_steps=100_000, checkpoint_every=4,
+                     name="cancelled-pair").fit(mlp(), data(), loss_fn=SlowLoss(), callbacks=[CancelAfterCheckpoints(2)])
+    assert result.status == "cancelled" and result.stop_reason == "cancelled from the notebook"
+    row = Registry().get_run(result.job["run_id"], with_history=False)
+    assert (row["status"], row["stop_reason"], row["error"]) == ("cancelled", "cancelled from the notebook", None)
+
+
+def test_a_job_cancelled_with_no_kernel_following_stays_cancelled():
+    from gpunb.jobs import scheduler, spec as job_spec
+    from gpunb.jobs.lookup import stop_job
+
+    submitted = Trainer(**SETTINGS, cluster="local", devices=2, max_steps=100_000, name="cancel-alone").submit(
+        mlp(), data(), loss_fn=SlowLoss())
+    run_id = submitted.job["run_id"]
+    deadline = time.monotonic() + 120
+    while Registry().get_run(run_id)["status"] == "queued":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    # The Cancel of a job asked to stop before (so that the cancel meets a running job, not one stopping)
+    assert stop_job(Registry(), {**Registry().get_run(run_id), "stop_requested": True}, by="gpunb.stop")
+    spec = job_spec.load(submitted.job["folder"])
+    while scheduler.job_state(spec)[0] not in scheduler.ENDED:  # its ranks end, and say what they say
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    row = Registry().get_run(run_id, with_history=False)
+    assert (row["status"], row["stop_reason"], row["error"]) == ("cancelled", "cancelled from gpunb.stop", None)
+    assert gpunb.attach("cancel-alone").stop_reason == "cancelled from gpunb.stop"

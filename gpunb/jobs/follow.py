@@ -298,6 +298,8 @@ class Follower:
             trained = pickle.load(handle)
         final = torch.load(self.spec.weights_path, map_location="cpu", weights_only=True)
         result = self._result(status="stopped" if trained.stop_reason else "completed", base=trained)
+        if trained.stop_reason and self._was_cancelled():  # its tasks stopped in time, on the cancel's SIGINT
+            result.status, result.stop_reason = "cancelled", self._cancel_reason()
         result.ema_state_dict = final.get("ema")
         self._load(final["model"], final.get("optimizer"))
         return result

@@ -68,9 +68,10 @@ CREATE TABLE IF NOT EXISTS stop_requests (run_id TEXT PRIMARY KEY, requested_at 
 _RUN_COLUMNS = ("id", "name", "notebook", "kernel_id", "pid", "host", "status", "config",
                 "started_at", "ended_at", "updated_at", "progress", "step", "total_steps",
                 "epoch", "eta_s", "latest", "device", "energy_j", "error", "best", "heartbeat_at", "job", "stop_reason")
-_UPDATABLE = ("progress", "step", "total_steps", "epoch", "eta_s", "latest", "device", "energy_j", "stop_reason")
+_UPDATABLE = ("progress", "step", "total_steps", "epoch", "eta_s", "latest", "device", "energy_j")
 # what a reopened run takes from the process that goes on with it (the rest is the run's own)
 _REOPENED = ("notebook", "kernel_id", "pid", "pid_started", "host", "config", "updated_at", "total_steps", "device")
+_AFTER_CANCEL = "('failed', 'interrupted')"  # what a cancelled job's dying ranks report, never its end
 _ADDED_COLUMNS = {"best": "TEXT", "heartbeat_at": "REAL", "job": "TEXT", "stop_reason": "TEXT"}  # columns newer than the first registries
 
 
@@ -170,7 +171,8 @@ class Registry:
                 # cannot make a cancelled run failed afterwards.
                 cancel = status == "cancelled"
                 db.execute("UPDATE runs SET status = ?, error = CASE WHEN ? THEN ? ELSE COALESCE(?, error) END, "
-                           "ended_at = ?, stop_reason = ? WHERE id = ? AND NOT (status = 'cancelled' AND ? = 'failed')",
+                           "ended_at = ?, stop_reason = ? WHERE id = ? "
+                           f"AND NOT (status = 'cancelled' AND ? IN {_AFTER_CANCEL})",
                            (status, cancel, error, error, ended, stop_reason, run_id, status))
 
     def heartbeat(self, run_id: str) -> bool:
@@ -210,8 +212,10 @@ class Registry:
                 seq += 1
             db.execute("UPDATE runs SET metric_seq = ?, metric_stride = ? WHERE id = ?", (seq, stride, run_id))
 
-    def finish(self, run_id: str, status: str, *, error: str | None = None, **fields: Any) -> None:
-        """End a run with `status` (not "running"); `fields` as in `update` (e.g. energy_j)."""
+    def finish(self, run_id: str, status: str, *, error: str | None = None, stop_reason: str | None = None,
+               **fields: Any) -> None:
+        """End a run with `status` (not "running"), `stop_reason` saying why in words when it stopped;
+        `fields` as in `update` (e.g. energy_j)."""
         ends = [s for s in STATUSES if s not in ("queued", "running")]
         if status not in ends:
             raise GpunbError(f"Cannot finish a run with status {status!r}.",
@@ -220,8 +224,10 @@ class Registry:
         with self._write() as db:
             points = db.execute("SELECT data FROM metrics WHERE run_id = ?", (run_id,)).fetchall()
             best = best_values(json.loads(data) for (data,) in points)
-            db.execute("UPDATE runs SET status = ?, error = ?, ended_at = ?, best = ? WHERE id = ?",
-                       (status, error, time.time(), _dumps(best), run_id))
+            # A cancelled job's ranks die of their peers' end: what they say must not undo the cancel.
+            db.execute("UPDATE runs SET status = ?, error = ?, ended_at = ?, best = ?, stop_reason = ? WHERE id = ? "
+                       f"AND NOT (status = 'cancelled' AND ? IN {_AFTER_CANCEL})",
+                       (status, error, time.time(), _dumps(best), stop_reason, run_id, status))
             db.execute("DELETE FROM stop_requests WHERE run_id = ?", (run_id,))
 
     def request_stop(self, run_id: str) -> bool:
