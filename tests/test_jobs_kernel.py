@@ -47,6 +47,18 @@ def run(client, code, timeout=180):
     return "".join(out)
 
 
+def attached_in_a_new_kernel(env, cell):
+    """The same cell run in a new kernel: it attaches to its job and waits for the end; the report's words."""
+    manager, client = kernel(env)
+    try:
+        run(client, "%load_ext gpunb")
+        run(client, f"%%gputrain {OPTIONS}\n{cell}")
+        return run(client, REPORT).split()
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+
+
 def expected_checksum():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(128, 10, generator=g)
@@ -70,14 +82,7 @@ def test_a_detached_job_outlives_its_kernel_and_a_new_kernel_gets_its_weights(gp
         manager.shutdown_kernel(now=True)
     controller = int(open(os.path.join(folder, "job.json")).read().split('"job_id": "')[1].split('"')[0])
     assert psutil.pid_exists(controller), "the job died with the kernel"
-    manager, client = kernel(env)
-    try:
-        run(client, "%load_ext gpunb")
-        run(client, f"%%gputrain {OPTIONS}\n{CELL}")  # the same cell: it attaches, and waits for the end
-        status, attached, checksum = run(client, REPORT).split()
-    finally:
-        client.stop_channels()
-        manager.shutdown_kernel(now=True)
+    status, attached, checksum = attached_in_a_new_kernel(env, CELL)
     assert (status, attached) == ("completed", "True")
     assert checksum == expected_checksum()
     assert len(os.listdir(gpunb_home / "jobs")) == 1  # attached, not submitted again
@@ -172,14 +177,7 @@ def test_restarting_or_shutting_down_the_kernel_leaves_the_job_running(tmp_path,
         client.stop_channels()
         manager.shutdown_kernel(now=True)
     hold.unlink()
-    manager, client = kernel(env)
-    try:
-        run(client, "%load_ext gpunb")
-        run(client, f"%%gputrain {OPTIONS}\n{HELD_CELL}")
-        status, attached, checksum = run(client, REPORT).split()
-    finally:
-        client.stop_channels()
-        manager.shutdown_kernel(now=True)
+    status, attached, checksum = attached_in_a_new_kernel(env, HELD_CELL)
     assert (status, attached) == ("completed", "True")
     assert checksum == expected_checksum()
     with open(folder / "events.jsonl") as handle:

@@ -8,11 +8,12 @@ to the run registry (the sidebar) and to callbacks that define `on_job_state(sta
 Each node's GPU samples (gpus.py) go to callbacks that define `on_gpu_samples(state, samples)`,
 each sample with its node and host; the result's energy is their nodes' sum, when they wrote any.
 
-The kernel's interrupt button asks the job to stop (the stop file and the registry's stop
-request): it stops at its next step, writes a checkpoint and sends its weights. A second
-interrupt cancels it (scancel; local: the controller), and the newest checkpoint's weights
-are loaded instead. The kernel that follows a job can die: the job goes on, and running
-the cell again (or gpunb.attach) follows it from its first event.
+The kernel's interrupt button asks the job to stop (the stop file, with who asked), once it
+is clear that no restart or shutdown of the kernel came with it (interrupts.py): the job stops
+at its next step, writes a checkpoint and sends its weights. A second interrupt cancels it
+(scancel; local: the controller), and the newest readable checkpoint's weights are loaded
+instead. The kernel that follows a job can restart, shut down or die: the job goes on, and
+running the cell again (or gpunb.attach) follows it from its first event.
 """
 
 from __future__ import annotations

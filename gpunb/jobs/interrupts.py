@@ -13,31 +13,22 @@ Outside IPython (a script's Ctrl-C) there is no shutdown to wait for, and the sa
 
 from __future__ import annotations
 
-import signal
 import sys
-import threading
 import time
+
+from gpunb.runtime.interrupt import InterruptFlag
 
 GRACE_S = 2.0  # a shutdown_request comes within milliseconds of its interrupt; SIGTERM after 2.5 s
 
 
-class KernelInterrupts:
-    """SIGINT while following a job, as times; `due()` counts those past their grace."""
+class KernelInterrupts(InterruptFlag):
+    """SIGINT while following a job, as times (the handler installed as InterruptFlag's); `due()`
+    counts those past their grace."""
 
     def __init__(self, grace_s: float = GRACE_S):
+        super().__init__()
         self.grace_s = grace_s
         self.times: list[float] = []
-        self._previous = None
-
-    def __enter__(self) -> "KernelInterrupts":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
 
     def _handle(self, signum, frame) -> None:
         self.times.append(time.monotonic())  # only noted: a handler must not decide before the shutdown can show
