@@ -230,6 +230,7 @@ class Follower:
             self.callbacks.call("on_exception", self.state, error)
             raise error
         if kind == "job_done":
+            self._job_state("COMPLETED", None)  # a replayed job_started said RUNNING: the row follows the end
             result = self._done()
         elif kind == "cancelled":
             result = self._without_result("cancelled", "cancelled")
