@@ -174,7 +174,7 @@ def _in_process_group() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _default_callbacks(config, context, placement) -> list:
+def _default_callbacks(config, context, placement=ALONE) -> list:
     """Telemetry, and the run registry on rank 0 when this process records its run (a launched
     rank's or a job's run is recorded by its launcher or its job), when their packages are there."""
     found = []
