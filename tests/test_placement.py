@@ -25,12 +25,19 @@ from gpunb.runs.registry import json_safe
 PACKAGE = Path(__file__).resolve().parent.parent / "gpunb"
 FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 
-# A copy of the config that is no process's: the probes' trial stepper takes one micro-batch per step
-# (the batch-size probe and the LR finder time single batches), then is thrown away with its rewind.
-# (module, the fields it sets). This list only shrinks.
+# (module, the fields it sets) of the changed copies that steer no process of the user's run. This
+# list only shrinks.
 ALLOWED = {
+    # The probes' trial stepper takes one micro-batch per step (the batch-size probe and the LR
+    # finder time single batches), then is thrown away with its rewind.
     ("gpunb.runtime.probes.batch_size", ("grad_accum",)),
     ("gpunb.runtime.probes.lr_find", ("grad_accum",)),
+    # The user's own keywords and flags on the user's config: building it, before any run.
+    ("gpunb.trainer", ("**",)),
+    ("gpunb.config_flags", ("**",)),
+    # %gpuprofile's session is a run of its own (a few steps, one process, no checkpoints, recorded
+    # nowhere) made from the user's config; the user's run is not it.
+    ("gpunb.profiling.api", ("**",)),
 }
 
 
@@ -57,7 +64,7 @@ def _set_fields(call: ast.Call) -> tuple:
 def rewrites(tree: ast.AST) -> list:
     """(line, fields) of each place in `tree` that changes a TrainConfig: `x.replace(field=...)` (the
     config's own method; str.replace takes no keywords), `dataclasses.replace(config, ...)`,
-    `config.field = ...` and `setattr(config, ...)`."""
+    `make_config(config, field=...)`, `config.field = ...` and `setattr(config, ...)`."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
@@ -67,6 +74,9 @@ def rewrites(tree: ast.AST) -> list:
                 found.append((node.lineno, _set_fields(node)))
             elif _dotted(func) in ("replace", "dataclasses.replace") and node.args and _is_config(node.args[0]):
                 found.append((node.lineno, _set_fields(node)))
+            elif _dotted(func).endswith("make_config") and node.keywords and node.args \
+                    and not (isinstance(node.args[0], ast.Constant) and node.args[0].value is None):
+                found.append((node.lineno, _set_fields(node)))  # a config given, with fields changed
             elif _dotted(func) in ("setattr", "object.__setattr__") and node.args and _is_config(node.args[0]):
                 found.append((node.lineno, ("setattr",)))
         elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
@@ -110,6 +120,7 @@ def test_the_allowed_copies_are_still_there():
     "self.config.devices = 1\n",
     "object.__setattr__(config, 'devices', 1)\n",
     "setattr(state.config, 'nodes', 1)\n",
+    "config = make_config(config, track=False, devices=1)\n",
 ])
 def test_a_rewrite_is_seen(source):
     assert rewrites(ast.parse(source))
@@ -121,6 +132,7 @@ def test_a_rewrite_is_seen(source):
     "plan = replace(plan, strategy='ddp')\n",
     "choice = choice._replace(size=4)\n",
     "model.config.use_cache = False\n",  # a Hugging Face model's config, not a TrainConfig field
+    "config = make_config(None, **given)\n",  # a new config, from nothing
 ])
 def test_what_is_not_a_trainconfig_is_left_alone(source):
     assert not rewrites(ast.parse(source))
@@ -171,7 +183,7 @@ def test_a_detached_two_task_job_records_the_config_as_given_and_its_state_to_th
     from gpunb.jobs import scheduler, spec as job_spec
 
     config = TrainConfig(cluster="local", devices=2, accelerator="cpu", batch_size=16, log_every=4, max_steps=8,
-                         seed=0, name="detached")
+                         seed=0, name="detached", loggers=("csv",))
     submitted = Trainer(config).submit(mlp(), classification_data(n=128), loss_fn=nn.CrossEntropyLoss())
     spec = job_spec.load(submitted.job["folder"])
     run = _ended(spec.run_id)
@@ -185,6 +197,7 @@ def test_a_detached_two_task_job_records_the_config_as_given_and_its_state_to_th
     assert run["config"]["nodes"] == 1 and run["config"]["track"] is True
     assert run["config"]["checkpoint_dir"] is None  # the checkpoints went to the job's folder all the same
     assert list((Path(spec.folder) / "checkpoints").rglob("*.pt"))
+    assert list((Path(spec.folder) / "checkpoints" / "logs").rglob("*.csv"))  # and its logs beside them
     result = gpunb.attach("detached")  # a follower replays the job's start, then its end
     assert result.status == "completed" and result.world_size == 2
     run = Registry().get_run(spec.run_id, with_history=False)
