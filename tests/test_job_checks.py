@@ -121,7 +121,8 @@ def sbatch_script(tmp_path, monkeypatch):
     folder = tmp_path / f"my-run-{uuid.uuid4().hex[:8]}"
     folder.mkdir()
     spec = JobSpec(run_id=uuid.uuid4().hex, name="my run", key=None, cluster="slurm", folder=str(folder), nodes=1,
-                   tasks_per_node=1, gpus_per_node=0, accelerator="cpu", entry="m:f", registry=None)
+                   tasks_per_node=1, gpus_per_node=0, accelerator="cpu", entry="m:f", registry=None,
+                   job_name=folder.name)
     executor = scheduler.executor(spec, settings, timeout_minutes("slurm", settings))
     script = executor._make_submission_file_text("true", "test")
     expected = {"job-name": folder.name, "partition": "debug", "account": "team", "qos": "normal",
@@ -233,7 +234,8 @@ def fake_job_row(registry, folder_root, name, job_id, status):
     folder = folder_root / f"{name}-{run_id[:8]}"
     folder.mkdir()
     JobSpec(run_id=run_id, name=name, key=None, cluster="slurm", folder=str(folder), nodes=1, tasks_per_node=1,
-            gpus_per_node=0, accelerator="cpu", entry="m:f", registry=str(registry.path), job_id=job_id).save()
+            gpus_per_node=0, accelerator="cpu", entry="m:f", registry=str(registry.path), job_id=job_id,
+            job_name=folder.name).save()
     registry.start_run(name, run_id=run_id, status=status,
                        job={"cluster": "slurm", "id": job_id, "folder": str(folder), "state": "PENDING"})
     return run_id, folder
@@ -258,7 +260,7 @@ def test_stop_never_reaches_a_slurm_job_that_is_not_gpunbs(slurm_cluster, tmp_pa
             accepted, row = _request_stop(registry, run_id)
             assert accepted and row["status"] == "lost" and row["job"]["state"] == "LOST"
         rows = {row["id"]: row for row in registry.list_runs()}
-        assert f"Slurm's job {other} is now 'wrap' of " in rows[reused]["error"]
+        assert f"Slurm's job {other} is now 'wrap' of user {os.getuid()}, " in rows[reused]["error"]
         assert rows[reused]["error"].endswith(f"not this run's '{reused_folder.name}'")
         assert rows[forgotten]["error"] == "Slurm no longer knows job 67000000"
         assert slurm_cluster.run(["squeue", "-h", "-j", other, "-o", "%T"]).strip() == "RUNNING"

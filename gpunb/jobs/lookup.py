@@ -93,7 +93,9 @@ def refresh_waiting(registry, runs: list[dict]) -> list[dict]:
         job = run.get("job")
         if not job or run["status"] != "queued" or job.get("cluster") != "slurm" or not job.get("id"):
             continue
-        state, reason = scheduler.slurm_state(job["id"], os.path.basename(job["folder"]))
+        if not os.path.exists(os.path.join(job["folder"], "job.json")):
+            continue  # its folder is gone: nothing to follow or stop
+        state, reason = scheduler.job_state(job_spec.load(job["folder"]))
         if (state, reason) != (job.get("state"), job.get("reason")) and state != "UNKNOWN":
             ended = scheduler.ended_status(state)
             registry.set_job(run["id"], {"state": state, "reason": reason}, status=ended or None)

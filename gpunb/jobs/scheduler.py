@@ -89,8 +89,9 @@ def _DetachedLocalExecutor(folder, python=None):
 
 
 def job_name(spec) -> str:
-    """The Slurm job's name: its folder's (the run's name and the start of its id)."""
-    return spec.path.name
+    """The Slurm job's name: its folder's (the run's name and the start of its id); a job
+    submitted before job.json recorded it was named after the run."""
+    return spec.job_name or spec.name
 
 
 def job_state(spec) -> tuple[str, str | None]:
@@ -108,26 +109,28 @@ def slurm_state(job_id: str, name: str) -> tuple[str, str | None]:
     """(state, reason) of the Slurm job `job_id` named `name`: squeue's while Slurm holds it,
     then sacct's; (LOST, why) when the id names another job or Slurm no longer knows it;
     UNKNOWN when Slurm does not answer."""
-    queued = _ask(["squeue", "-h", "-j", str(job_id), "-o", "%T|%r|%j|%u"])
+    queued = _ask(["squeue", "-h", "-j", str(job_id), "-o", "%T|%r|%j|%U"])
     if queued.returncode == 0 and queued.stdout.strip():
         state, reason, *owner = queued.stdout.strip().splitlines()[0].split("|")
         reason = reason.strip() if reason.strip() not in ("", "None") else None
         return _owned(job_id, name, owner) or (state.strip(), reason)
-    accounted = _ask(["sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "State,JobName,User"])
+    accounted = _ask(["sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "State,JobName,UID"])
     if accounted.returncode == 0 and accounted.stdout.strip():
         state, *owner = accounted.stdout.strip().splitlines()[0].split("|")
-        return _owned(job_id, name, owner) or (state.split()[0].strip(), None)  # "CANCELLED by 0" -> CANCELLED
+        state = state.split()[0].strip()  # "CANCELLED by 0" -> CANCELLED
+        # Until a job starts, sacct may call it "allocation": its name is judged once it has ended.
+        return (state in ENDED and _owned(job_id, name, owner)) or (state, None)
     if "Invalid job id" in queued.stderr and accounted.returncode == 0:
         return LOST, f"Slurm no longer knows job {job_id}"
     return "UNKNOWN", None
 
 
 def _owned(job_id: str, name: str, owner: list) -> tuple[str, str] | None:
-    """None when Slurm's job `job_id` has this name and this user, else (LOST, why)."""
-    found_name, found_user = (part.strip() for part in (owner + ["", ""])[:2])
-    if (found_name, found_user) == (name, _user()):
+    """None when Slurm's job `job_id` has this name and this user's id, else (LOST, why)."""
+    found_name, found_uid = (part.strip() for part in (owner + ["", ""])[:2])
+    if (found_name, found_uid) == (name, str(os.getuid())):
         return None
-    return LOST, f"Slurm's job {job_id} is now {found_name!r} of {found_user or 'another user'}, not this run's {name!r}"
+    return LOST, f"Slurm's job {job_id} is now {found_name!r} of user {found_uid or '?'}, not this run's {name!r}"
 
 
 def ended_status(state: str) -> str | None:
@@ -154,15 +157,8 @@ def cancel(spec) -> str | None:
     if state == LOST:
         return reason
     (spec.path / CANCELLED_MARK).touch()
-    _run(["scancel", f"--name={job_name(spec)}", f"--user={_user()}", str(spec.job_id)])
+    _run(["scancel", f"--name={job_name(spec)}", f"--user={os.getuid()}", str(spec.job_id)])
     return None
-
-
-def _user() -> str:
-    """This process's user name, as Slurm knows it (from the user id, not the environment)."""
-    import pwd
-
-    return pwd.getpwuid(os.getuid()).pw_name
 
 
 def _local_alive(spec) -> bool:

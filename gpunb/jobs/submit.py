@@ -64,7 +64,7 @@ def submit(config, entry, args, *, key: str | None, registry) -> JobSpec:
                    tasks_per_node=tasks, gpus_per_node=gpus, accelerator=config.accelerator,
                    entry=f"{entry.__module__}:{entry.__qualname__}",
                    registry=str(registry.path) if registry is not None else None, versions=current_versions(),
-                   gpu_hour_price=_price(config, settings))
+                   gpu_hour_price=_price(config, settings), job_name=folder.name)
     spec.args_path.write_bytes(payload)
     spec.save()
     if registry is not None:
