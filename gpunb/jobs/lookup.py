@@ -104,9 +104,11 @@ def refresh_waiting(registry, runs: list[dict]) -> list[dict]:
         job = run.get("job")
         if not job or run["status"] != "queued" or job.get("cluster") != "slurm" or not job.get("id"):
             continue
-        state, reason = scheduler.slurm_state(job["id"])
+        if not os.path.exists(os.path.join(job["folder"], "job.json")):
+            continue  # its folder is gone: nothing to follow or stop
+        state, reason = scheduler.job_state(job_spec.load(job["folder"]))
         if (state, reason) != (job.get("state"), job.get("reason")) and state != "UNKNOWN":
-            ended = state.startswith("CANCELLED") and "cancelled" or (state in scheduler.ENDED and "failed")
+            ended = scheduler.ended_status(state)
             registry.set_job(run["id"], {"state": state, "reason": reason}, status=ended or None,
                              stop_reason=SLURM_CANCEL if ended == "cancelled" else None)
             changed = True
@@ -124,9 +126,12 @@ def stop_job(registry, run: dict, by: str = "the sidebar") -> bool:
         return False
     spec = job_spec.load(run["job"]["folder"])
     if run["status"] == "queued" or run.get("stop_requested") or spec.stop_path.exists():
-        scheduler.cancel(spec)
-        registry.set_job(run["id"], {"state": "CANCELLED", "reason": None}, status="cancelled",
-                         stop_reason=f"cancelled from {by}")
+        lost = scheduler.cancel(spec)  # sent only while the Slurm id still names this job
+        if lost:
+            registry.set_job(run["id"], {"state": scheduler.LOST, "reason": lost}, status="lost", error=lost)
+        else:
+            registry.set_job(run["id"], {"state": "CANCELLED", "reason": None}, status="cancelled",
+                             stop_reason=f"cancelled from {by}")
         return True
     request_stop(spec, f"stopped from {by}")  # the job reads it even where it cannot reach this registry
     if by == "the sidebar":
