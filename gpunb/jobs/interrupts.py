@@ -34,11 +34,12 @@ class KernelInterrupts(InterruptFlag):
         self.times.append(time.monotonic())  # only noted: a handler must not decide before the shutdown can show
 
     def due(self, now: float | None = None) -> int:
-        """How many interrupts stand: past their grace, with no shutdown of the kernel in sight."""
-        if self.shutting_down():
+        """How many interrupts stand: all of them once the newest is past its grace (two presses
+        close together are one double press: a cancel), with no shutdown of the kernel in sight."""
+        if self.shutting_down() or not self.times:
             return 0
         now = time.monotonic() if now is None else now
-        return sum(1 for at in self.times if now - at >= self.grace_s)
+        return len(self.times) if now - self.times[-1] >= self.grace_s else 0
 
     @staticmethod
     def shutting_down() -> bool:
