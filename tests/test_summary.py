@@ -113,6 +113,18 @@ def test_a_forward_that_fails_is_left_to_the_first_step_and_the_summary_says_so(
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_named_runs_summary_and_result_name_the_run_alike():
+    x, y = classification_data(n=64)
+    result = Trainer(epochs=1, batch_size=16, track=False, name="digits-cnn").fit(
+        mlp(), (x, y), loss_fn=nn.CrossEntropyLoss())
+    assert repr(result).startswith("TrainResult('digits-cnn': ")
+    assert repr(result.summary).startswith("RunSummary('digits-cnn': Sequential, 451 parameters")
+    assert ">run</th><td style='text-align:left;padding:0 .8em 0 0'>digits-cnn</td>" in result.summary._repr_html_()
+    unnamed = Trainer(epochs=1, batch_size=16, track=False).fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss())
+    assert repr(unnamed).startswith("TrainResult('Sequential': ")
+    assert repr(unnamed.summary).startswith("RunSummary('Sequential': 451 parameters")
+
+
 def test_the_text_is_deterministic_and_leaves_the_machine_out():
     summary = summary_of(nn.Linear(10, 2), classification_data(n=32, classes=2), batch_size=8)
     assert repr(summary) == (

@@ -22,6 +22,7 @@ from gpunb.runtime.plan import Plan
 from gpunb.runtime.plan import length as plan_length
 from gpunb.runtime.probes.batch_size import BatchChoice, find_batch_size
 from gpunb.runtime.probes.peak_flops import device_peak_tflops
+from gpunb.runtime.probes.plan_cost import measure_plan_cost
 from gpunb.runtime.probes.preflight import preflight
 from gpunb.runtime.probes.summary import summarize
 from gpunb.runtime.run_state import RunState
@@ -93,11 +94,12 @@ def prepare(config, dist, model, train_data, val_data, optimizer, scheduler, obj
                         measure=not (dist.world_size > 1 and config.strategy == "fsdp"))
     # measures chosen from the summary's estimate, before the schedule binds the optimizer
     memory, optimizer = _memory_plan(summary, model, optimizer, objective, precision, config, dist, device,
-                                     scheduler, teardown, continuing=carried is not None or bool(config.resume))
+                                     scheduler, teardown, train, continuing=carried is not None or bool(config.resume))
     plan, precision = _strategy(plan, config, dist, memory, summary, precision)  # before anything wraps the model
     schedule = _schedule(scheduler, optimizer, config, plan.total_steps, val_names, carried)
     # a continued fit goes on under the name of the fit it continues; the class: before FSDP renames it
     run_name = config.name or (carried.run_name if carried is not None else None) or type(model).__name__
+    summary.run = run_name  # the summary and the result name the run alike
     train_model, teardown.unwrap = wrap_model(model, config, dist, device)  # undone whatever happens next
     dist.adopt_shards(optimizer)  # FSDP replaced the parameters with sharded ones
     ema = _weight_ema(model, config, carried)
@@ -112,6 +114,8 @@ def prepare(config, dist, model, train_data, val_data, optimizer, scheduler, obj
     # the state's marks: a profiler asks for the step's phases by name
     state.stepper = Stepper(train_model, optimizer, objective, precision, schedule, config, state.marks,
                             getattr(train_model, "no_sync", None), ema=ema)
+    if memory is not None:  # over the budget by the activations alone: each batch in smaller pieces
+        state.stepper.splits = memory.micro_batches
     if memory is not None and config.memory_plan:  # a real OOM the split cannot fix: the next measure
         state.stepper.memory_fallback = MemoryFallback(memory, model, objective)
         teardown.memory = _then(teardown.memory, state.stepper.memory_fallback.restore)
@@ -130,12 +134,15 @@ def prepare(config, dist, model, train_data, val_data, optimizer, scheduler, obj
 
 
 def _memory_plan(summary, model, optimizer, objective, precision, config, dist, device, scheduler, teardown,
-                 continuing: bool):
-    """The memory plan (None: none made) and the optimizer to train with; its measures in place,
-    undone by the teardown, and said in the summary."""
+                 data, continuing: bool):
+    """The memory plan (None: none made) and the optimizer to train with; what it costs measured
+    on `data`'s first batch (before anything is in place, which the measuring would disturb), its
+    measures in place, undone by the teardown, and said in the summary."""
     memory = plan_run(summary, model, optimizer, objective, precision, config, dist, device, scheduler=scheduler,
                       continuing=continuing)
-    if memory is not None and memory.measures:
+    if memory is not None and memory.acts:
+        measure_plan_cost(memory, summary, model, optimizer, objective, precision, data, device, config,
+                          dist.world_size)
         optimizer, teardown.memory = apply_plan(memory, model, optimizer, objective)
         summary.plan = memory.text()
     return memory, optimizer

@@ -21,7 +21,7 @@ from gpunb.errors import GpunbError
 from gpunb.runtime.memory import chunked_loss as chunked
 from gpunb.runtime.memory.blocks import checkpoint_blocks, repeated_blocks
 from gpunb.runtime.memory.in_backward import OptimizerInBackward
-from gpunb.runtime.memory.plan import LOSS_CHUNKS, MEASURES, SAFETY, Footprint, Plan, plan_memory
+from gpunb.runtime.memory.plan import LOSS_CHUNKS, MEASURES, SAFETY, Footprint, Plan, plan_memory, split_micro_batch
 
 _ADAMS = ("Adam", "AdamW")
 _HYPER = ("lr", "betas", "eps", "weight_decay")
@@ -63,7 +63,7 @@ def plan_run(summary, model, optimizer, objective, precision, config, dist, devi
 
                 sharded.strategy_reason = (f"DDP needs {format_bytes(plan.after)} per device of "
                                            f"{format_bytes(budget)}; sharded: {format_bytes(sharded.after)}")
-                return sharded
+                return split_micro_batch(sharded, summary.batch_size)
             over = True  # sharded too, the weights, gradients and states are over: said below
     if over:
         sharded = None
@@ -71,7 +71,7 @@ def plan_run(summary, model, optimizer, objective, precision, config, dist, devi
                                     (config.strategy == "auto" and _why_not_sharded(config) is None)):
             sharded = _sharded(footprint, budget, unavailable, kept)  # the switch is the user's: the message names it
         raise does_not_fit(plan, footprint, sharded)
-    return plan
+    return split_micro_batch(plan, summary.batch_size)  # over by the activations alone: smaller micro-batches
 
 
 def may_shard(config, world_size: int, unavailable: dict) -> bool:
@@ -142,7 +142,7 @@ def footprint_of(summary, model, objective, world_size: int, optimizer) -> Footp
         largest_gradient=max((_nbytes(p) for p in trainable), default=0),
         float_weights=sum(_nbytes(t) for t in floats),
         float_gradients=sum(_nbytes(p) for p in trainable if p.dtype == torch.float32),
-        world_size=world_size, optimizer_name=name)
+        world_size=world_size, optimizer_name=name, device=summary.device)
 
 
 def unavailable_measures(model, optimizer, objective, precision, config, world_size, device, *,
@@ -306,7 +306,9 @@ def _same_kind(optimizer, groups):
 
 
 def _torchao_optimizer(kind: str, lean: set, groups):
-    from torchao import optim
+    from gpunb.quiet import import_quietly
+
+    optim = import_quietly("torchao.optim")  # without torchao's notices about its extensions
 
     groups = [{key: g[key] for key in ("params", *_HYPER) if key in g} for g in groups]
     rounding = {"bf16_stochastic_round": "bf16_weights" in lean}

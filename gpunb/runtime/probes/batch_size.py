@@ -57,7 +57,7 @@ def find_batch_size(model, optimizer, objective, precision, data, device, config
                          "pass an int batch size, e.g. `batch_size=64`.")
     cap = _largest_candidate(min(CPU_CAP if device.type == "cpu" else GPU_CAP,
                                  max(1, n // MIN_STEPS_PER_EPOCH)))
-    probe = _Probe(model, optimizer, objective, Precision(precision.name, device), data, device, config)
+    probe = StepProbe(model, optimizer, objective, Precision(precision.name, device), data, device, config)
     saved = rewind.capture(model, optimizer, device)
     try:
         if device.type == "cpu":
@@ -69,7 +69,7 @@ def find_batch_size(model, optimizer, objective, precision, data, device, config
     return BatchChoice(size, reason, tuple(probe.records))
 
 
-def _by_flops(probe: "_Probe", cap: int) -> tuple[int, str]:
+def _by_flops(probe: "StepProbe", cap: int) -> tuple[int, str]:
     """The smallest power of two from START whose step does CPU_STEP_FLOPS, checked to fit."""
     first = min(START, cap)
     flops = probe.count_flops(first)
@@ -90,7 +90,7 @@ def _by_flops(probe: "_Probe", cap: int) -> tuple[int, str]:
     return size, f"auto: {per_sample / 1e6:.3g} MFLOP per sample on CPU, {why}"
 
 
-def _by_throughput(probe: "_Probe", cap: int) -> tuple[int, str]:
+def _by_throughput(probe: "StepProbe", cap: int) -> tuple[int, str]:
     """Doubling sizes until memory runs short; the smallest near the best throughput."""
     size = min(START, cap)
     while size <= cap:
@@ -121,7 +121,7 @@ def _nothing_fits(tried: int) -> GpunbError:
                       "smaller batch such as `batch_size=4`.")
 
 
-class _Probe:
+class StepProbe:
     """Runs real training steps at a given batch size and keeps a record of each."""
 
     def __init__(self, model, optimizer, objective, precision, data, device, config):

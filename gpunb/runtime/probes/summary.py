@@ -63,6 +63,7 @@ class RunSummary:
     block_saved_bytes: int = 0  # of the activations, those saved inside the blocks
     block_input_bytes: int = 0  # the blocks' inputs (what a checkpointed block keeps)
     plan: str = ""  # the memory plan's measures ("" when none was needed)
+    run: str = ""  # the run's name, where one was given (the result's repr starts with it too)
     strategy: str = ""  # strategy="auto" that shards: "strategy: fsdp — DDP needs ... per device of ...; sharded: ..."
 
     @property
@@ -114,7 +115,7 @@ def summarize(model, optimizer, objective, precision, data, device, batch_size: 
     summary = RunSummary(
         model=type(model).__name__, trainable_params=sum(parameter_count(p) for p in trainable),
         frozen_params=sum(parameter_count(p) for p in params if not p.requires_grad), batch_size=batch_size,
-        device=device.type, precision=precision.name,
+        device=device.type, precision=precision.name, run=config.name or "",
         weights_bytes=sum(_nbytes(t) for t in [*params, *model.buffers()]),
         gradients_bytes=sum(_nbytes(p) for p in trainable))
     if config.ema is not None:  # the trainable parameters and the buffers (frozen ones are not averaged)
@@ -159,7 +160,7 @@ def dry_run(config, context, model, train_data, val_data=None, *, optimizer=None
 
     plan = plan_run(summary, model, ready.optimizer, objective, ready.precision, config, context, ready.device,
                     continuing=bool(config.resume))
-    if plan is not None and plan.measures:
+    if plan is not None and plan.acts:
         summary.plan = plan.text()  # what fit would take, not taken here
     if plan is not None and plan.strategy_reason:  # strategy="auto" would shard
         summary.strategy = f"strategy: fsdp — {plan.strategy_reason}"
