@@ -192,9 +192,14 @@ def test_submit_returns_at_once_and_attach_brings_the_weights_back():
     assert weights_equal(result.model, in_kernel(max_steps=8))
 
 
-def test_a_cancelled_job_is_reported_cancelled():
+@pytest.mark.parametrize("submitter", ["foreground", "background"])
+def test_a_cancelled_job_is_reported_cancelled(submitter):
+    """In the background (`python submit.py &`, `nohup`) the submitting process ignores SIGINT and
+    its children inherit that; the detached job's controller must still answer cancel's SIGINT."""
     from gpunb.jobs import scheduler, spec as job_spec
 
+    if submitter == "background":
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the autouse fixture puts the handler back
     submitted = Trainer(**SETTINGS, cluster="local", max_steps=1_000_000, name="cancelled").submit(
         mlp(), data(), loss_fn=nn.CrossEntropyLoss())
     spec = job_spec.load(submitted.job["folder"])
@@ -202,20 +207,6 @@ def test_a_cancelled_job_is_reported_cancelled():
     result = gpunb.attach("cancelled")
     assert result.status == "cancelled" and result.stop_reason == "cancelled"
     assert Registry().get_run(spec.run_id)["status"] == "cancelled"
-
-
-def test_a_job_submitted_from_a_process_that_ignores_ctrl_c_can_still_be_cancelled():
-    """A script started in the background (`python submit.py &`) ignores SIGINT, and its children
-    inherit that; the detached job's controller must still answer the SIGINT of `cancel`."""
-    from gpunb.jobs import scheduler, spec as job_spec
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the autouse fixture puts the handler back
-    submitted = Trainer(**SETTINGS, cluster="local", max_steps=1_000_000, name="background").submit(
-        mlp(), data(), loss_fn=nn.CrossEntropyLoss())
-    spec = job_spec.load(submitted.job["folder"])
-    scheduler.cancel(spec)
-    result = gpunb.attach("background")
-    assert result.status == "cancelled" and result.stop_reason == "cancelled"
 
 
 def test_an_unpicklable_object_is_named_before_submitting(gpunb_home):
