@@ -114,10 +114,15 @@ def kept_measures(config, world_size: int) -> tuple:
 
 
 def budget_of(config, summary, device) -> int | None:
-    """`memory_budget`, else the device's free memory plus what this process holds there now
-    (the weights it already moved count against the estimate, not twice)."""
+    """`memory_budget`, else the room on the device (`device_room`)."""
     if config.memory_budget is not None:
         return config.memory_budget
+    return device_room(summary, device)
+
+
+def device_room(summary, device) -> int | None:
+    """The device's free memory plus what this process holds there now (the weights it already
+    moved count against the estimate, not twice); None when unknown."""
     if summary.free_bytes is None:
         return None
     held = torch.cuda.memory_allocated(device) if device.type == "cuda" else summary.weights_bytes

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 
-from gpunb.runtime.memory.measures import apply_plan, budget_of
+from gpunb.runtime.memory.measures import apply_plan, device_room
 from gpunb.runtime.memory.plan import SAFETY
 from gpunb.runtime.probes.batch_size import StepProbe
 from gpunb.runtime.state import rewind
@@ -29,7 +29,7 @@ def measure_plan_cost(memory, summary, model, optimizer, objective, precision, d
                       world_size: int) -> None:
     """Sets `memory.measured` (the plan's step time over the plain step's, less 1) and
     `memory.measured_note`; or only the note, saying why it was not measured."""
-    why = _why_not(memory, summary, device, config, world_size)
+    why = _why_not(memory, summary, device, world_size)
     if why:
         memory.measured_note = f"not measured: {why}"
         return
@@ -68,7 +68,7 @@ def _seconds(probe: StepProbe, size: int) -> float | None:
     return None if record is None else size / record["samples_per_s"]
 
 
-def _why_not(memory, summary, device, config, world_size: int) -> str:
+def _why_not(memory, summary, device, world_size: int) -> str:
     if not memory.changes:
         return "nothing to measure"
     if world_size > 1:
@@ -77,7 +77,7 @@ def _why_not(memory, summary, device, config, world_size: int) -> str:
         return "bf16 weights cannot be undone after timing"
     if "checkpointing" in memory.kept:
         return "activation checkpointing was set by hand"
-    room = budget_of(config.replace(memory_budget=None), summary, device)
+    room = device_room(summary, device)
     if room is None or memory.before > SAFETY * room:
         return "without its measures the step may not fit in the device's memory"
     return ""
