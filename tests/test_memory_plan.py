@@ -302,11 +302,16 @@ def test_a_run_that_fits_gets_no_measure():
     assert not any("forward" in block.__dict__ for block in model.blocks)
 
 
-def test_a_tight_budget_fuses_the_step_into_backward_with_the_same_training(monkeypatch):
+@pytest.fixture
+def gpu_prices(monkeypatch):
+    """Measures priced as on a GPU, where the step in backward is cheaper than checkpointing 2 of
+    Net's 6 blocks (on a CPU it is the other way round)."""
     from gpunb.runtime.memory import plan
 
-    # priced as on a GPU, where the step in backward is cheaper than checkpointing 2 of these blocks
     monkeypatch.setitem(plan.SLOWDOWNS, "cpu", plan.SLOWDOWNS["cuda"])
+
+
+def test_a_tight_budget_fuses_the_step_into_backward_with_the_same_training(gpu_prices):
     plain, plain_result = fit(memory_plan=False, budget="3.9MiB")
     fused, result = fit(budget="3.9MiB")  # 4.0 MiB estimated; gradients freed as used: 3.3 MiB
     assert plain_result.memory_plan == ""
@@ -510,7 +515,7 @@ def test_auto_keeps_ddp_without_a_plan_or_where_fsdp_cannot_train():
     assert run_strategy(TrainConfig(), 1, None) == (None, "")
 
 
-def test_a_run_with_the_step_in_backward_resumes_from_its_checkpoint(tmp_path):
+def test_a_run_with_the_step_in_backward_resumes_from_its_checkpoint(tmp_path, gpu_prices):
     # its checkpoints hold the state of the AdamW it stands for: a resumed run (planned or not) loads them
     _, planned = fit(budget="3.9MiB", checkpoint_dir=str(tmp_path), checkpoint_every=1)
     assert planned.memory_plan.startswith("plan: optimizer step fused into backward")
