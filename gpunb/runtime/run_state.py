@@ -164,15 +164,17 @@ class RunState:
         """Everything carried, as a checkpoint holds it. `dist` gathers the weights and optimizer
         state (FSDP: on rank 0). `live`: for a continued fit in this process, the model, optimizer,
         schedule and weight average as the objects themselves. `epoch_done`: whether the epoch in
-        progress is over (None: when all its batches were used); the saved position is then the next."""
+        progress is over (None: when all its batches were used, or its end was done, as at a max_steps
+        run's last step); the saved position is then the next."""
         saved = {f.name: _saved(getattr(self, f.name)) for f in _generic(type(self))}
         if live:
             saved.update(model=Live(self.module), optimizer=Live(self.optimizer), scheduler=Live(self.schedule),
                          ema=Live(self.ema))
         else:
             saved.update(self._objects(dist))
-        if epoch_done is None:
-            epoch_done = self.batches_per_epoch is not None and self.batch_in_epoch >= self.batches_per_epoch
+        if epoch_done is None:  # its row is written at its end (loop._end_epoch)
+            epoch_done = ((self.batches_per_epoch is not None and self.batch_in_epoch >= self.batches_per_epoch)
+                          or (bool(self.epochs) and self.epochs[-1]["epoch"] == self.epoch))
         # Where to continue: the next epoch, or this one after the batches already used.
         saved.update(epoch=self.epoch + 1 if epoch_done else self.epoch,
                      batch_in_epoch=0 if epoch_done else self.batch_in_epoch,
