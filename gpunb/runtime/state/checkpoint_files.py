@@ -29,7 +29,9 @@ import torch
 from gpunb.errors import GpunbError
 
 FORMAT = "gpunb-checkpoint"
-VERSION = 2  # the newest format read here; 2: `model` may hold only what trains (see `frozen`)
+# The newest format read here. 2: `model` may hold only what trains (see `frozen`); 3: `frozen`
+# digests every value (trainable.py), which a gpunb that reads 2 would take for another base.
+VERSION = 3
 _NAME = re.compile(r"^step-(\d{9})\.pt$")
 _ANY_NAME = re.compile(r"^(?:best-)?step-(\d{9})\.pt$")  # last-N and best checkpoints
 _RUN_DIR = "run-"
@@ -84,8 +86,8 @@ def save_checkpoint(directory: str | os.PathLike, payload: dict, step: int, keep
 def write_checkpoint(directory: Path, name: str, payload: dict) -> Path:
     """A checkpoint file (gpunb's format header, then `payload`), written atomically."""
     # Whole checkpoints stay version 1, which an older gpunb reads; one that leaves out the frozen
-    # weights is 2, which it refuses, asking for an upgrade, instead of finding weights missing.
-    version = 2 if payload.get("frozen") else 1
+    # weights is 3, which it refuses, asking for an upgrade, instead of finding weights missing.
+    version = 3 if payload.get("frozen") else 1
     return write_atomic(directory, name, {"format": FORMAT, "version": version, **payload})
 
 
