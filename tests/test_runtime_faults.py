@@ -1,5 +1,6 @@
-"""Damaged checkpoints, a run resumed at its end, a continued fit whose model changed, and a
-host out of memory: each handled before it costs trained weights, with one clear message."""
+"""Damaged checkpoints, a run resumed at its end, a continued fit whose model changed, the frozen
+base's fingerprint and the host out of memory: each met before it costs trained weights, with one
+clear message."""
 
 import os
 import warnings
@@ -262,3 +263,37 @@ def test_an_older_checkpoint_with_sampled_digests_still_resumes_and_is_still_che
     sampled = frozen_first_layer(lambda weight: weight[0].add_(1.0))  # index 0: sampled in the old digest
     with pytest.raises(GpunbError, match="other values in 1 of 2 frozen tensors: 0.weight"):
         fit_frozen(sampled, tmp_path, resume=str(path))
+
+
+# ---------------------------------------------------------------- the host out of memory
+class Greedy(nn.Module):
+    """A real failed host allocation (4 EiB: more than any address space) for a batch of more than
+    `most` samples: torch's CPU allocator raises a plain RuntimeError."""
+
+    def __init__(self, most):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear, self.most = nn.Linear(10, 3), most
+
+    def forward(self, x):
+        if x.shape[0] > self.most:
+            torch.empty(2**62, dtype=torch.uint8)
+        return self.linear(x)
+
+
+def fit_greedy(most):
+    x, y = classification_data(n=64)
+    return Trainer(epochs=1, batch_size=8, track=False, accelerator="cpu").fit(
+        Greedy(most), (x, y), loss_fn=nn.CrossEntropyLoss())
+
+
+def test_a_host_allocation_failure_is_an_out_of_memory_that_smaller_micro_batches_fix():
+    result = fit_greedy(most=2)
+    assert (result.steps, result.oom_recoveries, result.micro_batch_size) == (8, 2, 2)  # 8 -> 4 -> 2 samples
+
+
+def test_a_host_allocation_failure_that_no_split_fixes_gets_gpunbs_out_of_memory_message():
+    with pytest.raises(GpunbError) as error:
+        fit_greedy(most=0)
+    assert str(error.value).startswith("Out of memory even with a micro-batch of 1 sample.\nHINT: ")
+    assert "DefaultCPUAllocator: can't allocate memory" in str(error.value.__context__)
