@@ -166,17 +166,15 @@ class RunState:
         """Everything carried, as a checkpoint holds it. `dist` gathers the weights and optimizer
         state (FSDP: on rank 0). `live`: for a continued fit in this process, the model, optimizer,
         schedule and weight average as the objects themselves. `epoch_done`: whether the epoch in
-        progress is over (None: when all its batches were used, or its end was done, as at a max_steps
-        run's last step); the saved position is then the next."""
+        progress is over (None: when all its batches were used); the saved position is then the next."""
         saved = {f.name: _saved(getattr(self, f.name)) for f in _generic(type(self))}
         if live:
             saved.update(model=Live(self.module), optimizer=Live(self.optimizer), scheduler=Live(self.schedule),
                          ema=Live(self.ema))
         else:
             saved.update(self._objects(dist))
-        if epoch_done is None:  # its row is written at its end (loop._end_epoch)
-            epoch_done = ((self.batches_per_epoch is not None and self.batch_in_epoch >= self.batches_per_epoch)
-                          or (bool(self.epochs) and self.epochs[-1]["epoch"] == self.epoch))
+        if epoch_done is None:
+            epoch_done = self.batches_per_epoch is not None and self.batch_in_epoch >= self.batches_per_epoch
         # Where to continue: the next epoch, or this one after the batches already used.
         saved.update(epoch=self.epoch + 1 if epoch_done else self.epoch,
                      batch_in_epoch=0 if epoch_done else self.batch_in_epoch,
@@ -216,8 +214,11 @@ class RunState:
                 setattr(self, f.name, _loaded(getattr(self, f.name), saved[f.name]))
         self._load_objects(saved, dist, where)
         self.epoch, self.batch_in_epoch = saved["epoch"], saved["batch_in_epoch"]
-        # A stop mid-epoch wrote that epoch's partial row; the resumed epoch writes the whole one.
-        self.epochs[:] = [row for row in saved["epochs"] if row["epoch"] < saved["epoch"]]
+        # A stop mid-epoch wrote that epoch's partial row; the resumed epoch writes the whole one. A
+        # run resumed at its last step keeps the row of an epoch that max_steps ended there: that
+        # epoch's end was done (the loop does it only when the checkpoint came before it).
+        over = self.total_steps is not None and saved["step"] >= self.total_steps
+        self.epochs[:] = [row for row in saved["epochs"] if row["epoch"] < saved["epoch"] or over]
         if self.stepper is not None:
             self.stepper.splits = saved["splits"]
         devices.set_rng_state(saved["rng"], self.device or _CPU)
