@@ -142,26 +142,24 @@ def _words(tensor: torch.Tensor) -> torch.Tensor:
 def _chunk_digest(words: torch.Tensor, columns: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """(2,) int64: for each prime, sum_j words[j] * base**j over the chunk, modulo the prime."""
     count = words.numel()
-    padded = torch.zeros(-(-count // _ROW) * _ROW, dtype=torch.int64, device=words.device)
+    width = min(count, _ROW)  # a small tensor is one short row
+    padded = torch.zeros(-(-count // width) * width, dtype=torch.int64, device=words.device)
     padded[:count] = words  # zeros add nothing; the tensor's shape is in the fingerprint beside it
-    padded = padded.view(1, -1, _ROW)
+    padded = padded.view(1, -1, width)
     primes = torch.tensor(_PRIMES, dtype=torch.int64, device=words.device).view(2, 1)
-    sums = (padded * columns.view(2, 1, _ROW)).sum(-1).remainder(primes)  # (2, rows)
+    sums = (padded * columns[:, :width].reshape(2, 1, width)).sum(-1).remainder(primes)  # (2, rows)
     return (sums * rows[:, :sums.shape[1]]).remainder(primes).sum(-1).remainder(primes[:, 0])
 
 
 def _powers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """base**j for j < _ROW (within a row) and base**(i * _ROW) for the rows of a chunk, per prime."""
-    columns, rows = [], []
-    for prime, base in zip(_PRIMES, _BASES):
-        power, column = 1, []
-        for _ in range(_ROW):
-            column.append(power)
-            power = power * base % prime
-        columns.append(column)
-        rows.append([pow(power, i, prime) for i in range(_CHUNK // _ROW)])
-    return (torch.tensor(columns, dtype=torch.int64, device=device),
-            torch.tensor(rows, dtype=torch.int64, device=device))
+    primes = torch.tensor(_PRIMES, dtype=torch.int64).view(2, 1)
+    columns = torch.ones(2, 1, dtype=torch.int64)
+    while columns.shape[1] < _ROW:  # doubling: the next powers are these times base**(their count)
+        times = torch.tensor([pow(b, columns.shape[1], p) for b, p in zip(_BASES, _PRIMES)]).view(2, 1)
+        columns = torch.cat([columns, (columns * times).remainder(primes)], dim=1)
+    rows = torch.tensor([[pow(b, i * _ROW, p) for i in range(_CHUNK // _ROW)] for b, p in zip(_BASES, _PRIMES)])
+    return columns[:, :_ROW].to(device), rows.to(device)
 
 
 def _sampled_digest(tensor: torch.Tensor) -> str:
