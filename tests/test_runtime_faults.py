@@ -188,6 +188,8 @@ def test_the_fingerprint_tells_apart_tensors_that_differ_in_one_value_anywhere()
             changed.view(bits).view(-1)[index] ^= 1  # the value's lowest bit: the smallest change there is
             assert fingerprint({"w": changed})["w"][2] != digest, (tensor.dtype, index)
         assert fingerprint({"w": tensor.t().contiguous().t()})["w"][2] == digest  # values, not their layout
+        column = tensor[:, 1]  # a strided view
+        assert fingerprint({"w": column})["w"][2] == fingerprint({"w": column.clone()})["w"][2]
 
 
 def test_the_digest_is_the_polynomial_of_every_word_in_chunks(monkeypatch):

@@ -94,7 +94,7 @@ def fingerprint(tensors: dict) -> dict:
 # words differ by less than either prime, so tensors that differ in one value never share a
 # digest; others do by chance about once in 2**62. The products are summed in rows of _ROW
 # words, whose sums stay below 2**62 (a word below 2**15 in size, a power below 2**31), so
-# int64 is exact; a chunk of _CHUNK words at a time bounds the temporaries (64 MiB a chunk).
+# int64 is exact; a chunk of _CHUNK words at a time bounds the temporaries (~96 MiB a chunk).
 _SCHEME = "all:"  # digests of every value; older checkpoints hold SAMPLES sampled values without it
 _PRIMES = (2_147_483_647, 2_147_483_629)
 _BASES = (1_000_003, 911_382_323)
@@ -129,7 +129,7 @@ def _words(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as one row of 16-bit words (8-bit for an odd count), on its device."""
     if tensor.is_quantized:
         tensor = tensor.int_repr()
-    flat = tensor.reshape(-1)  # a copy (on the device) only when the tensor is not contiguous
+    flat = tensor.contiguous().view(-1)  # a copy (on the device) only when the tensor is not contiguous
     raw = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
     if raw.numel() % 2:
         return raw
