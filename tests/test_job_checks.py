@@ -294,3 +294,20 @@ def test_the_sidebars_stop_cancels_gpunbs_own_slurm_job(slurm_cluster):
         slurm_cluster.wait_for_state(job_id, "CANCELLED", timeout=30)  # only scancel could end a job that never ran
     finally:
         slurm_cluster.run(["scancel", hold], check=False)
+
+
+@pytest.mark.parametrize("cluster, settings, asked", [
+    ("local", {}, (1, 1)),  # accelerator="auto" with GPUs here: the task gets one
+    ("local", dict(devices=2), (2, 2)),
+    ("local", dict(devices=3, backend="gloo"), (3, 2)),  # gloo shares the two GPUs
+    ("local", dict(accelerator="cpu", devices=2), (2, 0)),
+    ("slurm", {}, (1, 0)),  # the nodes are not this machine: auto asks for no GPU
+    ("slurm", dict(accelerator="cuda", devices=2), (2, 2)),
+    ("slurm", dict(gpus_per_node=4), (4, 4)),
+])
+def test_a_job_asks_for_the_gpus_it_will_train_on(cluster, settings, asked, monkeypatch):
+    from gpunb.config import TrainConfig
+    from gpunb.jobs.submit import processes_and_gpus
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert processes_and_gpus(TrainConfig(cluster=cluster, **settings)) == asked

@@ -347,6 +347,26 @@ def test_measures_set_by_hand_are_kept_when_the_run_fits():
     assert "8-bit AdamW states" in result.memory_plan and "activation checkpointing on 6 Block blocks" in result.memory_plan
 
 
+class WrappedBlocks:
+    """At the fit's start: which blocks the plan wrapped in a checkpoint, and how many it planned."""
+
+    def on_fit_start(self, state):
+        self.wrapped = [i for i, block in enumerate(state.module.blocks) if "forward" in block.__dict__]
+        self.planned = state.stepper.memory_fallback.plan.checkpointed_blocks
+
+
+def test_a_plan_that_checkpoints_k_of_n_blocks_wraps_exactly_the_first_k():
+    torch.manual_seed(0)
+    model, seen = Net(), WrappedBlocks()
+    # no 8-bit states, no step in backward (clipping needs every gradient): only checkpointing is left
+    Trainer(max_steps=1, batch_size=64, track=False, memory_budget="3900KiB", optimizer_states="full",
+            clip_grad_norm=1.0).fit(model, (torch.randn(256, 64), torch.randint(0, 3, (256,))),
+                                    loss_fn=nn.CrossEntropyLoss(), callbacks=[seen])
+    assert 0 < seen.planned < len(model.blocks)  # k of n: 3 of 6 blocks
+    assert seen.wrapped == list(range(seen.planned))
+    assert not any("forward" in block.__dict__ for block in model.blocks)  # undone at the end
+
+
 def test_a_run_that_cannot_fit_stops_before_the_first_step_with_the_numbers():
     torch.manual_seed(0)
     model = Net()

@@ -53,13 +53,12 @@ def submit(config, entry, args, *, key: str | None, registry) -> JobSpec:
     if cluster == "slurm":
         checks.check_slurm()  # first: an unreachable Slurm explains every later failure
         checks.check_shared(root, settings)
+    tasks, gpus = processes_and_gpus(config)
     payload = checks.shipped(args, float(settings.get("max_ship_mb", checks.DEFAULT_MAX_SHIP_MB)))
     run_id = uuid.uuid4().hex
     name = config.name or type(args.model).__name__
     folder = root / f"{_slug(name)}-{run_id[:8]}"
     folder.mkdir(parents=True)
-    tasks = config.gpus_per_node or (config.devices if isinstance(config.devices, int) else 1)
-    gpus = config.gpus_per_node or (tasks if config.accelerator == "cuda" else 0)
     spec = JobSpec(run_id=run_id, name=name, key=key, cluster=cluster, folder=str(folder), nodes=config.nodes,
                    tasks_per_node=tasks, gpus_per_node=gpus, accelerator=config.accelerator,
                    entry=f"{entry.__module__}:{entry.__qualname__}",
@@ -94,6 +93,28 @@ def submit(config, entry, args, *, key: str | None, registry) -> JobSpec:
 
 
 UNREACHABLE = ("configuration source", "Unable to contact", "Zero Bytes were transmitted", "Connection refused")
+
+
+def processes_and_gpus(config) -> tuple[int, int]:
+    """(tasks per node, GPUs asked per node) of a job.
+
+    A local job runs on this machine, so `accelerator="auto"` is decided here as a run in the
+    kernel would decide it: with GPUs visible, each task gets one (submitit's local executor hides
+    the GPUs it was not asked for). A Slurm job runs on nodes this machine cannot see: there only
+    `gpus_per_node` or `accelerator="cuda"` asks for GPUs.
+    """
+    if config.gpus_per_node:
+        return config.gpus_per_node, config.gpus_per_node
+    if config.cluster == "local":
+        import torch
+
+        from gpunb.distributed.launch import plan_devices
+
+        accelerator, tasks, _ = plan_devices(config)
+        # gloo may put more tasks than GPUs on this machine: they share the visible ones
+        return tasks, (min(tasks, torch.cuda.device_count()) if accelerator == "cuda" else 0)
+    tasks = config.devices if isinstance(config.devices, int) else 1
+    return tasks, (tasks if config.accelerator == "cuda" else 0)
 
 
 def _not_submitted(error: Exception) -> GpunbError:

@@ -32,7 +32,6 @@ from gpunb.runtime.state import continuing
 from gpunb.runtime.state.best_k import BestCheckpoints
 from gpunb.runtime.state.checkpointer import Checkpointer, resume
 from gpunb.runtime.state.nan_guard import StepLosses
-from gpunb.runtime.state.resume_target import find_checkpoint
 from gpunb.runtime.step.compiling import Compilation
 from gpunb.runtime.step.ema import WeightEma
 from gpunb.runtime.step.objective import Objective
@@ -128,7 +127,7 @@ def prepare(config, dist, model, train_data, val_data, optimizer, scheduler, obj
         run.continued = carried
         continuing.restore(run, carried)
     if plan.resume:
-        resume(run, find_checkpoint(plan.resume, plan.checkpoint_dir))
+        resume(run)
     state.start_step, state.start_samples = state.step, state.samples_seen  # a resumed or continued fit counts on
     run.samples_at_log = state.samples_seen  # the first interval's samples/s counts from here
     return run
