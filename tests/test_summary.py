@@ -312,3 +312,13 @@ def test_the_summary_leaves_no_hook_on_the_blocks_when_its_forward_fails(batch_s
     model = WholeBatchesOnly()
     summary_of(model, classification_data(), batch_size=batch_size)
     assert all(not block._forward_pre_hooks and not block._forward_hooks for block in model.blocks)
+
+
+def test_the_summary_shows_the_batch_of_a_users_dataloader_not_the_default():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(*classification_data(n=64)), batch_size=8, shuffle=True)
+    dry = Trainer(track=False).summary(mlp(), loader, loss_fn=nn.CrossEntropyLoss())
+    result = Trainer(max_steps=2, track=False).fit(mlp(), loader, loss_fn=nn.CrossEntropyLoss())
+    assert dry.batch_size == result.summary.batch_size == result.batch_size == 8
+    assert "batch 8" in str(dry) and "batch 8" in str(result.summary)

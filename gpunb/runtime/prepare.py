@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 from gpunb.config import TrainConfig
 from gpunb.runtime.eta import EtaClock
 from gpunb.runtime.events import Callbacks
+from gpunb.runtime.feed.epoch_start import warn_unresumable
 from gpunb.runtime.feed.feeds import build_feed, with_batch_size
 from gpunb.runtime.memory.measures import MemoryFallback, apply_plan, plan_run, run_strategy
 from gpunb.runtime.plan import Plan
@@ -89,7 +90,7 @@ def prepare(config, dist, model, train_data, val_data, optimizer, scheduler, obj
     plan = _plan(config, ready, choice, feed, carried)
     validation.warn_unused(config, plan, val is not None, dist.rank)
     # one forward + backward, undone; FSDP: the whole model's step may not fit on one device
-    summary = summarize(model, optimizer, objective, precision, train, device, choice.size, config,
+    summary = summarize(model, optimizer, objective, precision, train, device, plan.batch_size, config,
                         measure=not (dist.world_size > 1 and config.strategy == "fsdp"))
     # measures chosen from the summary's estimate, before the schedule binds the optimizer
     memory, optimizer = _memory_plan(summary, model, optimizer, objective, precision, config, dist, device,
@@ -103,6 +104,7 @@ def prepare(config, dist, model, train_data, val_data, optimizer, scheduler, obj
     ema = _weight_ema(model, config, carried)
     state = state_type(module=model, optimizer=optimizer, schedule=schedule, ema=ema, precision=precision,
                        best=BestCheckpoints(monitor, config.save_top_k) if monitor is not None else None,
+                       data_start=getattr(feed, "start", None),
                        run_name=run_name, config=config, plan=plan, model=train_model, device=device,
                        batches_per_epoch=feed.num_batches, steps_per_epoch=plan.steps_per_epoch,
                        total_steps=plan.total_steps, summary=summary.as_plain(),  # plain: ranks send it on
@@ -200,6 +202,8 @@ def _feeds(train, val, batch_size, device, config, dist):
     val_feed = (build_feed(val, batch_size=batch_size, device=device, config=config,
                            rank=dist.rank, world_size=dist.world_size, train=False)
                 if val is not None else None)
+    if getattr(feed, "start", None) is not None and (config.checkpoint_dir or config.resume) and dist.rank == 0:
+        warn_unresumable(feed.loader)  # before training: a stop mid-epoch would not resume exactly
     return feed, val_feed
 
 
