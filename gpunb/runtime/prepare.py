@@ -18,6 +18,7 @@ from gpunb.runtime.eta import EtaClock
 from gpunb.runtime.events import Callbacks
 from gpunb.runtime.feed.epoch_start import warn_unresumable
 from gpunb.runtime.feed.feeds import build_feed, with_batch_size
+from gpunb.runtime.memory.blocks import checkpoint_every_block
 from gpunb.runtime.memory.measures import MemoryFallback, apply_plan, plan_run, run_strategy
 from gpunb.runtime.plan import Plan
 from gpunb.runtime.plan import length as plan_length
@@ -99,7 +100,8 @@ def prepare(config, dist, model, train_data, val_data, optimizer, scheduler, obj
     schedule = _schedule(scheduler, optimizer, config, plan.total_steps, val_names, carried)
     # a continued fit goes on under the name of the fit it continues; the class: before FSDP renames it
     run_name = config.name or (carried.run_name if carried is not None else None) or type(model).__name__
-    train_model, teardown.unwrap = wrap_model(model, config, dist, device)  # undone whatever happens next
+    checkpointing = checkpoint_every_block if config.activation_checkpointing else None
+    train_model, teardown.unwrap = wrap_model(model, config, dist, device, checkpointing)  # undone whatever happens
     dist.adopt_shards(optimizer)  # FSDP replaced the parameters with sharded ones
     ema = _weight_ema(model, config, carried)
     state = state_type(module=model, optimizer=optimizer, schedule=schedule, ema=ema, precision=precision,
