@@ -70,9 +70,11 @@ def test_a_stop_mid_epoch_resumes_bit_for_bit_with_two_workers(make_loader, tmp_
     assert_resume_is_exact(lambda: make_loader(workers=2), tmp_path)
 
 
-def test_a_stop_in_a_later_epoch_resumes_bit_for_bit(tmp_path):
-    """64 batches an epoch: stopped 6 batches into the second, whose order was drawn after the first's."""
-    assert_resume_is_exact(shuffled, tmp_path, stop=70)
+@pytest.mark.parametrize("make_loader", [shuffled, with_generator])
+def test_a_stop_in_a_later_epoch_resumes_bit_for_bit(make_loader, tmp_path):
+    """64 batches an epoch: stopped 6 batches into the second, whose order was drawn after the first's
+    (from the global RNG, or from the sampler's generator, which a new run makes afresh)."""
+    assert_resume_is_exact(make_loader, tmp_path, stop=70)
 
 
 def test_persistent_workers_resume_bit_for_bit_and_warn_about_their_own_rngs(tmp_path):
