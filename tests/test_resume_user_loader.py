@@ -133,7 +133,8 @@ def test_a_loader_that_resumes_exactly_gets_no_warning(tmp_path):
         fit(dropout_mlp(), with_generator(), max_steps=2, checkpoint_dir=tmp_path)
 
 
-def test_stateful_dataloader_resumes_through_its_own_state(tmp_path):
+@pytest.mark.parametrize("stop", [10, 64, 70])  # in the first epoch, at its end, in the second
+def test_stateful_dataloader_resumes_through_its_own_state(stop, tmp_path):
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
     assert_resume_is_exact(lambda: stateful.StatefulDataLoader(TensorDataset(*tensors()), batch_size=8,
-                                                                shuffle=True), tmp_path)
+                                                                shuffle=True), tmp_path, stop=stop)

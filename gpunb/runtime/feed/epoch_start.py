@@ -13,6 +13,7 @@ global RNG states back. A torchdata StatefulDataLoader resumes through its own s
 
 from __future__ import annotations
 
+import collections
 import random
 import warnings
 from typing import Iterator
@@ -24,6 +25,7 @@ from torch.utils.data import IterableDataset
 from gpunb.runtime import device as devices
 
 _CPU = torch.device("cpu")
+_AHEAD = 4  # a StatefulDataLoader's states kept: the step's position and the batches read ahead of it
 _OWN_RNGS = (random.Random, np.random.Generator, np.random.RandomState)  # states gpunb cannot see
 
 
@@ -37,6 +39,7 @@ class EpochStart:
             getattr(loader, "load_state_dict", None))  # torchdata's StatefulDataLoader
         self.noted: dict | None = None  # this epoch's start, as state_dict() gives it
         self.pending: dict | None = None  # loaded from a checkpoint, used by the next epoch()
+        self.recent = collections.deque(maxlen=_AHEAD)  # StatefulDataLoader: (position, its state)
 
     def batches(self, epoch: int, skip: int) -> Iterator:
         """The epoch's batches after the first `skip`, as the run that wrote the checkpoint saw them."""
@@ -71,15 +74,29 @@ class EpochStart:
         return batches
 
     def _stateful(self, saved: dict | None, epoch: int, skip: int) -> Iterator:
-        if saved is not None and saved.get("loader") is not None and skip:
-            self.loader.load_state_dict(saved["loader"])
-            self.noted = {"epoch": epoch}
-            stop = devices.rng_state(_CPU)
-            batches = iter(self.loader)  # goes on from its state: what it draws now, the straight run drew before
-            devices.set_rng_state(stop, _CPU)
-            return batches
-        self.noted = {"epoch": epoch}
-        return self._skipped(iter(self.loader), skip)
+        """A StatefulDataLoader goes on from its own state after the batches used: kept for the last
+        few positions, since a prefetcher reads ahead of the step (on CUDA)."""
+        kept = dict(saved.get("loader_at", ())) if saved is not None else {}
+        if skip and saved.get("epoch") != epoch:
+            kept = {}
+        # a new epoch after a checkpoint at an epoch's end: the loader's state at that end
+        state = kept.get(skip) if skip else (kept[max(kept)] if kept else None)
+        self.noted, self.recent = {"epoch": epoch}, collections.deque(maxlen=_AHEAD)
+        if state is None:
+            return self._recorded(self._skipped(iter(self.loader), skip), skip)
+        self.loader.load_state_dict(state)
+        stop = devices.rng_state(_CPU)
+        batches = iter(self.loader)  # goes on from its state: what it draws now, the straight run drew before
+        devices.set_rng_state(stop, _CPU)
+        return self._recorded(batches, skip)
+
+    def _recorded(self, batches: Iterator, position: int) -> Iterator:
+        """The batches, each position's loader state noted (the state after `position` batches)."""
+        self.recent.append((position, self.loader.state_dict()))
+        for batch in batches:
+            position += 1
+            self.recent.append((position, self.loader.state_dict()))
+            yield batch
 
     def _persistent(self) -> bool:
         return bool(self.loader.num_workers and getattr(self.loader, "persistent_workers", False))
@@ -109,7 +126,7 @@ class EpochStart:
         saved = dict(self.noted or {})
         saved["resets_next"] = self._persistent() and getattr(self.loader, "_iterator", None) is not None
         if self.stateful:
-            saved["loader"] = self.loader.state_dict()
+            saved["loader_at"] = [list(pair) for pair in self.recent]
         return saved
 
     def load_state_dict(self, saved: dict | None) -> None:
