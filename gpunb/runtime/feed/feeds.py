@@ -6,7 +6,9 @@
   wrapped in a CudaPrefetcher on CUDA.
 
 Both draw their order from EpochOrder, so an epoch's order depends only on the seed
-and the epoch number: a resumed run sees exactly the batches it would have seen.
+and the epoch number: a resumed run sees exactly the batches it would have seen. A user's own
+DataLoader keeps its own order; a resumed epoch makes it again from the RNG states it was first
+made from (epoch_start.py).
 Device transforms run on each batch on the device (augmenter.py): on CUDA ahead of the
 step on the prefetcher's side stream, elsewhere inline. On CUDA the preparation runs in
 a thread of its own wherever it draws from no global RNG (the transforms take their
