@@ -15,7 +15,7 @@ import dataclasses
 import re
 import typing
 
-from gpunb.config import TrainConfig
+from gpunb.config import TrainConfig, make_config
 
 # Flags shorter than their field's name, kept from the magic's first options.
 RENAMED = {
@@ -78,7 +78,7 @@ def parse_config(argv, config: TrainConfig | None = None, prog: str | None = Non
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
                                      description="Train with the exported settings; each option overrides one.")
     add_config_flags(parser, type(base))
-    return base.replace(**config_values(parser.parse_args(argv), type(base)))
+    return make_config(base, **config_values(parser.parse_args(argv), type(base)))
 
 
 def flag_of(field: str) -> str:

@@ -17,6 +17,7 @@ from gpunb.config import TrainConfig, make_config
 from gpunb.runtime.adapters import check_adapters, merge_adapters
 from gpunb.runtime.context import LocalContext
 from gpunb.runtime.loop import run
+from gpunb.runtime.placement import ALONE
 from gpunb.runtime.result import TrainResult
 from gpunb.runtime.roles import check_kinds
 
@@ -88,10 +89,7 @@ class Trainer:
             if launch.needs_processes(config):
                 # One process per device; this one drives them: the registry and the loggers write here.
                 parent = [*_registry_callbacks(config), *callbacks, *loggers]
-                # The ranks keep the loggers' names (their config is what gets logged), not the objects.
-                named = tuple(item for item in config.loggers if isinstance(item, str))
-                result = launch.fit(config.replace(loggers=named), _rank_entry, model, train_data, val_data,
-                                    callbacks=parent, **arguments)
+                result = launch.fit(config, _rank_entry, model, train_data, val_data, callbacks=parent, **arguments)
                 return _finished(result, model, config, loss_fn=loss_fn, step=step, metrics=metrics)
         context = LocalContext()
         if _in_process_group():
@@ -156,12 +154,15 @@ def _finished(result, model, config, **objective) -> TrainResult:
     return result.attach(result.model or model, transforms=config.transforms, **objective)
 
 
-def _rank_entry(config, context, model, train_data, val_data=None, *, callbacks=(), **arguments) -> TrainResult:
+def _rank_entry(config, context, model, train_data, val_data=None, *, callbacks=(), placement=ALONE,
+                **arguments) -> TrainResult:
     """One process's fit (alone, or one rank of a group): the defaults, then the runtime's loop.
-    Top-level, so that the launcher can hand it to spawned ranks."""
+    Top-level, so that the launcher can hand it to spawned ranks; `placement`: how the launcher or
+    a job placed this process (runtime/placement.py)."""
     __tracebackhide__ = True  # noqa: F841
-    defaults = _default_callbacks(config, context)
-    return run(config, context, model, train_data, val_data, callbacks=[*defaults, *callbacks], **arguments)
+    defaults = _default_callbacks(config, context, placement)
+    return run(config, context, model, train_data, val_data, callbacks=[*defaults, *callbacks], placement=placement,
+               **arguments)
 
 
 def _in_process_group() -> bool:
@@ -173,8 +174,9 @@ def _in_process_group() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _default_callbacks(config, context) -> list:
-    """Telemetry, and the run registry on rank 0, when their packages are there."""
+def _default_callbacks(config, context, placement=ALONE) -> list:
+    """Telemetry, and the run registry on rank 0 when this process records its run (a launched
+    rank's or a job's run is recorded by its launcher or its job), when their packages are there."""
     found = []
     try:
         from gpunb.telemetry import TelemetryCallback
@@ -182,7 +184,7 @@ def _default_callbacks(config, context) -> list:
         found.append(TelemetryCallback())
     except ImportError:
         pass
-    if context.rank == 0:
+    if context.rank == 0 and placement.records:
         found.extend(_registry_callbacks(config))
     return found
 

@@ -160,13 +160,31 @@ def test_preempted_job_checkpoints_requeues_and_resumes_exactly(tmp_path):
         model, data(), loss_fn=nn.CrossEntropyLoss())
     hook.remove()
     assert (tmp_path / "preempted").exists() and result.status == "completed" and result.steps == 40
-    assert result.resumed_from is not None and 0 < result.resumed_from["step"] < 40
     with open(os.path.join(result.job["folder"], "events.jsonl")) as handle:
         kinds = [json.loads(line)["event"] for line in handle]
     assert kinds.count("job_started") == 2 and kinds.count("requeued") == 1
+    assert_resumed_from_the_newest_checkpoint(result)
     steps = [row["step"] for row in result.history]
     assert steps == sorted(set(steps)) and steps[-1] == 40
     assert weights_equal(model, in_kernel(max_steps=40))
+
+
+def checkpoints_before_requeue(folder) -> list[tuple[int, str]]:
+    """(step, path) of each checkpoint the job's first attempt wrote, in order: its on_checkpoint
+    events before the second job_started (a requeue's `requeued` event, when it wrote one, comes between)."""
+    with open(os.path.join(folder, "events.jsonl")) as handle:
+        lines = [json.loads(line) for line in handle]
+    starts = [i for i, line in enumerate(lines) if line["event"] == "job_started"]
+    paths = [line["args"][0] for line in lines[:starts[1]] if line["event"] == "on_checkpoint"]
+    return [(int(os.path.basename(path)[len("step-"):-len(".pt")]), path) for path in paths]
+
+
+def assert_resumed_from_the_newest_checkpoint(result):
+    """Resume is exact from any checkpoint, so equal weights cannot tell which one a requeue took:
+    the result's `resumed_from` must name the newest written before the requeue (of two or more)."""
+    written = checkpoints_before_requeue(result.job["folder"])
+    assert len(written) >= 2, written  # an older one to take by mistake
+    assert (result.resumed_from["step"], result.resumed_from["path"]) == written[-1], (result.resumed_from, written)
 
 
 def test_the_same_run_again_attaches_instead_of_resubmitting(gpunb_home):

@@ -32,7 +32,7 @@ KNOWN = set()
 
 # The runtime's own layers, bottom to top, by the name under gpunb.runtime (a room or a module).
 RUNTIME_LAYERS = [
-    {"events", "context", "device", "roles", "matching", "trainable", "run_state", "plan"},  # the words every room uses
+    {"events", "context", "device", "roles", "matching", "trainable", "run_state", "plan", "placement"},  # the words every room uses
     {"feed"},  # the user's data into batches on the device
     {"step"},  # one optimizer step
     {"validation"},  # scoring the weights on held-out data

@@ -394,6 +394,7 @@ def test_the_runtime_trains_with_the_context_and_only_the_callbacks_it_is_given(
 def test_the_trainer_adds_telemetry_and_on_rank_0_the_run_registry():
     from gpunb.config import TrainConfig
     from gpunb.runtime.context import LocalContext
+    from gpunb.runtime.placement import Placement
     from gpunb.trainer import _default_callbacks
 
     class Rank1(LocalContext):
@@ -403,6 +404,9 @@ def test_the_trainer_adds_telemetry_and_on_rank_0_the_run_registry():
     assert names(_default_callbacks(TrainConfig(track=True), LocalContext())) == ["TelemetryCallback", "RunRecorder"]
     assert names(_default_callbacks(TrainConfig(track=False), LocalContext())) == ["TelemetryCallback"]
     assert names(_default_callbacks(TrainConfig(track=True), Rank1())) == ["TelemetryCallback"]
+    # a launched rank or a job's task: its launcher or its job records the run
+    placed = Placement(records=False)
+    assert names(_default_callbacks(TrainConfig(track=True), LocalContext(), placed)) == ["TelemetryCallback"]
 
 
 def test_the_runtime_refuses_what_is_not_a_module_before_any_work():

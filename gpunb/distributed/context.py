@@ -204,8 +204,9 @@ def backend_for(accelerator: str, backend: str = "auto") -> str:
     return backend
 
 
-def check_config(config) -> None:
-    """Settings that cannot work with several ranks, caught before any process starts."""
+def check_config(config, accelerator: str | None = None) -> None:
+    """Settings that cannot work with several ranks, caught before any process starts
+    (`accelerator`: the one the launcher resolved "auto" to)."""
     if config.strategy == "fsdp" and config.batch_size == "auto":
         raise GpunbError("batch_size='auto' is not available with strategy='fsdp': the probe would "
                          "run the whole, unsharded model on one device, which is what FSDP avoids.",
@@ -214,6 +215,6 @@ def check_config(config) -> None:
         raise GpunbError("ema is not available with strategy='fsdp': the average is kept beside whole "
                          "parameters, and FSDP shards them across ranks.",
                          "use `strategy='ddp'` with `ema`, or train without `ema` under FSDP.")
-    if config.accelerator == "mps":
+    if (accelerator or config.accelerator) == "mps":
         raise GpunbError("Apple MPS has one device; devices > 1 cannot use it.",
                          "use `devices=1`, or `accelerator='cpu'` for several CPU processes.")

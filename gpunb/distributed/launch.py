@@ -2,8 +2,10 @@
 
 gpunb.Trainer calls `fit` here when devices > 1 and no process group exists yet; it
 passes the `entry` each rank runs (entry(config, context, model, train_data, val_data,
-**fit keywords) -> TrainResult, a top-level function so that spawn can pickle it).
-The launcher knows nothing of Trainer.
+**fit keywords, placement=) -> TrainResult, a top-level function so that spawn can pickle it).
+The launcher knows nothing of Trainer. The ranks get the config as the user gave it; how each
+is placed (its rank, and that the kernel records the run, not the ranks) travels beside it as
+a runtime.placement.Placement.
 
 - Start: fork while CUDA is untouched in this process (fast: nothing is pickled);
   once CUDA is initialised a forked process cannot use it, so spawn, with fit's
@@ -109,18 +111,16 @@ def fit(config, entry, model, train_data, val_data=None, *, optimizer=None, sche
     """Train on one process per device, each running `entry`; returns rank 0's TrainResult
     (world_size = N). `callbacks` run here, in this process, on a mirror of rank 0's state
     (a `state_type`, runtime.run_state.RunState by default)."""
-    accelerator, count, backend = plan_devices(config)
-    config = config.replace(accelerator=accelerator, devices=count, backend=backend)
-    check_config(config)
+    devices = plan_devices(config)  # the ranks' placement; the config goes to them as the user gave it
+    check_config(config, accelerator=devices[0])
     _check_arguments(model, train_data, val_data, optimizer, loss_fn, step, metrics)
-    args = FitArgs(config.replace(track=False), model, train_data, val_data, optimizer, scheduler, loss_fn,
-                   step, metrics, state_type)  # the registry is written here, not by the ranks
-    launch = _Launch(config, args, callbacks, entry)
+    args = FitArgs(config, model, train_data, val_data, optimizer, scheduler, loss_fn, step, metrics, state_type)
+    launch = _Launch(config, args, callbacks, entry, devices)
     method = method or start_method()
     try:
         return launch.run(method)
     except _ForkUnusable:
-        return _Launch(config, args, callbacks, entry).run("spawn")
+        return _Launch(config, args, callbacks, entry, devices).run("spawn")
 
 
 class _ForkUnusable(Exception):
@@ -128,9 +128,9 @@ class _ForkUnusable(Exception):
 
 
 class _Launch:
-    def __init__(self, config, args: FitArgs, callbacks, entry):
+    def __init__(self, config, args: FitArgs, callbacks, entry, devices: tuple[str, int, str]):
         self.config, self.args, self.entry = config, args, entry
-        self.count = config.devices
+        self.accelerator, self.count, self.backend = devices  # plan_devices: "auto" and "all" resolved
         self.state = (args.state_type or RunState)(
             config=config, model=args.model, module=args.model, optimizer=args.optimizer,
             device=torch.device("cpu"), run_name=config.name or type(args.model).__name__, world_size=self.count)
@@ -150,7 +150,7 @@ class _Launch:
         store = loopback_store()
         scratch = tempfile.TemporaryDirectory(prefix="gpunb-launch-")
         plan = worker.Plan(entry=self.entry, world_size=self.count, port=store.port, method=method,
-                           accelerator=self.config.accelerator, backend=self.config.backend,
+                           accelerator=self.accelerator, backend=self.backend,
                            threads=_threads_per_rank(self.count),
                            weights_path=os.path.join(scratch.name, "weights.pt"),
                            return_optimizer=self.args.optimizer is not None)

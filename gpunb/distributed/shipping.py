@@ -131,6 +131,53 @@ def _dumps(obj) -> bytes:
     return buffer.getvalue()
 
 
+MEASURED_OBJECTS = 100_000  # tensor_bytes looks at this many objects at most (a list of numbers is not data)
+
+
+def tensor_bytes(value, depth: int = 8) -> int:
+    """What the tensors and NumPy arrays inside `value` (containers, attributes, modules, a
+    DataLoader's Dataset) weigh, each storage counted once, without pickling anything: pickling
+    a tensor writes its whole storage, so this is a floor of the pickle's size."""
+    seen: set = set()
+    pending, total = [(value, depth)], 0
+    while pending and len(seen) < MEASURED_OBJECTS:
+        item, left = pending.pop()
+        if item is None or isinstance(item, (str, bytes, int, float, bool)) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        total += _storage_bytes(item, seen)
+        if left and not isinstance(item, (torch.Tensor, type, types.ModuleType)) and type(item).__module__ != "numpy":
+            pending += [(child, left - 1) for child in _parts(item)]
+    return total
+
+
+def _storage_bytes(item, seen: set) -> int:
+    """The bytes of a tensor's or array's storage the first time that storage is seen, else 0."""
+    if isinstance(item, torch.Tensor):
+        if item.device.type == "meta" or item.layout != torch.strided:
+            return 0
+        storage = item.untyped_storage()
+        key = ("storage", item.device.type, storage.data_ptr())
+        size = storage.nbytes()
+    elif type(item).__module__ == "numpy" and hasattr(item, "nbytes"):
+        return int(item.nbytes)  # an array (a view too) pickles its own elements, once per object
+    else:
+        return 0
+    if key in seen:
+        return 0
+    seen.add(key)
+    return size
+
+
+def _parts(value) -> list:
+    if isinstance(value, dict):
+        return list(value.values())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return list(value)
+    attributes = getattr(value, "__dict__", None)  # a Module's _parameters and _buffers are dicts in it
+    return list(attributes.values()) if isinstance(attributes, dict) else []
+
+
 def _sourceless_modules() -> list:
     """Modules made at run time (no file up their package chain): a new process cannot import
     them, so their classes and functions must travel by value, like the notebook's."""

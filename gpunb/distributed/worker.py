@@ -22,6 +22,7 @@ import torch.distributed as dist
 from gpunb.distributed.loopback import HOST, keep_sockets_on_loopback
 from gpunb.distributed.shipping import FitArgs, receive
 from gpunb.errors import GpunbError
+from gpunb.runtime.placement import Placement
 
 RUN, STOP, INTERRUPT = 0, 1, 2  # values of the shared stop flag
 PROGRESS_EVERY_S = 0.25  # rank 0 sends its progress (on_step_end) at most this often
@@ -31,7 +32,7 @@ PROGRESS_EVERY_S = 0.25  # rank 0 sends its progress (on_step_end) at most this 
 class Plan:
     """How the ranks of one launch find each other, what they run and where they leave their results."""
 
-    entry: object  # entry(config, context, model, train_data, val_data, **fit keywords) -> TrainResult
+    entry: object  # entry(config, context, model, train_data, val_data, **fit keywords, placement=) -> TrainResult
     world_size: int
     port: int  # of the parent's TCPStore on HOST
     method: str  # "fork" or "spawn"
@@ -108,9 +109,11 @@ def _fit(rank: int, plan: Plan, args: FitArgs, queue, stop) -> dict:
         optimizer.load_state_dict(optimizer.state_dict())
     callbacks = [Relay(queue, stop)] if rank == 0 else []
     context = current_context(args.config)  # after the fit it holds the strategy set-up resolved ("auto")
+    # The registry is written by the parent, from rank 0's relayed events, not by the ranks.
+    placement = Placement(rank=rank, world_size=plan.world_size, local_rank=rank, records=False)
     result = plan.entry(args.config, context, model, args.train_data, args.val_data,
                         optimizer=optimizer, scheduler=args.scheduler, loss_fn=args.loss_fn, step=args.step,
-                        metrics=args.metrics, callbacks=callbacks, state_type=args.state_type)
+                        metrics=args.metrics, callbacks=callbacks, state_type=args.state_type, placement=placement)
     # Every rank takes part (FSDP gathers the shards); rank 0 writes the weights.
     returned_optimizer = optimizer if plan.return_optimizer else None
     model_state, optimizer_state = context.state_dicts(model, returned_optimizer)

@@ -1,7 +1,9 @@
 """Before a job is submitted: what would break remotely, each in one message that names the fix.
 
+    check_slurm()                Slurm answers here (sbatch on the PATH, sinfo reaches the controller)
     shipped(args, limit_mb)      fit's arguments as bytes; an object that does not pickle is named
                                  (with the path inside it), data too large to ship by value too
+                                 (measured from its tensors' and arrays' sizes before pickling)
     check_shared(folder, ...)    a Slurm job folder must be on a file system the nodes share
 
 The version check runs in the job itself (entry.py), the only place that knows the job's
@@ -13,7 +15,9 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import shutil
 import socket
+import subprocess
 from dataclasses import fields
 from pathlib import Path
 
@@ -24,10 +28,53 @@ NETWORK_FILE_SYSTEMS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ce
                         "smbfs", "wekafs", "panfs", "9p", "virtiofs", "afs", "pvfs2", "orangefs", "quobyte")
 
 
-def shipped(args, limit_mb: float) -> bytes:
-    """`args` (FitArgs) pickled, or a GpunbError naming what does not pickle or what is too large."""
-    from gpunb.distributed.shipping import ship, unpicklable_part
+SLURM_ANSWER_S = 20  # how long sinfo may take to answer before Slurm counts as unreachable
+NO_SLURM_HINT = ("set SLURM_CONF or run where Slurm is: point `SLURM_CONF` at the cluster's slurm.conf "
+                 "(`export SLURM_CONF=/etc/slurm/slurm.conf` before starting Jupyter), or run the notebook on "
+                 "a machine of the cluster (a login node, or Jupyter started inside an allocation); "
+                 "`--detach` runs the job on this machine instead.")
 
+
+def check_slurm() -> None:
+    """Slurm must answer here before anything else is checked or written: sbatch on the PATH,
+    and sinfo reaching the controller (SLURM_CONF unset on a machine outside the cluster does not)."""
+    if shutil.which("sbatch") is None:
+        raise GpunbError("cluster='slurm', and `sbatch` is not on this machine's PATH: this kernel cannot "
+                         "submit Slurm jobs.",
+                         "run the notebook on a machine of the cluster (a login node, or Jupyter started "
+                         "inside an allocation), or use `--detach` for a job on this machine.")
+    try:
+        done = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=SLURM_ANSWER_S,
+                              check=False)
+    except subprocess.TimeoutExpired:
+        said = f"no answer in {SLURM_ANSWER_S} s"
+    except OSError as error:
+        said = str(error)
+    else:
+        if done.returncode == 0:
+            return
+        said = slurm_error(done.stderr or done.stdout) or f"exit status {done.returncode}"
+    raise GpunbError(f"Slurm does not answer here (`sinfo`: {said}).", NO_SLURM_HINT)
+
+
+def slurm_error(text: str) -> str:
+    """The line of a Slurm command's output that says what went wrong: its `fatal:` line, else
+    its first line (without the command's name in front)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    chosen = next((line for line in lines if "fatal:" in line), lines[0] if lines else "")
+    command, colon, rest = chosen.partition(": ")
+    return rest if colon and " " not in command else chosen
+
+
+def shipped(args, limit_mb: float) -> bytes:
+    """`args` (FitArgs) pickled, or a GpunbError naming what does not pickle or what is too large.
+    Tensors and arrays are measured first: data over the limit is refused without pickling it."""
+    from gpunb.distributed.shipping import ship, tensor_bytes, unpicklable_part
+
+    sizes = {f.name: tensor_bytes(getattr(args, f.name)) / 2**20 for f in fields(args) if f.name != "config"}
+    if sum(sizes.values()) > limit_mb:
+        largest = max(sizes, key=sizes.get)
+        raise _too_large(f"{sum(sizes.values()):,.0f} MB of tensors and arrays", largest, sizes[largest], limit_mb)
     try:
         payload = ship(args)
     except GpunbError:
@@ -43,14 +90,17 @@ def shipped(args, limit_mb: float) -> bytes:
                          "or train in the kernel (drop `--detach` / `--cluster`).") from None
     size_mb = len(payload) / 2**20
     if size_mb > limit_mb:
-        largest, largest_mb = _largest(args)
-        raise GpunbError(f"fit's arguments are {size_mb:,.0f} MB pickled ({largest!r}: {largest_mb:,.0f} MB), more "
-                         f"than the {limit_mb:,.0f} MB a job is sent by value.",
-                         f"save the data once to a file on a file system the job's nodes see (e.g. "
-                         f"`torch.save({largest}, '/shared/data.pt')`) and give the cell a Dataset that opens it "
-                         f"in the job (one that keeps the path and loads lazily, or `torch.load(path, mmap=True)`), "
-                         f"or raise `max_ship_mb` in the cluster file ({_clusters_path()}).")
+        raise _too_large(f"{size_mb:,.0f} MB pickled", *_largest(args), limit_mb)
     return payload
+
+
+def _too_large(what: str, largest: str, largest_mb: float, limit_mb: float) -> GpunbError:
+    return GpunbError(f"fit's arguments are {what} ({largest!r}: {largest_mb:,.0f} MB), more than the "
+                      f"{limit_mb:,.0f} MB a job is sent by value.",
+                      f"save the data once to a file on a file system the job's nodes see (e.g. "
+                      f"`torch.save({largest}, '/shared/data.pt')`) and give the cell a Dataset that opens it "
+                      f"in the job (one that keeps the path and loads lazily, or `torch.load(path, mmap=True)`), "
+                      f"or raise `max_ship_mb` in the cluster file ({_clusters_path()}).")
 
 
 def _largest(args) -> tuple[str, float]:
@@ -117,8 +167,6 @@ def file_system_type(path: Path) -> str | None:
 
 def _nodes_are_this_host() -> bool:
     """Every node of the Slurm cluster has this machine's host name (a cluster on one machine)."""
-    import subprocess
-
     try:
         listed = subprocess.run(["sinfo", "-N", "-h", "-o", "%n"], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):

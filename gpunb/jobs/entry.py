@@ -21,6 +21,7 @@ import importlib
 import os
 import pickle
 import sys
+from dataclasses import replace
 
 from gpunb.jobs import events
 from gpunb.jobs import spec as job_spec
@@ -55,8 +56,9 @@ class JobEntry:
             if rank == 0:
                 from gpunb.distributed.worker import describe
 
-                events.append(events_path, "job_failed", **describe(error))
+                # the row first: a kernel that reads the event and returns finds the run failed
                 _record(spec, {"state": "FAILED"}, "failed", f"{type(error).__name__}: {error}"[:500])
+                events.append(events_path, "job_failed", **describe(error))
             raise
         if outcome == PREEMPTED:
             _requeue(spec, environment, rank)
@@ -89,41 +91,44 @@ def _train(spec, environment) -> str:
     control = JobControl(spec.stop_path)
     control.install_signal_handlers()
     args = unship(spec.args_path.read_bytes())
-    config = args.config.replace(**_job_settings(args.config, spec))
+    config = args.config  # as the user gave it: the registry, checkpoints and loggers record it so
+    placement = job_placement(config, spec, environment)
     context = current_context(config)
     rank = context.rank
     callbacks = [control]
     if rank == 0:
         callbacks += [events.EventsWriter(spec.events_path), *_recorder(spec, config), *_loggers(config)]
-    if environment.local_rank == 0 and spec.gpus_per_node:
-        callbacks.append(NodeGpuWriter(gpus_path(spec.folder, environment.node), node=environment.node,
+    if placement.local_rank == 0 and spec.gpus_per_node:
+        callbacks.append(NodeGpuWriter(gpus_path(spec.folder, placement.node), node=placement.node,
                                        host=environment.hostname, cuda_indices=range(spec.gpus_per_node)))
     module, _, name = spec.entry.partition(":")
     entry = getattr(importlib.import_module(module), name)
     model, optimizer = args.model, args.optimizer
     result = entry(config, context, model, args.train_data, args.val_data, optimizer=optimizer,
                    scheduler=args.scheduler, loss_fn=args.loss_fn, step=args.step, metrics=args.metrics,
-                   callbacks=callbacks, state_type=args.state_type)
+                   callbacks=callbacks, state_type=args.state_type, placement=placement)
     preempted = result.stop_reason == PREEMPTED or (rank == 0 and control.preempted)
     timings = _all_timings(context, result, rank)
     if rank == 0 and not preempted:
         _write_result(spec, context, model, optimizer, result, timings)
+        _record(spec, {"state": "COMPLETED", "reason": None})  # the row follows the job to its end
     elif not preempted:
         _write_result(spec, context, model, optimizer, None, None)  # FSDP: every rank takes part in the gather
     return PREEMPTED if preempted else (result.stop_reason or "")
 
 
-def _job_settings(config, spec) -> dict:
-    """The job's own settings: checkpoints in its folder, resumed from when it has some; the
-    registry is written by the recorder with the job's run id; one process per task here."""
+def job_placement(config, spec, environment):
+    """How this task is placed: its rank and node; checkpoints in the job's folder unless the config
+    names a checkpoint_dir, resumed from when there are some (requeued); the registry is written by
+    the recorder with the job's run id, so the task adds none of its own."""
+    from gpunb.runtime.placement import Placement
     from gpunb.runtime.state.checkpoint_files import list_checkpoints
 
-    checkpoint_dir = config.checkpoint_dir or str(spec.checkpoint_dir)
-    settings = {"checkpoint_dir": checkpoint_dir, "track": False, "cluster": None, "nodes": 1,
-                "devices": 1, "resubmit": False}
-    if list_checkpoints(checkpoint_dir):
-        settings["resume"] = "last"  # requeued: go on exactly from the newest checkpoint
-    return settings
+    placement = Placement(rank=environment.global_rank, world_size=environment.num_tasks,
+                          local_rank=environment.local_rank, node=environment.node, records=False,
+                          checkpoint_dir=str(spec.checkpoint_dir))
+    requeued = bool(list_checkpoints(placement.checkpoints(config)))  # go on exactly from the newest
+    return replace(placement, resume="last") if requeued else placement
 
 
 def _recorder(spec, config) -> list:
@@ -195,8 +200,9 @@ def _requeue(spec, environment, rank: int) -> None:
     _leave(1)
 
 
-def _record(spec, job: dict, status: str, error: str | None = None) -> None:
-    """The job's state into its registry row (the sidebar), when the run is tracked."""
+def _record(spec, job: dict, status: str | None = None, error: str | None = None) -> None:
+    """The job's state into its registry row (the sidebar), when the run is tracked; `status`: the
+    run's too (a completed or stopped run's is its recorder's)."""
     if not spec.registry:
         return
     from gpunb.runs import Registry

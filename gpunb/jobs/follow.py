@@ -109,6 +109,8 @@ class Follower:
     def now(self) -> JobResult:
         """Without waiting: the result if the job has ended, else what is known (status queued or running)."""
         outcome = self._read()
+        if outcome is None and self.spec.result_path.exists():
+            outcome = self._read() or {"event": "job_done"}  # the end, even when its event is lost
         if outcome is not None and outcome["event"] in ("job_done", "job_failed"):
             return self._finish(outcome)
         state, reason = scheduler.job_state(self.spec)
@@ -180,13 +182,16 @@ class Follower:
 
     # ------------------------------------------------------------------ the scheduler
     def _poll_scheduler(self) -> dict | None:
+        finished = self.spec.result_path.exists()  # the end, even when its event is lost or damaged
         state, reason = scheduler.job_state(self.spec)
         self._job_state(state, reason)
-        if state not in scheduler.ENDED:
+        if state not in scheduler.ENDED and not finished:
             return None
         outcome = self._read()  # the last lines may have come just before the end
         if outcome is not None:
             return outcome
+        if finished:
+            return {"event": "job_done"}
         if state.startswith("CANCELLED") or (self.spec.path / scheduler.CANCELLED_MARK).exists():
             return {"event": "cancelled"}
         return {"event": "gone", "state": state}
@@ -230,6 +235,7 @@ class Follower:
             self.callbacks.call("on_exception", self.state, error)
             raise error
         if kind == "job_done":
+            self._job_state("COMPLETED", None)  # a replayed job_started said RUNNING: the row follows the end
             result = self._done()
         elif kind == "cancelled":
             result = self._without_result("cancelled", "cancelled")

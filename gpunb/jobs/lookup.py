@@ -14,7 +14,7 @@ import os
 from gpunb.errors import GpunbError
 from gpunb.jobs import spec as job_spec
 
-RESUBMIT_AFTER = ("failed", "cancelled", "interrupted")  # a job that ended so is submitted again
+RESUBMIT_AFTER = ("failed", "cancelled", "interrupted", "lost")  # a job that ended so is submitted again
 SEARCHED = 1000  # newest registry rows searched for a job
 
 
@@ -93,9 +93,11 @@ def refresh_waiting(registry, runs: list[dict]) -> list[dict]:
         job = run.get("job")
         if not job or run["status"] != "queued" or job.get("cluster") != "slurm" or not job.get("id"):
             continue
-        state, reason = scheduler.slurm_state(job["id"])
+        if not os.path.exists(os.path.join(job["folder"], "job.json")):
+            continue  # its folder is gone: nothing to follow or stop
+        state, reason = scheduler.job_state(job_spec.load(job["folder"]))
         if (state, reason) != (job.get("state"), job.get("reason")) and state != "UNKNOWN":
-            ended = state.startswith("CANCELLED") and "cancelled" or (state in scheduler.ENDED and "failed")
+            ended = scheduler.ended_status(state)
             registry.set_job(run["id"], {"state": state, "reason": reason}, status=ended or None)
             changed = True
     return registry.list_runs(series=True) if changed else runs
@@ -110,8 +112,11 @@ def stop_job(registry, run: dict) -> bool:
         return False
     spec = job_spec.load(run["job"]["folder"])
     if run["status"] == "queued" or run.get("stop_requested"):
-        scheduler.cancel(spec)
-        registry.set_job(run["id"], {"state": "CANCELLED", "reason": None}, status="cancelled")
+        lost = scheduler.cancel(spec)  # sent only while the Slurm id still names this job
+        if lost:
+            registry.set_job(run["id"], {"state": scheduler.LOST, "reason": lost}, status="lost", error=lost)
+        else:
+            registry.set_job(run["id"], {"state": "CANCELLED", "reason": None}, status="cancelled")
         return True
     spec.stop_path.touch()  # the job reads it even where it cannot reach this registry
     registry.request_stop(run["id"])

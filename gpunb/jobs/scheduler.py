@@ -4,6 +4,11 @@
     job_state(spec)                         (state, reason): PENDING/RUNNING/... and Slurm's reason
     cancel(spec)                            end the job now (scancel; local: the controller)
 
+A Slurm job is named after its folder (the run's name and the start of its id), and gpunb
+acts on a Slurm id only while Slurm still gives it that name and this user: Slurm reuses
+ids, and a registry row can outlive what Slurm remembers of its job. An id that names
+another job, or that Slurm no longer knows, is LOST, and nothing is sent to it.
+
 The local executor's controller is started in a session of its own: the kernel's
 interrupt button signals the kernel's whole process group, and a detached job must not
 hear it (its stop goes through the stop file), nor die with the kernel.
@@ -12,15 +17,13 @@ hear it (its stop goes through the stop file), nor die with the kernel.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
 
-from gpunb.errors import GpunbError
-
+LOST = "LOST"  # the Slurm id no longer names this run's job (see the module's docstring)
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
-         "BOOT_FAIL", "DEADLINE", "FINISHED", "INTERRUPTED", "GONE")
+         "BOOT_FAIL", "DEADLINE", "FINISHED", "INTERRUPTED", "GONE", LOST)
 SLURM_PARAMETERS = ("partition", "account", "qos", "constraint", "comment", "mem", "mem_per_gpu",
                     "cpus_per_task", "cpus_per_gpu", "exclusive", "nodelist", "exclude", "gres",
                     "mail_type", "mail_user", "wckey", "dependency", "setup")
@@ -38,14 +41,9 @@ def executor(spec, settings: dict, timeout_min: float):
         chosen.update_parameters(timeout_min=timeout_min, tasks_per_node=spec.tasks_per_node,
                                  gpus_per_node=spec.gpus_per_node, signal_delay_s=int(settings.get("signal_delay_s", 30)))
         return chosen
-    if shutil.which("sbatch") is None:
-        raise GpunbError("cluster='slurm', and `sbatch` is not on this machine's PATH: this kernel cannot "
-                         "submit Slurm jobs.",
-                         "run the notebook on a machine of the cluster (a login node, or Jupyter started "
-                         "inside an allocation), or use `--detach` for a job on this machine.")
     chosen = submitit.SlurmExecutor(folder, python=settings.get("python"))
     parameters = {"nodes": spec.nodes, "ntasks_per_node": spec.tasks_per_node, "time": int(timeout_min),
-                  "signal_delay_s": int(settings.get("signal_delay_s", 90)), "job_name": spec.name,
+                  "signal_delay_s": int(settings.get("signal_delay_s", 90)), "job_name": job_name(spec),
                   "stderr_to_stdout": True}
     if spec.gpus_per_node:
         parameters["gpus_per_node"] = spec.gpus_per_node
@@ -90,37 +88,77 @@ def _DetachedLocalExecutor(folder, python=None):
     return DetachedLocalExecutor(folder, python=python)
 
 
+def job_name(spec) -> str:
+    """The Slurm job's name: its folder's (the run's name and the start of its id); a job
+    submitted before job.json recorded it was named after the run."""
+    return spec.job_name or spec.name
+
+
 def job_state(spec) -> tuple[str, str | None]:
     """(state, reason) of the job now: Slurm's PENDING/RUNNING/COMPLETED/CANCELLED... with
-    its reason while pending; a local job is RUNNING while its controller lives, else GONE."""
+    its reason while pending, or LOST with why; a local job is RUNNING while its controller
+    lives, else GONE."""
     if spec.job_id is None:
         return "SUBMITTING", None
     if spec.cluster == "local":
         return ("RUNNING" if _local_alive(spec) else "GONE"), None
-    return slurm_state(spec.job_id)
+    return slurm_state(spec.job_id, job_name(spec))
 
 
-def slurm_state(job_id: str) -> tuple[str, str | None]:
-    queued = _run(["squeue", "-h", "-j", str(job_id), "-o", "%T|%r"])
-    if queued:
-        state, _, reason = queued.splitlines()[0].partition("|")
-        return state.strip(), (reason.strip() if reason.strip() not in ("", "None") else None)
-    accounted = _run(["sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "State"])
-    if accounted:
-        return accounted.splitlines()[0].split()[0].strip(), None  # "CANCELLED by 0" -> CANCELLED
+def slurm_state(job_id: str, name: str) -> tuple[str, str | None]:
+    """(state, reason) of the Slurm job `job_id` named `name`: squeue's while Slurm holds it,
+    then sacct's; (LOST, why) when the id names another job or Slurm no longer knows it;
+    UNKNOWN when Slurm does not answer."""
+    queued = _ask(["squeue", "-h", "-j", str(job_id), "-o", "%T|%r|%j|%U"])
+    if queued.returncode == 0 and queued.stdout.strip():
+        state, reason, *owner = queued.stdout.strip().splitlines()[0].split("|")
+        reason = reason.strip() if reason.strip() not in ("", "None") else None
+        return _owned(job_id, name, owner) or (state.strip(), reason)
+    accounted = _ask(["sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "State,JobName,UID"])
+    if accounted.returncode == 0 and accounted.stdout.strip():
+        state, *owner = accounted.stdout.strip().splitlines()[0].split("|")
+        state = state.split()[0].strip()  # "CANCELLED by 0" -> CANCELLED
+        # Until a job starts, sacct may call it "allocation": its name is judged once it has ended.
+        return (state in ENDED and _owned(job_id, name, owner)) or (state, None)
+    if "Invalid job id" in queued.stderr and accounted.returncode == 0:
+        return LOST, f"Slurm no longer knows job {job_id}"
     return "UNKNOWN", None
 
 
-def cancel(spec) -> None:
-    """End the job at once (its newest checkpoint stays on disk)."""
+def _owned(job_id: str, name: str, owner: list) -> tuple[str, str] | None:
+    """None when Slurm's job `job_id` has this name and this user's id, else (LOST, why)."""
+    found_name, found_uid = (part.strip() for part in (owner + ["", ""])[:2])
+    if (found_name, found_uid) == (name, str(os.getuid())):
+        return None
+    return LOST, f"Slurm's job {job_id} is now {found_name!r} of user {found_uid or '?'}, not this run's {name!r}"
+
+
+def ended_status(state: str) -> str | None:
+    """The registry status of a job that Slurm's `state` ended, or None while it has not ended."""
+    if state == LOST:
+        return "lost"
+    if state.startswith("CANCELLED"):
+        return "cancelled"
+    return "failed" if state in ENDED else None
+
+
+def cancel(spec) -> str | None:
+    """End the job at once (its newest checkpoint stays on disk). A Slurm id is confirmed to name
+    this job first, and scancel itself is told the job's name and user; returns why nothing was
+    sent when the id is LOST, else None."""
     if spec.job_id is None:
-        return
-    (spec.path / CANCELLED_MARK).touch()  # how a local job that ended tells a cancel from a crash
+        return None
     if spec.cluster == "local":
+        (spec.path / CANCELLED_MARK).touch()  # how a local job that ended tells a cancel from a crash
         if _local_alive(spec):
             os.kill(int(spec.job_id), signal.SIGINT)  # the controller stops its tasks (SIGINT, then SIGKILL)
-        return
-    _run(["scancel", str(spec.job_id)])
+        return None
+    state, reason = job_state(spec)
+    if state == LOST:
+        return reason
+    (spec.path / CANCELLED_MARK).touch()
+    _run(["scancel", f"--name={job_name(spec)}", f"--user={os.getuid()}", str(spec.job_id)])
+    return None
 
 
 def _local_alive(spec) -> bool:
@@ -135,8 +173,13 @@ def _local_alive(spec) -> bool:
 
 
 def _run(command: list) -> str:
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
+    done = _ask(command)
     return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def _ask(command: list) -> subprocess.CompletedProcess:
+    """A Slurm command's answer; one that cannot run or does not answer in 30 s as a failure."""
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return subprocess.CompletedProcess(command, 1, "", str(error))

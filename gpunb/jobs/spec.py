@@ -47,6 +47,7 @@ class JobSpec:
     submitted_at: float = field(default_factory=time.time)
     job_id: str | None = None  # the scheduler's (Slurm job id; local: the controller's pid)
     job_started: float | None = None  # local: the controller's start time (its pid alone may be reused)
+    job_name: str | None = None  # the scheduler's name of the job: the folder's (Slurm ids are reused)
 
     @property
     def path(self) -> Path:

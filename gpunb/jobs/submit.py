@@ -7,7 +7,10 @@ submits a new one, then follows it (follow.py) until it ends.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
+import sys
 import time
 import uuid
 
@@ -48,19 +51,19 @@ def submit(config, entry, args, *, key: str | None, registry) -> JobSpec:
     settings = job_settings(config)
     root = clusters.job_dir(cluster, settings)
     if cluster == "slurm":
+        checks.check_slurm()  # first: an unreachable Slurm explains every later failure
         checks.check_shared(root, settings)
+    tasks, gpus = processes_and_gpus(config)
     payload = checks.shipped(args, float(settings.get("max_ship_mb", checks.DEFAULT_MAX_SHIP_MB)))
     run_id = uuid.uuid4().hex
     name = config.name or type(args.model).__name__
     folder = root / f"{_slug(name)}-{run_id[:8]}"
     folder.mkdir(parents=True)
-    tasks = config.gpus_per_node or (config.devices if isinstance(config.devices, int) else 1)
-    gpus = config.gpus_per_node or (tasks if config.accelerator == "cuda" else 0)
     spec = JobSpec(run_id=run_id, name=name, key=key, cluster=cluster, folder=str(folder), nodes=config.nodes,
                    tasks_per_node=tasks, gpus_per_node=gpus, accelerator=config.accelerator,
                    entry=f"{entry.__module__}:{entry.__qualname__}",
                    registry=str(registry.path) if registry is not None else None, versions=current_versions(),
-                   gpu_hour_price=_price(config, settings))
+                   gpu_hour_price=_price(config, settings), job_name=folder.name)
     spec.args_path.write_bytes(payload)
     spec.save()
     if registry is not None:
@@ -69,14 +72,15 @@ def submit(config, entry, args, *, key: str | None, registry) -> JobSpec:
     from gpunb.jobs.entry import JobEntry
 
     executor = scheduler.executor(spec, settings, timeout_minutes(cluster, settings))
+    printed = io.StringIO()
     try:
-        job = executor.submit(JobEntry(spec.folder))
+        with contextlib.redirect_stderr(printed):  # submitit prints sbatch's error, then raises it: once is enough
+            job = executor.submit(JobEntry(spec.folder))
     except Exception as error:
         if registry is not None:
             registry.set_job(run_id, {"state": "NOT SUBMITTED"}, status="failed", error=str(error)[:500])
-        raise GpunbError(f"The job could not be submitted: {error}",
-                         "check the Slurm settings (partition, account, time) in the run's options and in "
-                         f"{clusters.path()}; `sbatch --test-only` with them says what Slurm refuses.") from error
+        raise _not_submitted(error) from error
+    sys.stderr.write(printed.getvalue())  # anything else it said (a warning) is not lost
     spec.job_id = str(job.job_id)
     if cluster == "local":
         import psutil
@@ -88,9 +92,51 @@ def submit(config, entry, args, *, key: str | None, registry) -> JobSpec:
     return spec
 
 
+UNREACHABLE = ("configuration source", "Unable to contact", "Zero Bytes were transmitted", "Connection refused")
+
+
+def processes_and_gpus(config) -> tuple[int, int]:
+    """(tasks per node, GPUs asked per node) of a job.
+
+    A local job runs on this machine, so `accelerator="auto"` is decided here as a run in the
+    kernel would decide it: with GPUs visible, each task gets one (submitit's local executor hides
+    the GPUs it was not asked for). A Slurm job runs on nodes this machine cannot see: there only
+    `gpus_per_node` or `accelerator="cuda"` asks for GPUs.
+    """
+    if config.gpus_per_node:
+        return config.gpus_per_node, config.gpus_per_node
+    if config.cluster == "local":
+        import torch
+
+        from gpunb.distributed.launch import plan_devices
+
+        accelerator, tasks, _ = plan_devices(config)
+        # gloo may put more tasks than GPUs on this machine: they share the visible ones
+        return tasks, (min(tasks, torch.cuda.device_count()) if accelerator == "cuda" else 0)
+    tasks = config.devices if isinstance(config.devices, int) else 1
+    return tasks, (tasks if config.accelerator == "cuda" else 0)
+
+
+def _not_submitted(error: Exception) -> GpunbError:
+    """sbatch's refusal, each of its lines once, under the hint that fits it."""
+    said = []
+    for line in str(error).splitlines():
+        line = checks.slurm_error(line)
+        if line and line not in said:
+            said.append(line)
+    text = "; ".join(said) or type(error).__name__
+    if any(sign in text for sign in UNREACHABLE):
+        return GpunbError(f"The job could not be submitted: Slurm does not answer here (`sbatch`: {text}).",
+                          checks.NO_SLURM_HINT)
+    return GpunbError(f"The job could not be submitted: {text}",
+                      "check the Slurm settings (partition, account, time) in the run's options and in "
+                      f"{clusters.path()}; `sbatch --test-only` with them says what Slurm refuses.")
+
+
 def job_settings(config) -> dict:
     """The cluster file's section with the run's own Slurm settings on top."""
     chosen = dict(clusters.settings(config.cluster))
+    clusters.check_settings(config.slurm, "slurm={...} (`--slurm KEY=VALUE`)")
     given = dict(config.slurm)
     sbatch = {**dict(chosen.get("sbatch") or {}), **dict(given.pop("sbatch", None) or {})}
     for key, value in given.items():

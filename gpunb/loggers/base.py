@@ -43,19 +43,22 @@ def require(module: str, package: str):
                          "cell again.") from None
 
 
-def log_root(config) -> Path:
-    """Where a fit's run directories go: log_dir, else <checkpoint_dir>/logs, else ./gpunb_logs."""
+def log_root(config, state=None) -> Path:
+    """Where a fit's run directories go: log_dir, else <checkpoint_dir>/logs (the run's: a job's
+    folder when the config names none), else ./gpunb_logs."""
+    plan = getattr(state, "plan", None)
+    checkpoint_dir = plan.checkpoint_dir if plan is not None else config.checkpoint_dir
     if config.log_dir:
         return Path(config.log_dir)
-    if config.checkpoint_dir:
-        return Path(config.checkpoint_dir) / "logs"
+    if checkpoint_dir:
+        return Path(checkpoint_dir) / "logs"
     return Path("gpunb_logs")
 
 
 def run_dir(state) -> Path:
     """This fit's directory, `<root>/<run name>-<n>` with the first free n; the same for all its loggers."""
     if LOG_DIR_KEY not in state.extras:
-        root = log_root(state.config)
+        root = log_root(state.config, state)
         root.mkdir(parents=True, exist_ok=True)
         name = "".join(c if c.isalnum() or c in "-_." else "_" for c in state.run_name)
         number = 1

@@ -36,7 +36,7 @@ class MLflowLogger(Logger):
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        uri = self.uri = self._uri(state.config)
+        uri = self.uri = self._uri(state.config, state)
         with _file_store_allowed(uri):
             self.client = MlflowClient(tracking_uri=uri)
         found = self.client.get_experiment_by_name(self.experiment)
@@ -65,10 +65,10 @@ class MLflowLogger(Logger):
         if self.run_id is not None:
             self.client.set_terminated(self.run_id, status="FAILED")  # may fail too: then it stays RUNNING
 
-    def _uri(self, config) -> str:
+    def _uri(self, config, state=None) -> str:
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         if uri is None:
-            uri = (log_root(config).resolve() / "mlruns").as_uri()  # file:///...: a local file store
+            uri = (log_root(config, state).resolve() / "mlruns").as_uri()  # file:///...: a local file store
         return uri
 
     def finish(self, state, status: str) -> None:

@@ -36,7 +36,7 @@ class WandbLogger(Logger):
     def start(self, state) -> None:
         import wandb
 
-        self.folder = self.directory(state.config)
+        self.folder = self.directory(state.config, state)
         os.makedirs(self.folder, exist_ok=True)
         mode = self.mode or (None if os.environ.get("WANDB_MODE") else "offline")
         options = dict(project=self.project, name=state.run_name, config=flat_config(state), dir=str(self.folder))
@@ -78,8 +78,8 @@ class WandbLogger(Logger):
         finally:
             self.run.finish(exit_code=_EXIT_CODE[status])
 
-    def directory(self, config) -> Path:
-        return Path(self.dir) if self.dir else log_root(config)
+    def directory(self, config, state=None) -> Path:
+        return Path(self.dir) if self.dir else log_root(config, state)
 
     def destination(self) -> str:
         return str(getattr(self, "folder", None) or self.dir or "its W&B directory")

@@ -38,8 +38,9 @@ from gpunb.runs.liveness import (PROCESS_DIED, STALE_AFTER_S, alive, judged_dead
 from gpunb.runs.liveness import kernel_id as current_kernel_id
 from gpunb.runs.paths import default_path
 
-# "queued": a job (gpunb.jobs) submitted and not started yet; "cancelled": a job its scheduler ended
-STATUSES = ("queued", "running", "completed", "stopped", "interrupted", "failed", "cancelled")
+# "queued": a job (gpunb.jobs) submitted and not started yet; "cancelled": a job its scheduler ended;
+# "lost": a job its scheduler no longer knows (its id forgotten, or reused for another job)
+STATUSES = ("queued", "running", "completed", "stopped", "interrupted", "failed", "cancelled", "lost")
 MAX_POINTS = 500  # metric points kept per run; older ones are thinned evenly
 SERIES_POINTS = 60  # the newest points of a running run's loss that `list_runs` includes
 _LOWER_IS_BETTER = ("loss", "err", "mse", "mae", "perplexity", "ppl")

@@ -21,7 +21,7 @@ from gpunb.units import format_duration
 
 _COLUMNS = ("name", "status", "started", "duration", "steps", "last loss", "device")
 _STATUS_COLOURS = {"queued": "#7f7f7f", "cancelled": "#ff7f0e", "running": "#1f77b4", "completed": "#2ca02c", "stopped": "#ff7f0e",
-                   "interrupted": "#ff7f0e", "failed": "#d62728"}
+                   "interrupted": "#ff7f0e", "failed": "#d62728", "lost": "#7f7f7f"}
 
 
 def runs(limit: int = 20, *, registry: Registry | None = None) -> RunTable:

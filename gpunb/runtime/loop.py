@@ -14,6 +14,7 @@ from gpunb.runtime import device as devices
 from gpunb.runtime.epoch import EpochSteps, Timer
 from gpunb.runtime.feed.feeds import closing
 from gpunb.runtime.interrupt import InterruptFlag
+from gpunb.runtime.placement import ALONE
 from gpunb.runtime.prepare import Run, answer_compilation, prepare
 from gpunb.runtime.result import TrainResult, epoch_mean_loss
 from gpunb.runtime.roles import check_model
@@ -25,7 +26,8 @@ from gpunb.runtime.validation import passes as validation
 
 
 def run(config: TrainConfig, context, model, train_data, val_data=None, *, optimizer=None, scheduler=None,
-        loss_fn=None, step=None, metrics=None, callbacks=(), continue_from=None, state_type=None) -> TrainResult:
+        loss_fn=None, step=None, metrics=None, callbacks=(), continue_from=None, state_type=None,
+        placement=ALONE) -> TrainResult:
     """Train `model` in this process; returns a TrainResult. The model is trained in place.
 
     `scheduler`: see runtime/step/schedule.py; `continue_from`: a TrainResult to go on from
@@ -35,6 +37,8 @@ def run(config: TrainConfig, context, model, train_data, val_data=None, *, optim
     `context` says where this process stands: `LocalContext()` alone, or one rank of a
     process group (gpunb.distributed.context). `callbacks` are all the callbacks the run
     hears; gpunb.Trainer adds its defaults (telemetry, the run registry) to the user's.
+    `placement` says how whoever started this process placed it (runtime/placement.py: a job's
+    checkpoints folder, a requeue's resume); `config` stays as the user gave it.
     """
     __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
     check_model(model)
@@ -45,7 +49,7 @@ def run(config: TrainConfig, context, model, train_data, val_data=None, *, optim
             teardown.saved_globals = devices.seed_everything(config.seed, config.deterministic)
             prepared = prepare(config, context, model, train_data, val_data, optimizer, scheduler,
                                 Objective(loss_fn, step, metrics, config.batch_size_fn), callbacks, teardown,
-                                continue_from, state_type or RunState)
+                                continue_from, state_type or RunState, placement)
         if setting_up.raised:
             prepared.state.request_stop("interrupted")
         result = _train(prepared)

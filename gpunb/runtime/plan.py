@@ -29,6 +29,11 @@ class Plan:
     compile: object = "auto"  # what was asked of torch.compile; compiling.py decides when (result.compilation)
     strategy: str | None = None  # devices > 1: "ddp" or "fsdp" ("auto" resolved by the memory plan); None: one
     strategy_reason: str = ""  # why: "asked for", or under "auto" the memory estimate's numbers
+    # where checkpoints go and what the run resumes from: the config's, or its placement's
+    # (runtime/placement.py: a job's folder, a requeued job's newest checkpoint); the config keeps
+    # what the user gave
+    checkpoint_dir: str | None = None
+    resume: bool | str | None = None
 
     @property
     def epoch_limit(self) -> int:

@@ -20,6 +20,7 @@ from gpunb.runtime.feed.epoch_start import warn_unresumable
 from gpunb.runtime.feed.feeds import build_feed, with_batch_size
 from gpunb.runtime.memory.blocks import checkpoint_every_block
 from gpunb.runtime.memory.measures import MemoryFallback, apply_plan, plan_run, run_strategy
+from gpunb.runtime.placement import ALONE
 from gpunb.runtime.plan import Plan
 from gpunb.runtime.plan import length as plan_length
 from gpunb.runtime.probes.batch_size import BatchChoice, find_batch_size
@@ -74,7 +75,7 @@ class Run:
 
 
 def prepare(config, dist, model, train_data, val_data, optimizer, scheduler, objective, user_callbacks, teardown,
-             continue_from, state_type) -> Run:
+             continue_from, state_type, placement=ALONE) -> Run:
     __tracebackhide__ = True  # noqa: F841
     optimizer, carried = _continuation(config, dist, model, optimizer, teardown, continue_from)
     ready = setup(config, dist, model, train_data, val_data, optimizer)
@@ -88,14 +89,14 @@ def prepare(config, dist, model, train_data, val_data, optimizer, scheduler, obj
         monitor.check_produced(val_names, f"save_top_k={config.save_top_k}")
     choice, train = _batch_size(config, dist, model, optimizer, objective, precision, train, device)
     feed, val_feed = _feeds(train, val, choice.size, device, config, dist)
-    plan = _plan(config, ready, choice, feed, carried)
+    plan = _plan(config, ready, choice, feed, carried, placement)
     validation.warn_unused(config, plan, val is not None, dist.rank)
     # one forward + backward, undone; FSDP: the whole model's step may not fit on one device
     summary = summarize(model, optimizer, objective, precision, train, device, plan.batch_size, config,
                         measure=not (dist.world_size > 1 and config.strategy == "fsdp"))
     # measures chosen from the summary's estimate, before the schedule binds the optimizer
     memory, optimizer = _memory_plan(summary, model, optimizer, objective, precision, config, dist, device,
-                                     scheduler, teardown, continuing=carried is not None or bool(config.resume))
+                                     scheduler, teardown, continuing=carried is not None or bool(plan.resume))
     plan, precision = _strategy(plan, config, dist, memory, summary, precision)  # before anything wraps the model
     schedule = _schedule(scheduler, optimizer, config, plan.total_steps, val_names, carried)
     # a continued fit goes on under the name of the fit it continues; the class: before FSDP renames it
@@ -126,8 +127,8 @@ def prepare(config, dist, model, train_data, val_data, optimizer, scheduler, obj
     if carried is not None:
         run.continued = carried
         continuing.restore(run, carried)
-    if config.resume:
-        resume(run, find_checkpoint(config.resume, config.checkpoint_dir))
+    if plan.resume:
+        resume(run, find_checkpoint(plan.resume, plan.checkpoint_dir))
     state.start_step, state.start_samples = state.step, state.samples_seen  # a resumed or continued fit counts on
     run.samples_at_log = state.samples_seen  # the first interval's samples/s counts from here
     return run
@@ -209,19 +210,21 @@ def _feeds(train, val, batch_size, device, config, dist):
     return feed, val_feed
 
 
-def _plan(config, ready, choice, feed, carried) -> Plan:
-    """What set-up decided: device, precision, batch size, length (a continued fit's counted on), log interval."""
+def _plan(config, ready, choice, feed, carried, placement) -> Plan:
+    """What set-up decided: device, precision, batch size, length (a continued fit's counted on), log
+    interval, and where checkpoints go (the config's, else the placement's: a job's folder)."""
     length = plan_length(config, feed.num_batches, carried)
     return Plan(device=ready.device, precision=ready.precision.name, precision_reason=ready.precision_reason,
                 batch_size=feed.batch_size or choice.size,  # a user's DataLoader batches by its own size
                 batch_size_reason=choice.reason, batch_probe=choice.probes,
                 log_every=config.resolved_log_every(length["total_steps"], length["steps_per_epoch"]),
-                compile=config.compile, **length)
+                compile=config.compile, checkpoint_dir=placement.checkpoints(config),
+                resume=placement.resumes(config), **length)
 
 
 def _add_checkpointer_and_schedule(run: Run, schedule) -> None:
     """Both hear each event before the user's callbacks, the schedule first of all."""
-    if run.config.checkpoint_dir:  # first: saved before others hear of the step
+    if run.plan.checkpoint_dir:  # first: saved before others hear of the step
         run.checkpointer = Checkpointer(run.config, dist=run.dist, state=run.state, losses=run.losses,
                                         events=run.callbacks)
         run.callbacks.run_first(run.checkpointer)

@@ -54,7 +54,8 @@ export type RunStatus =
   | 'stopped'
   | 'interrupted'
   | 'failed'
-  | 'cancelled';
+  | 'cancelled'
+  | 'lost'; // a job its scheduler no longer knows (its id forgotten or reused)
 
 /** A run that trains as a job (gpunb.jobs): where, how large, and the scheduler's state. */
 export interface IJob {

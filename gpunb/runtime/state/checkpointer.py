@@ -28,13 +28,14 @@ class Checkpointer:
 
     def __init__(self, config, *, dist, state, losses, events):
         self.config, self.dist, self.losses, self.events = config, dist, losses, events
+        self.checkpoint_dir = state.plan.checkpoint_dir  # the config's, else the placement's (a job's folder)
         self.best = state.best  # a BestCheckpoints when save_top_k is set
         self.model = state.module
         self.saved_step = None
         self.failed = False
         self.lock: RunLock | None = None  # on the run's own directory (rank 0)
         if state.rank == 0:
-            ckpt.check_writable(config.checkpoint_dir)
+            ckpt.check_writable(self.checkpoint_dir)
 
     def on_step_end(self, state) -> None:
         every = self.config.checkpoint_every
@@ -104,7 +105,7 @@ class Checkpointer:
         """The run's own directory (rank 0 names the run at its first save)."""
         if state.checkpoint_run is None:
             state.checkpoint_run = ckpt.new_run_id()
-        directory = ckpt.run_directory(self.config.checkpoint_dir, state.checkpoint_run)
+        directory = ckpt.run_directory(self.checkpoint_dir, state.checkpoint_run)
         if self.lock is None:  # a new directory: its id is unique, so the lock is free
             self.lock = RunLock.acquire(directory, {"run_name": state.run_name})
         return directory
@@ -141,7 +142,7 @@ class Checkpointer:
         why = "the disk is full" if ckpt.is_disk_full(error) else f"{type(error).__name__}: {error}"
         kept = state.checkpoint_path
         warnings.warn(f"Could not write the checkpoint at step {state.step} to "
-                      f"{self.config.checkpoint_dir} ({why}); training goes on, and later saves "
+                      f"{self.checkpoint_dir} ({why}); training goes on, and later saves "
                       f"are tried again. The newest checkpoint on disk is {kept or 'none'}.",
                       RuntimeWarning, stacklevel=2)
 
@@ -157,7 +158,7 @@ def finish_best(checkpointer, state) -> None:
     result.best_monitor, result.best_value, result.best_step = (checkpointer.best.monitor.name,
                                                                 best["value"], best["step"])
     if state.checkpoint_run is not None:
-        directory = ckpt.run_directory(config.checkpoint_dir, state.checkpoint_run)
+        directory = ckpt.run_directory(checkpointer.checkpoint_dir, state.checkpoint_run)
         result.best_checkpoint = str(entry_path(directory, best))
     sharded = getattr(checkpointer.dist, "strategy", None) == "fsdp"
     if not config.restore_best or not (state.rank == 0 or sharded):
@@ -185,7 +186,7 @@ def resume(run, path) -> None:
     resume_check.check_fits(run, payload, path)
     resume_check.check_schedule(run, payload, path)
     if run.state.rank == 0:
-        resume_target.refuse_live_pick(run.config, Path(path))
+        resume_target.refuse_live_pick(run.plan, Path(path))
     state = run.state
     state.load_state_dict(payload, run.dist, where=f"The checkpoint {path!s}")
     for note in (resume_check.load_schedule(run, payload, path), resume_check.data_layout_note(run, payload, path)):
@@ -203,12 +204,12 @@ def _adopt_run(run, payload: dict, path: Path) -> None:
     if state.rank != 0:
         return
     if run.checkpointer is not None:  # last: a fit that fails from here on releases the lock
-        run.checkpointer.lock, target = resume_target.claim(run.config, state, path, payload)
+        run.checkpointer.lock, target = resume_target.claim(run.plan, state, path, payload)
         state.resumed.update(target)
         if run.checkpointer.lock is not None:
             ckpt.remove_leftovers(path.parent)  # a killed save's temp files, now that the directory is ours
         elif run.best is not None:
-            run.best.kept_in(path.parent, run.config.checkpoint_dir)  # the best ones so far stay there
+            run.best.kept_in(path.parent, run.plan.checkpoint_dir)  # the best ones so far stay there
     # Deterministic text (tutorials show it): the time and run id are in result.resumed_from.
     print(f"Resuming run {payload.get('run_name')!r} at step {payload['step']} (epoch {payload['epoch']}) "
           f"from {path.name} (result.resumed_from says which run and when it was saved).", flush=True)

@@ -47,7 +47,7 @@ class StepLosses:
     def end_interval(self, run, loss: float) -> None:
         """At the log step, with the synced mean `loss`: fail on (or note) a non-finite one."""
         config = run.config
-        if not math.isfinite(loss) and (config.detect_nan or config.checkpoint_dir):
+        if not math.isfinite(loss) and (config.detect_nan or run.plan.checkpoint_dir):
             bad = self._first_bad(self.checked)  # one more sync, on this rare path only
             if config.detect_nan:
                 fail(run.state, run.dist, run.model, run.stepper.optimizer, loss,
@@ -112,7 +112,7 @@ def _where_the_weights_are(state, restored: tuple[int, str] | None, unreadable: 
         return (f"No checkpoint of this run could be read ({', '.join(unreadable)}), so the model holds "
                 f"{last_step}.")
     config = state.config
-    if not config.checkpoint_dir:
+    if not state.plan.checkpoint_dir:
         return (f"No good checkpoint exists, so the model holds {last_step}; set `checkpoint_dir` to get "
                 "the last good weights back.")
     due = (f"every {config.checkpoint_every} steps" if config.checkpoint_every
@@ -151,8 +151,8 @@ def _good_checkpoints(state) -> list[str]:
     from gpunb.runtime.state.checkpoint_files import run_checkpoints, run_directory
 
     found = [state.checkpoint_path] if state.checkpoint_path else []
-    if state.checkpoint_run is not None and state.config.checkpoint_dir:
-        own = run_directory(state.config.checkpoint_dir, state.checkpoint_run)
+    if state.checkpoint_run is not None and state.plan.checkpoint_dir:
+        own = run_directory(state.plan.checkpoint_dir, state.checkpoint_run)
         found += [str(p) for p in reversed(run_checkpoints(own))] if own.is_dir() else []
     if state.resumed:
         found.append(state.resumed["path"])

@@ -43,35 +43,35 @@ def find_checkpoint(resume, checkpoint_dir) -> Path:
     return path
 
 
-def refuse_live_pick(config, path: Path) -> None:
+def refuse_live_pick(plan, path: Path) -> None:
     """Before anything loads: a checkpoint that `resume="last"`/`"best"` picked in a live run's
     directory is refused, naming that run (a path given on purpose starts a new directory)."""
-    if config.resume not in (True, "last", "best") or not config.checkpoint_dir:
+    if plan.resume not in (True, "last", "best") or not plan.checkpoint_dir:
         return
     lock, live = _try_lock(path.parent, None)
     if lock is not None:
         lock.release()  # free: claim() takes it again once everything has loaded
     if live is not None:
-        raise _live_run_error(config.resume, path, live)
+        raise _live_run_error(plan.resume, path, live)
 
 
-def claim(config, state, path: Path, payload: dict) -> tuple[RunLock | None, dict]:
+def claim(plan, state, path: Path, payload: dict) -> tuple[RunLock | None, dict]:
     """Decide where the run resumed from `path` writes (rank 0). Returns the lock on the
     directory it goes on in (None for a new directory, locked at its first save) and the notes
     for `result.resumed_from`: `directory`, `origin` and, for a new directory, `note`."""
     source = path.parent
     lock, live = _try_lock(source, state.run_name)
     later = ckpt.later_checkpoints(source, payload["step"])
-    if lock is not None and not later and _own_run_directory(config, source):
+    if lock is not None and not later and _own_run_directory(plan, source):
         state.checkpoint_run = ckpt.run_id_of(source)
         return lock, {"directory": str(source), "origin": payload.get("origin")}
     if lock is not None:
         lock.release()
     state.checkpoint_run = ckpt.new_run_id()
-    directory = ckpt.run_directory(config.checkpoint_dir, state.checkpoint_run)
+    directory = ckpt.run_directory(plan.checkpoint_dir, state.checkpoint_run)
     origin = {"run": payload.get("run_id") or ckpt.run_id_of(source), "path": str(path), "step": payload["step"]}
     return None, {"directory": str(directory), "origin": origin,
-                  "note": _why_new(config, source, directory, payload["step"], later, live)}
+                  "note": _why_new(plan, source, directory, payload["step"], later, live)}
 
 
 def _try_lock(directory: Path, run_name: str | None) -> tuple[RunLock | None, dict | None]:
@@ -85,13 +85,13 @@ def _try_lock(directory: Path, run_name: str | None) -> tuple[RunLock | None, di
     return (lock, None) if lock is not None else (None, owner_of(directory))
 
 
-def _own_run_directory(config, directory: Path) -> bool:
+def _own_run_directory(plan, directory: Path) -> bool:
     """Whether `directory` is a run directory of this run's checkpoint_dir."""
-    inside = Path(config.checkpoint_dir) / directory.name
+    inside = Path(plan.checkpoint_dir) / directory.name
     return inside.exists() and inside.resolve() == directory.resolve()
 
 
-def _why_new(config, source: Path, directory: Path, step: int, later: list[Path], live: dict | None) -> str:
+def _why_new(plan, source: Path, directory: Path, step: int, later: list[Path], live: dict | None) -> str:
     new = f"this run writes its checkpoints into a new directory, {directory.name}"
     if live is not None:
         who = describe(live)
@@ -99,8 +99,8 @@ def _why_new(config, source: Path, directory: Path, step: int, later: list[Path]
     if later:
         return (f"{source.name} holds {len(later)} checkpoint(s) saved after step {step} (up to "
                 f"{later[-1].name}); they are kept, and {new}, which records where it came from.")
-    if not _own_run_directory(config, source):
-        return f"{source} is not a run directory of checkpoint_dir={str(config.checkpoint_dir)!r}: {new}."
+    if not _own_run_directory(plan, source):
+        return f"{source} is not a run directory of checkpoint_dir={str(plan.checkpoint_dir)!r}: {new}."
     return f"{source.name} cannot be written: {new}."
 
 
