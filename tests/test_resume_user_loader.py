@@ -138,3 +138,15 @@ def test_stateful_dataloader_resumes_through_its_own_state(stop, tmp_path):
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
     assert_resume_is_exact(lambda: stateful.StatefulDataLoader(TensorDataset(*tensors()), batch_size=8,
                                                                 shuffle=True), tmp_path, stop=stop)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["shuffled", "stateful"])
+def test_on_a_gpu_the_prefetcher_reading_ahead_does_not_move_the_resume_point(kind, tmp_path):
+    """On CUDA the feed reads a batch ahead of the step: the checkpoint still resumes at the step's."""
+    if kind == "stateful":
+        stateful = pytest.importorskip("torchdata.stateful_dataloader")
+        make = lambda: stateful.StatefulDataLoader(TensorDataset(*tensors()), batch_size=8, shuffle=True)  # noqa: E731
+    else:
+        make = shuffled
+    assert_resume_is_exact(make, tmp_path, accelerator="cuda", precision="32", compile=False)
