@@ -390,3 +390,29 @@ class SlowLoss(nn.CrossEntropyLoss):
     def forward(self, output, target):
         time.sleep(0.05)
         return super().forward(output, target)
+
+
+def dropout_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3))
+
+
+def users_loader():
+    """The user's own shuffled DataLoader: its order drawn from torch's RNG when each epoch begins."""
+    from torch.utils.data import DataLoader, TensorDataset
+    return DataLoader(TensorDataset(*data()), batch_size=16, shuffle=True)
+
+
+def test_a_job_preempted_mid_epoch_resumes_a_users_dataloader_exactly(tmp_path):
+    """8 batches an epoch: preempted at the 12th forward (2 are the checks'), mid-way through the
+    second epoch, whose order and Dropout masks the requeued job draws as the kernel's run does."""
+    model = dropout_mlp()
+    hook = model.register_forward_pre_hook(PreemptOnce(12, tmp_path / "preempted"))
+    result = Trainer(**SETTINGS, cluster="local", max_steps=40, name="preempted-loader").fit(
+        model, users_loader(), loss_fn=nn.CrossEntropyLoss())
+    hook.remove()
+    assert result.status == "completed" and result.steps == 40
+    assert result.resumed_from is not None and result.resumed_from["step"] % 8 != 0  # mid-epoch
+    straight = dropout_mlp()
+    Trainer(**SETTINGS, max_steps=40, track=False).fit(straight, users_loader(), loss_fn=nn.CrossEntropyLoss())
+    assert weights_equal(model, straight)

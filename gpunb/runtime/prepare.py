@@ -16,7 +16,9 @@ from torch.utils.data import DataLoader
 from gpunb.config import TrainConfig
 from gpunb.runtime.eta import EtaClock
 from gpunb.runtime.events import Callbacks
+from gpunb.runtime.feed.epoch_start import warn_unresumable
 from gpunb.runtime.feed.feeds import build_feed, with_batch_size
+from gpunb.runtime.memory.blocks import checkpoint_every_block
 from gpunb.runtime.memory.measures import MemoryFallback, apply_plan, plan_run, run_strategy
 from gpunb.runtime.placement import ALONE
 from gpunb.runtime.plan import Plan
@@ -90,7 +92,7 @@ def prepare(config, dist, model, train_data, val_data, optimizer, scheduler, obj
     plan = _plan(config, ready, choice, feed, carried, placement)
     validation.warn_unused(config, plan, val is not None, dist.rank)
     # one forward + backward, undone; FSDP: the whole model's step may not fit on one device
-    summary = summarize(model, optimizer, objective, precision, train, device, choice.size, config,
+    summary = summarize(model, optimizer, objective, precision, train, device, plan.batch_size, config,
                         measure=not (dist.world_size > 1 and config.strategy == "fsdp"))
     # measures chosen from the summary's estimate, before the schedule binds the optimizer
     memory, optimizer = _memory_plan(summary, model, optimizer, objective, precision, config, dist, device,
@@ -100,11 +102,13 @@ def prepare(config, dist, model, train_data, val_data, optimizer, scheduler, obj
     # a continued fit goes on under the name of the fit it continues; the class: before FSDP renames it
     run_name = config.name or (carried.run_name if carried is not None else None) or type(model).__name__
     summary.run = run_name  # the summary and the result name the run alike
-    train_model, teardown.unwrap = wrap_model(model, config, dist, device)  # undone whatever happens next
+    checkpointing = checkpoint_every_block if config.activation_checkpointing else None
+    train_model, teardown.unwrap = wrap_model(model, config, dist, device, checkpointing)  # undone whatever happens
     dist.adopt_shards(optimizer)  # FSDP replaced the parameters with sharded ones
     ema = _weight_ema(model, config, carried)
     state = state_type(module=model, optimizer=optimizer, schedule=schedule, ema=ema, precision=precision,
                        best=BestCheckpoints(monitor, config.save_top_k) if monitor is not None else None,
+                       data_start=getattr(feed, "start", None),
                        run_name=run_name, config=config, plan=plan, model=train_model, device=device,
                        batches_per_epoch=feed.num_batches, steps_per_epoch=plan.steps_per_epoch,
                        total_steps=plan.total_steps, summary=summary.as_plain(),  # plain: ranks send it on
@@ -207,6 +211,8 @@ def _feeds(train, val, batch_size, device, config, dist):
     val_feed = (build_feed(val, batch_size=batch_size, device=device, config=config,
                            rank=dist.rank, world_size=dist.world_size, train=False)
                 if val is not None else None)
+    if getattr(feed, "start", None) is not None and (config.checkpoint_dir or config.resume) and dist.rank == 0:
+        warn_unresumable(feed.loader)  # before training: a stop mid-epoch would not resume exactly
     return feed, val_feed
 
 

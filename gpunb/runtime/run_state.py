@@ -76,6 +76,9 @@ class RunState:
     precision: Any = field(default=None, metadata=_OBJECT)  # runtime.precision.Precision: the loss scaler
     # runtime.best.BestCheckpoints (save_top_k) or None; not continued (see CONTINUE_SKIPS)
     best: Any = field(default=None, metadata=_OBJECT)
+    # feed.epoch_start.EpochStart: the RNG states a user's own DataLoader began its epoch from (None: data
+    # gpunb batches itself, whose order depends on the seed and epoch alone)
+    data_start: Any = field(default=None, metadata=_OBJECT)
     # --- where the run is
     epoch: int = own(0, relayed=True)  # 0-based epoch in progress
     batch_in_epoch: int = own(0, relayed=True)  # micro-batches consumed in the current epoch

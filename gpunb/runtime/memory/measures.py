@@ -11,6 +11,7 @@ that smaller micro-batches cannot fix: the next measure that can still be taken 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import warnings
@@ -71,7 +72,29 @@ def plan_run(summary, model, optimizer, objective, precision, config, dist, devi
                                     (config.strategy == "auto" and _why_not_sharded(config) is None)):
             sharded = _sharded(footprint, budget, unavailable, kept)  # the switch is the user's: the message names it
         raise does_not_fit(plan, footprint, sharded)
-    return split_micro_batch(plan, summary.batch_size)  # over by the activations alone: smaller micro-batches
+    # over by the activations alone: smaller micro-batches
+    return said_full_states(split_micro_batch(plan, summary.batch_size), model)
+
+
+def full_state_params(model) -> list:
+    """The trainable parameters whose states stay 32-bit under 8-bit states: embeddings (a tied LM
+    head is the same tensor), whose rare rows' 8-bit states blur the few updates they get, as
+    bitsandbytes and torchao advise. Tensors too small for torchao's blocks stay 32-bit by its own rule."""
+    kept = {}
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.weight.requires_grad:
+            kept.setdefault(id(module.weight), module.weight)
+    return list(kept.values())
+
+
+def said_full_states(plan: Plan, model) -> Plan:
+    """The plan's 8-bit states say which parameters keep 32-bit ones."""
+    kept = sum(p.numel() for p in full_state_params(model))
+    if not plan.has("states_8bit") or not kept:
+        return plan
+    measures = tuple(dataclasses.replace(m, text=f"{m.text} except embeddings ({kept:,} params, 32-bit)")
+                     if m.name == "states_8bit" else m for m in plan.measures)
+    return dataclasses.replace(plan, measures=measures)
 
 
 def may_shard(config, world_size: int, unavailable: dict) -> bool:
@@ -274,7 +297,7 @@ def apply_plan(plan: Plan, model, optimizer, objective):
         undo.append(checkpoint_blocks(model, blocks, plan.checkpointed_blocks))
     if "chunked_loss" in names:
         undo.append(use_chunked_loss(objective))
-    optimizer = planned_optimizer(optimizer, names)
+    optimizer = planned_optimizer(optimizer, names, full_state_params(model))
     if isinstance(optimizer, OptimizerInBackward):
         undo.append(optimizer.close)
 
@@ -294,12 +317,13 @@ def use_chunked_loss(objective):
     return restore
 
 
-def planned_optimizer(optimizer, names):
-    """`optimizer` rebuilt for the plan's optimizer measures (the same groups and hyperparameters)."""
+def planned_optimizer(optimizer, names, full_states=()):
+    """`optimizer` rebuilt for the plan's optimizer measures (the same groups and hyperparameters);
+    `full_states`: parameters whose states stay 32-bit under 8-bit states."""
     lean = {"states_8bit", "states_cpu", "bf16_weights"} & set(names)
     if not lean and "optimizer_in_backward" not in names:
         return optimizer
-    make = functools.partial(_torchao_optimizer, type(optimizer).__name__, lean) if lean else \
+    make = functools.partial(_torchao_optimizer, type(optimizer).__name__, lean, full_states) if lean else \
         functools.partial(_same_kind, optimizer)
     if "optimizer_in_backward" in names:
         return OptimizerInBackward(optimizer.param_groups, make)
@@ -310,7 +334,7 @@ def _same_kind(optimizer, groups):
     return type(optimizer)([{k: v for k, v in g.items() if k != "initial_lr"} for g in groups])
 
 
-def _torchao_optimizer(kind: str, lean: set, groups):
+def _torchao_optimizer(kind: str, lean: set, full_states, groups):
     from gpunb.quiet import import_quietly
 
     optim = import_quietly("torchao.optim")  # without torchao's notices about its extensions
@@ -322,8 +346,28 @@ def _torchao_optimizer(kind: str, lean: set, groups):
         extra = rounding if inner is optim._AdamW else {}
         return optim.CPUOffloadOptimizer(groups, inner, offload_gradients=True, **extra)
     if "states_8bit" in lean:
-        return (optim.AdamW8bit if kind == "AdamW" else optim.Adam8bit)(groups, **rounding)
+        eight_bit = _with_full_states(optim.AdamW8bit if kind == "AdamW" else optim.Adam8bit)
+        return eight_bit(groups, full_states=full_states, **rounding)
     return optim._AdamW(groups, **rounding) if kind == "AdamW" else optim._Adam(groups, **rounding)
+
+
+@functools.cache
+def _with_full_states(eight_bit: type) -> type:
+    """torchao's 8-bit Adam(W) keeping 32-bit states for the parameters given as `full_states`
+    (torchao decides per tensor in `_new_buffer`: its own rule keeps small tensors 32-bit)."""
+
+    class FullStatesFor(eight_bit):
+        def __init__(self, params, *, full_states=(), **options):
+            super().__init__(params, **options)
+            self.full_states = {id(p) for p in full_states}
+
+        def _new_buffer(self, p, signed: bool):
+            if id(p) in self.full_states:
+                return torch.zeros_like(p)
+            return super()._new_buffer(p, signed)
+
+    FullStatesFor.__name__ = FullStatesFor.__qualname__ = eight_bit.__name__  # what checkpoints name
+    return FullStatesFor
 
 
 class MemoryFallback:

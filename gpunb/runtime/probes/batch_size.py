@@ -189,7 +189,7 @@ def count_flops(work) -> int | None:
     None when the counter cannot trace an op. An out-of-memory error is let through."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=_cpu_attention_formulas())
     try:
         with counter:
             work()
@@ -198,6 +198,24 @@ def count_flops(work) -> int | None:
     except Exception:  # noqa: BLE001 - a counter that cannot trace an op is not the user's error
         return None
     return counter.get_total_flops()
+
+
+def _cpu_attention_formulas() -> dict:
+    """FLOP formulas for scaled_dot_product_attention's CPU kernel, which torch's counter does not
+    know (it counts the CUDA kernels'): without them a transformer's attention counts as nothing on
+    the CPU. The CUDA kernels' formulas (grouped keys and values included; backward with the
+    recomputed scores, as the CPU kernel recomputes them too)."""
+    from torch.utils import flop_counter
+
+    def forward(query, key, value, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_flop_count(query, key, value)
+
+    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
+
+    aten = torch.ops.aten
+    return {aten._scaled_dot_product_flash_attention_for_cpu: forward,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
 
 
 def _synchronize(device) -> None:

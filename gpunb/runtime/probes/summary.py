@@ -21,9 +21,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 import torch
+from torch.utils.data import DataLoader
 
 from gpunb.runtime.feed.augmenter import apply_transforms
-from gpunb.runtime.feed.inputs import batch_size_of, first_batch, is_mapping, map_tensors
+from gpunb.runtime.feed.inputs import batch_size_of, first_batch, is_mapping, loader_batch_size, map_tensors
 from gpunb.runtime.memory.blocks import repeated_blocks
 from gpunb.runtime.probes.batch_size import count_flops
 from gpunb.runtime.probes.preflight import Untouched, small_sample
@@ -155,6 +156,8 @@ def dry_run(config, context, model, train_data, val_data=None, *, optimizer=None
     if batch_size == "auto":
         batch_size = find_batch_size(model, ready.optimizer, objective, ready.precision, train, ready.device,
                                      config).size
+    elif isinstance(train, DataLoader):  # a user's DataLoader batches by its own size, as fit's does
+        batch_size = loader_batch_size(train) or batch_size
     summary = summarize(model, ready.optimizer, objective, ready.precision, train, ready.device, batch_size, config)
     from gpunb.runtime.memory.measures import plan_run
 
