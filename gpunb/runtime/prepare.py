@@ -118,11 +118,8 @@ def prepare(config, dist, model, train_data, val_data, optimizer, scheduler, obj
     # the state's marks: a profiler asks for the step's phases by name
     state.stepper = Stepper(train_model, optimizer, objective, precision, schedule, config, state.marks,
                             getattr(train_model, "no_sync", None), ema=ema)
-    if memory is not None:  # over the budget by the activations alone: each batch in smaller pieces
-        state.stepper.splits = memory.micro_batches
-    if memory is not None and config.memory_plan:  # a real OOM the split cannot fix: the next measure
-        state.stepper.memory_fallback = MemoryFallback(memory, model, objective)
-        teardown.memory = _then(teardown.memory, state.stepper.memory_fallback.restore)
+    if memory is not None:
+        _memory_on_stepper(state.stepper, memory, model, objective, config, teardown)
     run = Run(config, plan, dist, state, Callbacks(list(user_callbacks)), model, train_model, objective,
                precision, feed, val_feed, state.stepper, best=state.best)
     _add_checkpointer_and_schedule(run, schedule)
@@ -164,6 +161,14 @@ def _strategy(plan, config, dist, memory, summary, precision):
         if precision.scaler is not None:  # built for DDP: FSDP skips a step on every rank together
             precision = Precision(precision.name, precision.device, scaler_type=dist.grad_scaler)
     return replace(plan, strategy=strategy, strategy_reason=reason), precision
+
+
+def _memory_on_stepper(stepper, memory, model, objective, config, teardown) -> None:
+    """The plan's micro-batches, and the next measure for a real OOM the split cannot fix."""
+    stepper.splits = memory.micro_batches  # over the budget by the activations alone: smaller pieces
+    if config.memory_plan:
+        stepper.memory_fallback = MemoryFallback(memory, model, objective)
+        teardown.memory = _then(teardown.memory, stepper.memory_fallback.restore)
 
 
 def _then(first, second):
