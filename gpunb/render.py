@@ -234,7 +234,9 @@ def plot_losses(r, ax=None):
 def summary_text(s) -> str:
     """Deterministic for a model, data and settings: the free memory (a machine fact) is left
     out; `summary_html` and the progress output show it."""
-    head = (f"RunSummary({s.model!r}: {s.params:,} parameters ({s.trainable_params:,} trainable, "
+    run = getattr(s, "run", "")  # older summaries have none
+    named = f"{run!r}: {s.model}, " if run and run != s.model else f"{s.model!r}: "
+    head = (f"RunSummary({named}{s.params:,} parameters ({s.trainable_params:,} trainable, "
             f"{s.frozen_params:,} frozen), batch {s.batch_size}, device={s.device}, precision={s.precision})")
     lines = [head, f"  FLOPs per sample: {flops_text(s)}", f"  memory: {memory_text(s)}"]
     if getattr(s, "strategy", ""):
@@ -272,7 +274,9 @@ def free_memory_text(s) -> str:
 
 
 def summary_html(s) -> str:
-    rows = [("model", f"{s.model}: {s.params:,} parameters ({s.trainable_params:,} trainable, "
+    run = getattr(s, "run", "")
+    rows = [("run", run)] if run and run != s.model else []
+    rows += [("model", f"{s.model}: {s.params:,} parameters ({s.trainable_params:,} trainable, "
                       f"{s.frozen_params:,} frozen)"),
             ("batch", f"{s.batch_size} on {s.device}, precision {s.precision}"),
             ("FLOPs per sample", flops_text(s)), ("memory", memory_text(s)), ("against", free_memory_text(s))]

@@ -1,9 +1,8 @@
 import base64
-import os
 import re
-import tempfile
-from pathlib import Path
+import signal
 
+import gpunb_test_env  # noqa: F401 - no real GPUNB_HOME, quiet kernels (pyproject loads it first too)
 import pytest
 import torch
 from torch import nn
@@ -15,6 +14,16 @@ def gpunb_home(tmp_path, monkeypatch):
     home = tmp_path / "gpunb-home"
     monkeypatch.setenv("GPUNB_HOME", str(home))
     return home
+
+
+@pytest.fixture(autouse=True)
+def foreground_sigint():
+    """Every test sees Ctrl-C as a foreground process does (Python's KeyboardInterrupt), also when
+    the suite was started in the background (`cmd &`, `nohup`), which starts it ignoring SIGINT.
+    A test of the background case sets SIG_IGN itself."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -56,27 +65,6 @@ def charts_in(markup: str) -> list[str]:
     """The SVG of each chart image in `markup`: stored HTML holds charts as <img> of their SVG."""
     return [base64.b64decode(data).decode()
             for data in re.findall(r"src=['\"]data:image/svg\+xml;base64,([^'\"]+)", markup)]
-
-
-# Kernels started by the tests and by nbval inherit this: never the user's real registry,
-# even when the user's shell sets GPUNB_HOME (a default would keep theirs).
-os.environ["GPUNB_HOME"] = tempfile.mkdtemp(prefix="gpunb-test-home-")
-
-# The tutorials' kernels (nbval), quiet about optional libraries' notices at import. With torchao
-# installed, building any transformers model imports it; torchao then logs a warning for each of
-# its compiled extensions that does not match this torch build, and torch logs about the enums it
-# registers; bitsandbytes logs one for an optional kernel package it lacks. Those lines depend on
-# the machine's packages, not on the tutorial, so the kernels set those loggers to ERROR through an
-# IPython startup file in a temporary IPYTHONDIR. Everything else a tutorial prints is compared.
-_QUIET_IMPORTS = """\
-import logging
-for name in ("torchao", "torch.utils._pytree", "bitsandbytes"):
-    logging.getLogger(name).setLevel(logging.ERROR)
-"""
-_ipython = Path(tempfile.mkdtemp(prefix="gpunb-test-ipython-")) / "profile_default" / "startup"
-_ipython.mkdir(parents=True)
-(_ipython / "00-quiet-imports.py").write_text(_QUIET_IMPORTS)
-os.environ["IPYTHONDIR"] = str(_ipython.parent.parent)
 
 
 def pytest_addoption(parser):

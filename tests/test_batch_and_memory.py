@@ -160,7 +160,7 @@ def test_the_probe_steps_with_fits_stepper_and_an_oom_means_does_not_fit():
     model = OOMAbove(limit=8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = classification_data(n=64)
-    probe = auto._Probe(model, optimizer, Objective(nn.CrossEntropyLoss()), Precision("fp32", torch.device("cpu")),
+    probe = auto.StepProbe(model, optimizer, Objective(nn.CrossEntropyLoss()), Precision("fp32", torch.device("cpu")),
                         (x, y), torch.device("cpu"), TrainConfig(grad_accum=4))
     assert probe.stepper.config.grad_accum == 1  # one batch is one step while probing
     assert probe.fits(8) and not probe.fits(16)  # not split into pieces that would fit

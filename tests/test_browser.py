@@ -95,6 +95,8 @@ def test_sidebar_shows_host_stats_stops_a_run_shows_it_and_removes_it(tmp_path, 
         assert detail.locator(".jp-gpunb-chart[data-metric='loss'] polyline").count() == 2  # loss, val_loss
         config = detail.locator(".jp-gpunb-config").inner_text()
         assert "max_steps" in config and "100000" in config
+        # The list stays above it, the open run marked: a new run and its Stop button stay in view.
+        assert stopped.is_visible() and "jp-mod-open" in stopped.get_attribute("class")
         page.screenshot(path=screenshots / "sidebar-run-detail.png")
         detail.locator(".jp-gpunb-back").click()
         stopped.wait_for()

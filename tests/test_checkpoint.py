@@ -131,6 +131,17 @@ def test_interrupt_mid_epoch_returns_a_result_and_a_loadable_checkpoint(tmp_path
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_a_process_that_ignores_ctrl_c_trains_on_and_goes_on_ignoring_it():
+    """A script started in the background (`python train.py &`, `nohup`) ignores SIGINT: Ctrl-C
+    was never meant to reach it, and gpunb does not make it listen."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    x, y = classification_data(n=200)
+    result = Trainer(epochs=1, batch_size=16, track=False).fit(
+        dropout_mlp(), (x, y), loss_fn=nn.CrossEntropyLoss(), callbacks=[InterruptAt(5)])
+    assert not result.interrupted and result.steps == 13 and result.stop_reason is None
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
 def test_keyboard_interrupt_inside_a_step_is_caught_not_raised():
     calls = []
 

@@ -248,3 +248,21 @@ def test_moving_slicing_and_counting_keep_a_batch_encoding():
     assert type(moved) is transformers.BatchEncoding and torch.equal(moved.input_ids, batch["input_ids"])
     first, second = split_batch(batch, 2)
     assert type(first) is transformers.BatchEncoding and torch.equal(second.labels, torch.tensor([2, 3]))
+
+
+def test_predict_on_batches_padded_each_to_its_own_length_gives_each_batchs_logits(tokenizer):
+    """DataCollatorForLanguageModeling pads each batch to its longest row: the logits of the batches
+    differ in length, so predict returns them as a list, one tensor per batch, in order."""
+    import gpunb
+
+    model = tiny_gpt2(tokenizer)
+    rows = tokenized(tokenizer, 20, seed=1).remove_columns(["label"])
+    loader = DataLoader(rows, batch_size=8, collate_fn=transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False))
+    outputs = gpunb.predict(model, loader, accelerator="cpu")
+    batches = list(loader)
+    assert isinstance(outputs["logits"], list) and len(outputs["logits"]) == len(batches) == 3
+    assert len({b["input_ids"].shape[1] for b in batches}) > 1  # the lengths do differ
+    model.eval()
+    with torch.no_grad():
+        for logits, batch in zip(outputs["logits"], batches):
+            assert torch.equal(logits, model(**batch).logits)

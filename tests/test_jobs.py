@@ -223,9 +223,14 @@ def test_submit_returns_at_once_and_attach_brings_the_weights_back():
     assert weights_equal(result.model, in_kernel(max_steps=8))
 
 
-def test_a_cancelled_job_is_reported_cancelled():
+@pytest.mark.parametrize("submitter", ["foreground", "background"])
+def test_a_cancelled_job_is_reported_cancelled(submitter):
+    """In the background (`python submit.py &`, `nohup`) the submitting process ignores SIGINT and
+    its children inherit that; the detached job's controller must still answer cancel's SIGINT."""
     from gpunb.jobs import scheduler, spec as job_spec
 
+    if submitter == "background":
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the autouse fixture puts the handler back
     submitted = Trainer(**SETTINGS, cluster="local", max_steps=1_000_000, name="cancelled").submit(
         mlp(), data(), loss_fn=nn.CrossEntropyLoss())
     spec = job_spec.load(submitted.job["folder"])
@@ -602,3 +607,29 @@ def test_a_job_cancelled_with_no_kernel_following_stays_cancelled():
     row = Registry().get_run(run_id, with_history=False)
     assert (row["status"], row["stop_reason"], row["error"]) == ("cancelled", "cancelled from gpunb.stop", None)
     assert gpunb.attach("cancel-alone").stop_reason == "cancelled from gpunb.stop"
+
+
+def dropout_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3))
+
+
+def users_loader():
+    """The user's own shuffled DataLoader: its order drawn from torch's RNG when each epoch begins."""
+    from torch.utils.data import DataLoader, TensorDataset
+    return DataLoader(TensorDataset(*data()), batch_size=16, shuffle=True)
+
+
+def test_a_job_preempted_mid_epoch_resumes_a_users_dataloader_exactly(tmp_path):
+    """8 batches an epoch: preempted at the 12th forward (2 are the checks'), mid-way through the
+    second epoch, whose order and Dropout masks the requeued job draws as the kernel's run does."""
+    model = dropout_mlp()
+    hook = model.register_forward_pre_hook(PreemptOnce(12, tmp_path / "preempted"))
+    result = Trainer(**SETTINGS, cluster="local", max_steps=40, name="preempted-loader").fit(
+        model, users_loader(), loss_fn=nn.CrossEntropyLoss())
+    hook.remove()
+    assert result.status == "completed" and result.steps == 40
+    assert result.resumed_from is not None and result.resumed_from["step"] % 8 != 0  # mid-epoch
+    straight = dropout_mlp()
+    Trainer(**SETTINGS, max_steps=40, track=False).fit(straight, users_loader(), loss_fn=nn.CrossEntropyLoss())
+    assert weights_equal(model, straight)

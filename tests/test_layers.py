@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gpunb"
 
 # Bottom to top. A module may import its own layer and the ones below it.
 LAYERS = [
-    {"config", "config_flags", "errors", "charts", "units", "render"},
+    {"config", "config_flags", "errors", "charts", "units", "render", "quiet"},
     {"telemetry", "runs"},
     {"runtime"},
     {"distributed", "profiling", "loggers"},

@@ -3,6 +3,7 @@ the plain computation, and the plan in fit (none when it fits, the user's kept, 
 and the next measure after an OOM the micro-batch split cannot fix)."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from gpunb import Trainer
 from gpunb.errors import GpunbError
 from gpunb.runtime.memory.blocks import checkpoint_blocks, repeated_blocks
 from gpunb.runtime.memory.in_backward import OptimizerInBackward
-from gpunb.runtime.memory.plan import Footprint, estimate, plan_memory
+from gpunb.runtime.memory.plan import Footprint, estimate, plan_memory, split_micro_batch
 
 MiB = 2**20
 # Hand-made parts (MiB): 100 weights + 100 gradients + 200 AdamW states + 180 activations = 580,
@@ -57,6 +58,38 @@ def test_unavailable_measures_are_left_out_and_the_users_own_kept():
     assert kept.names == ("checkpointing",) and kept.checkpointed_blocks == 10 and kept.kept == ("checkpointing",)
     assert kept.text().startswith("plan: activation checkpointing on 10 Layer blocks: ")
     assert "checkpointing" not in plan_memory(PARTS.__class__(**{**PARTS.__dict__, "blocks": 0}), 300 * MiB).names
+
+
+NONE = {m: "ruled out here" for m in ("chunked_loss", "checkpointing", "optimizer_in_backward", "states_8bit",
+                                       "states_cpu", "bf16_weights")}
+
+
+def test_a_plan_over_the_budget_by_its_activations_cuts_the_batch_into_micro_batches_and_says_so():
+    plan = plan_memory(PARTS, 500 * MiB, NONE)  # 400 fixed + 180 of activations at batch 8; 450 usable
+    assert not plan.fits and plan.fixed_after == 400 * MiB
+    split = split_micro_batch(plan, 8)  # micro-batch 3 leaves 467.5; 2 leaves 445
+    assert split.fits and (split.micro_batches, split.micro_batch, split.after) == (4, 2, 445 * MiB)
+    assert split.text() == ("plan: micro-batches of 2 (4 a step of 8, the gradients accumulated): 445.0 MiB of "
+                            "500.0 MiB; expected step time +0%")
+    assert split_micro_batch(plan_memory(PARTS, 700 * MiB, NONE), 8).micro_batches == 1  # fits as it is
+
+
+def test_a_plan_that_no_micro_batch_can_fit_says_so_plainly():
+    plan = split_micro_batch(plan_memory(PARTS, 460 * MiB, NONE), 8)  # 414 usable: 1 sample leaves 422.5
+    assert not plan.fits and plan.micro_batches == 1
+    assert "over the budget by the activations even at a micro-batch of 1 sample: it trains at micro-batch 8 " \
+           "as asked, and may run out of memory" in plan.text()
+    assert "follow" not in plan.text()
+
+
+def test_the_expected_cost_is_priced_for_the_device_and_the_measured_one_said_beside_it():
+    cpu = plan_memory(replace(PARTS, device="cpu"), 500 * MiB)
+    cuda = plan_memory(PARTS, 500 * MiB)
+    assert cuda.names == ("states_8bit",)  # +5% on a GPU: cheaper than any checkpointing
+    assert "states_8bit" not in cpu.names  # on a CPU 8-bit states cost most of a step
+    cpu.measured, cpu.measured_note = 0.5, "3 steps with and 2 x 3 without, before the first step"
+    assert cpu.text().endswith(f"expected step time +{100 * cpu.slowdown:.0f}%, measured +50% "
+                               "(3 steps with and 2 x 3 without, before the first step)")
 
 
 def test_the_plan_text_names_each_measure_and_the_expected_cost():
@@ -269,7 +302,16 @@ def test_a_run_that_fits_gets_no_measure():
     assert not any("forward" in block.__dict__ for block in model.blocks)
 
 
-def test_a_tight_budget_fuses_the_step_into_backward_with_the_same_training():
+@pytest.fixture
+def gpu_prices(monkeypatch):
+    """Measures priced as on a GPU, where the step in backward is cheaper than checkpointing 2 of
+    Net's 6 blocks (on a CPU it is the other way round)."""
+    from gpunb.runtime.memory import plan
+
+    monkeypatch.setitem(plan.SLOWDOWNS, "cpu", plan.SLOWDOWNS["cuda"])
+
+
+def test_a_tight_budget_fuses_the_step_into_backward_with_the_same_training(gpu_prices):
     plain, plain_result = fit(memory_plan=False, budget="3.9MiB")
     fused, result = fit(budget="3.9MiB")  # 4.0 MiB estimated; gradients freed as used: 3.3 MiB
     assert plain_result.memory_plan == ""
@@ -281,10 +323,48 @@ def test_a_tight_budget_fuses_the_step_into_backward_with_the_same_training():
     assert all(p.grad is not None for p in fused.parameters())
 
 
+def test_a_run_over_the_budget_by_its_activations_trains_on_the_micro_batches_its_plan_says():
+    def run(**options):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 3))  # no blocks to checkpoint
+        x, y = torch.randn(256, 64), torch.randint(0, 3, (256,))
+        return model, Trainer(max_steps=3, batch_size=64, track=False, optimizer_states="full", **options).fit(
+            model, (x, y), loss_fn=nn.CrossEntropyLoss())
+
+    plain, _ = run()
+    split, result = run(memory_budget="700KiB")  # 689.4 KiB estimated, 630 usable; at 32 samples 616.7
+    assert result.memory_plan.startswith("plan: micro-batches of 32 (2 a step of 64, the gradients accumulated): "
+                                         "616.7 KiB of 700.0 KiB; expected step time +0%, measured ")
+    assert result.micro_batch_size == 32 and result.effective_batch_size == 64 and result.oom_recoveries == 0
+    assert "(3 steps with and 2 x 3 without, before the first step)" in result.memory_plan
+    for before, after in zip(plain.parameters(), split.parameters()):  # the same steps, accumulated
+        torch.testing.assert_close(before, after)
+
+
 def test_measures_set_by_hand_are_kept_when_the_run_fits():
     pytest.importorskip("torchao")
     _, result = fit(optimizer_states="8bit", activation_checkpointing=True)
     assert "8-bit AdamW states" in result.memory_plan and "activation checkpointing on 6 Block blocks" in result.memory_plan
+
+
+class WrappedBlocks:
+    """At the fit's start: which blocks the plan wrapped in a checkpoint, and how many it planned."""
+
+    def on_fit_start(self, state):
+        self.wrapped = [i for i, block in enumerate(state.module.blocks) if "forward" in block.__dict__]
+        self.planned = state.stepper.memory_fallback.plan.checkpointed_blocks
+
+
+def test_a_plan_that_checkpoints_k_of_n_blocks_wraps_exactly_the_first_k():
+    torch.manual_seed(0)
+    model, seen = Net(), WrappedBlocks()
+    # no 8-bit states, no step in backward (clipping needs every gradient): only checkpointing is left
+    Trainer(max_steps=1, batch_size=64, track=False, memory_budget="3900KiB", optimizer_states="full",
+            clip_grad_norm=1.0).fit(model, (torch.randn(256, 64), torch.randint(0, 3, (256,))),
+                                    loss_fn=nn.CrossEntropyLoss(), callbacks=[seen])
+    assert 0 < seen.planned < len(model.blocks)  # k of n: 3 of 6 blocks
+    assert seen.wrapped == list(range(seen.planned))
+    assert not any("forward" in block.__dict__ for block in model.blocks)  # undone at the end
 
 
 def test_a_run_that_cannot_fit_stops_before_the_first_step_with_the_numbers():
@@ -455,7 +535,7 @@ def test_auto_keeps_ddp_without_a_plan_or_where_fsdp_cannot_train():
     assert run_strategy(TrainConfig(), 1, None) == (None, "")
 
 
-def test_a_run_with_the_step_in_backward_resumes_from_its_checkpoint(tmp_path):
+def test_a_run_with_the_step_in_backward_resumes_from_its_checkpoint(tmp_path, gpu_prices):
     # its checkpoints hold the state of the AdamW it stands for: a resumed run (planned or not) loads them
     _, planned = fit(budget="3.9MiB", checkpoint_dir=str(tmp_path), checkpoint_every=1)
     assert planned.memory_plan.startswith("plan: optimizer step fused into backward")

@@ -164,7 +164,7 @@ def test_a_lora_checkpoint_holds_what_trains_and_a_fingerprint_of_the_base(tmp_p
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     buffers = {name for name, _ in model.named_buffers() if name in model.state_dict()}
     assert set(payload["model"]) == trainable | buffers
-    assert payload["version"] == 2
+    assert payload["version"] == 3
     frozen = set(model.state_dict()) - trainable - buffers
     assert set(payload["frozen"]) == frozen
     name = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
@@ -214,6 +214,16 @@ def test_resuming_onto_another_base_is_refused_before_anything_loads(tmp_path):
     assert_equal_states(trainable_state(other), before)
 
 
+def test_a_lora_checkpoint_never_resumes_onto_a_base_that_differs_in_one_value(tmp_path):
+    fit(lora_llama(), epochs=1, checkpoint_dir=tmp_path)
+    other = lora_llama()
+    name = "base_model.model.model.layers.1.mlp.down_proj.weight"
+    with torch.no_grad():  # one value of 2,048, none that 16 evenly spaced samples would read
+        other.get_parameter(name)[17, 5] += 1e-4
+    with pytest.raises(GpunbError, match=f"other values in 1 of 21 frozen tensors: {name}"):
+        fit(other, epochs=2, checkpoint_dir=tmp_path, resume="last")
+
+
 def test_resuming_onto_a_base_of_another_dtype_names_the_tensors(tmp_path):
     fit(lora_llama(), epochs=1, checkpoint_dir=tmp_path)
     other = lora_llama()
@@ -246,7 +256,7 @@ def test_the_fingerprint_reads_values_not_their_layout():
     transposed_twice = weight.t().contiguous().t()  # the same values, not contiguous
     assert fingerprint({"w": weight}) == fingerprint({"w": transposed_twice})
     moved = weight.clone()
-    moved[-1, -1] += 1  # the last value is always among the sampled ones
+    moved[-1, -1] += 1
     assert fingerprint({"w": moved})["w"][2] != fingerprint({"w": weight})["w"][2]
     assert fingerprint({"w": weight.to(torch.bfloat16)})["w"][:2] == [[64, 32], "bfloat16"]
 
@@ -283,7 +293,7 @@ def test_best_checkpoints_hold_the_adapters_and_restore_best_loads_them(tmp_path
                                                                      CountingText(n=32, seed=9))
     assert result.restored_best
     best = load_checkpoint(result.best_checkpoint)
-    assert best["frozen"] is not None and best["version"] == 2
+    assert best["frozen"] is not None and best["version"] == 3
     for name, value in trainable_state(model).items():
         assert torch.equal(value, best["model"][name]), name
     assert_equal_states(frozen_state(model), base)

@@ -238,3 +238,17 @@ def test_gputrain_eval_falls_back_to_train_data_and_needs_some_data(ip, capsys):
 
     with pytest.raises(UsageError, match="needs data to evaluate on(.|\n)*HINT: define `val_data"):
         ip.run_cell_magic("gputrain", "--eval", "model = mlp()")
+
+
+
+def test_outputs_ragged_beyond_the_sample_dimension_come_back_per_batch_and_per_sample_across_ranks():
+    from gpunb.runtime.predict import Ragged, _interleave
+
+    short, long = torch.zeros(2, 3, 5), torch.ones(1, 4, 5)
+    joined = concatenate([short, long])
+    assert isinstance(joined, Ragged) and [t.shape for t in joined] == [(2, 3, 5), (1, 4, 5)]
+    # two ranks: rank 0 had samples 0 and 2 (one batch of length 3), rank 1 sample 1 (length 4)
+    rank0 = Ragged([torch.stack([torch.full((3,), 0.0), torch.full((3,), 2.0)])])
+    rank1 = Ragged([torch.full((1, 4), 1.0)])
+    whole = _interleave([rank0, rank1], 3)
+    assert [t[0].item() for t in whole] == [0, 1, 2] and [len(t) for t in whole] == [3, 4, 3]

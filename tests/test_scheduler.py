@@ -128,6 +128,28 @@ def test_a_scheduler_is_saved_and_resumed_exactly(tmp_path, interval, stop):
         assert torch.equal(a, b)
 
 
+def test_reduce_on_plateau_resumes_with_its_count_of_bad_epochs(tmp_path):
+    # mode="max" on a falling val_loss, patience 1: a reduction at epochs 2 and 4; stopped after epoch 3,
+    # the scheduler has reduced once and counted one bad epoch, which the resumed run must go on from
+    def plateau_fit(epochs, **options):
+        model = mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        plateau = ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=1)
+        result = fit(model, {"scheduler": plateau, "monitor": "val_loss"}, optimizer, val=DATA, epochs=epochs,
+                     **options)
+        return model, plateau, result
+
+    straight_model, straight_plateau, straight = plateau_fit(6)
+    _, stopped, _ = plateau_fit(4, checkpoint_dir=tmp_path)
+    assert stopped.num_bad_epochs == 1 and stopped.get_last_lr() == [0.05]
+    resumed_model, resumed_plateau, resumed = plateau_fit(6, checkpoint_dir=tmp_path, resume="last")
+    assert resumed.resumed_from["step"] == 24
+    assert {row["epoch"]: row["lr"] for row in resumed.history} == {row["epoch"]: row["lr"] for row in straight.history}
+    assert resumed_plateau.state_dict() == straight_plateau.state_dict()  # best, num_bad_epochs, last_epoch, lrs
+    for a, b in zip(straight_model.state_dict().values(), resumed_model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
 def test_gputrain_picks_up_a_scheduler_variable(ip):
     ip.run_cell_magic("gputrain", "--epochs 2 --batch-size 16 --log-every 1 --quiet --no-track", """
 model = mlp()

@@ -113,6 +113,18 @@ def test_a_forward_that_fails_is_left_to_the_first_step_and_the_summary_says_so(
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_named_runs_summary_and_result_name_the_run_alike():
+    x, y = classification_data(n=64)
+    result = Trainer(epochs=1, batch_size=16, track=False, name="digits-cnn").fit(
+        mlp(), (x, y), loss_fn=nn.CrossEntropyLoss())
+    assert repr(result).startswith("TrainResult('digits-cnn': ")
+    assert repr(result.summary).startswith("RunSummary('digits-cnn': Sequential, 451 parameters")
+    assert ">run</th><td style='text-align:left;padding:0 .8em 0 0'>digits-cnn</td>" in result.summary._repr_html_()
+    unnamed = Trainer(epochs=1, batch_size=16, track=False).fit(mlp(), (x, y), loss_fn=nn.CrossEntropyLoss())
+    assert repr(unnamed).startswith("TrainResult('Sequential': ")
+    assert repr(unnamed.summary).startswith("RunSummary('Sequential': 451 parameters")
+
+
 def test_the_text_is_deterministic_and_leaves_the_machine_out():
     summary = summary_of(nn.Linear(10, 2), classification_data(n=32, classes=2), batch_size=8)
     assert repr(summary) == (
@@ -312,3 +324,38 @@ def test_the_summary_leaves_no_hook_on_the_blocks_when_its_forward_fails(batch_s
     model = WholeBatchesOnly()
     summary_of(model, classification_data(), batch_size=batch_size)
     assert all(not block._forward_pre_hooks and not block._forward_hooks for block in model.blocks)
+
+
+def test_the_summary_shows_the_batch_of_a_users_dataloader_not_the_default():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(*classification_data(n=64)), batch_size=8, shuffle=True)
+    dry = Trainer(track=False).summary(mlp(), loader, loss_fn=nn.CrossEntropyLoss())
+    result = Trainer(max_steps=2, track=False).fit(mlp(), loader, loss_fn=nn.CrossEntropyLoss())
+    assert dry.batch_size == result.summary.batch_size == result.batch_size == 8
+    assert "batch 8" in str(dry) and "batch 8" in str(result.summary)
+
+
+class SelfAttention(nn.Module):
+    """Query, key and value projections and torch's scaled_dot_product_attention, nothing else."""
+
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads, self.qkv = heads, nn.Linear(width, 3 * width, bias=False)
+
+    def forward(self, x):
+        batch, length, width = x.shape
+        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(x.shape)
+
+
+def test_flops_count_the_attention_on_the_cpu_as_the_hand_count_says():
+    length, width, heads = 16, 32, 4
+    x, target = torch.randn(8, length, width), torch.randn(8, length, width)
+    summary = summary_of(SelfAttention(width, heads), (x, target), loss_fn=nn.MSELoss())
+    projections = 2 * length * width * 3 * width  # per sample, forward
+    attention = 2 * 2 * length * length * width  # q @ k^T and the weights @ v, every head together
+    assert summary.forward_flops == projections + attention
+    # backward: the projection's weight gradient only (the input needs none); attention's four
+    # matmuls and the scores recomputed (as torch counts its CUDA kernels' backward)
+    assert summary.train_flops == 2 * projections + attention + 5 * attention // 2

@@ -11,7 +11,9 @@ another job, or that Slurm no longer knows, is LOST, and nothing is sent to it.
 
 The local executor's controller is started in a session of its own: the kernel's
 interrupt button signals the kernel's whole process group, and a detached job must not
-hear it (its stop goes through the stop file), nor die with the kernel.
+hear it (its stop goes through the stop file), nor die with the kernel. It answers the SIGINT
+`cancel` sends it even when the kernel or script that submitted it ignores SIGINT (started in
+the background, or under `nohup`), which a child would otherwise inherit.
 """
 
 from __future__ import annotations
@@ -63,6 +65,12 @@ def executor(spec, settings: dict, timeout_min: float):
     return chosen
 
 
+# submitit's local controller (`python -m submitit.local._local FOLDER`), answering SIGINT as Python
+# does by default: it ends its tasks when `cancel` signals it
+_CONTROLLER = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+               "runpy.run_module('submitit.local._local', run_name='__main__')")
+
+
 def _DetachedLocalExecutor(folder, python=None):
     from submitit.local import local
 
@@ -80,7 +88,7 @@ def _DetachedLocalExecutor(folder, python=None):
                                SUBMITIT_LOCAL_WITH_SHELL="")
             if gpus:
                 environment["CUDA_VISIBLE_DEVICES"] = ",".join(str(k) for k in range(gpus))
-            process = subprocess.Popen([sys.executable, "-m", "submitit.local._local", str(self.folder)],
+            process = subprocess.Popen([sys.executable, "-c", _CONTROLLER, str(self.folder)],
                                        env=environment, start_new_session=True)
             return local.LocalJob(folder=self.folder, job_id=str(process.pid), process=process,
                                   tasks=list(range(tasks)))

@@ -10,12 +10,12 @@ and `merge_adapters=True` on a model that has no adapters to merge. At the end,
 
 from __future__ import annotations
 
-import importlib
 import warnings
 
 import torch
 
 from gpunb.errors import GpunbError
+from gpunb.quiet import import_quietly
 
 # bitsandbytes' layer and parameter classes that hold quantized weights
 _QUANTIZED = ("Linear4bit", "Linear8bitLt", "Params4bit", "Int8Params")
@@ -47,7 +47,7 @@ def check_adapters(model: torch.nn.Module, config) -> None:
 def _check_bitsandbytes(layers: dict[str, int]) -> None:
     listed = ", ".join(f"{count} {name}" for name, count in layers.items())
     try:
-        importlib.import_module("bitsandbytes")
+        import_quietly("bitsandbytes")  # without its notice about optional kernel packages
     except Exception as error:  # not installed, or installed without a backend for this machine
         raise GpunbError(f"The model has weights quantized by bitsandbytes ({listed}), and the bitsandbytes "
                          f"package cannot be imported here ({type(error).__name__}: {error}), so its "

@@ -40,6 +40,14 @@ def select_device(accelerator: str = "auto", local_rank: int = 0) -> torch.devic
     return torch.device("cpu")
 
 
+def out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is torch running out of memory: CUDA's OutOfMemoryError, or a failed host
+    allocation, which torch raises as a plain RuntimeError from its CPU allocator."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(error)
+
+
 def mps_available() -> bool:
     backend = getattr(torch.backends, "mps", None)
     return bool(backend and backend.is_available())

@@ -2,6 +2,9 @@
 
 A first SIGINT only sets the flag, so the step in progress finishes and the weights
 stay consistent; a second one raises KeyboardInterrupt at once, as usual.
+
+A process that ignores SIGINT (started in the background by a shell, or under `nohup`)
+goes on ignoring it: Ctrl-C was never meant to reach it, and the flag stays down.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ class InterruptFlag:
         self._previous = None
 
     def __enter__(self) -> "InterruptFlag":
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
 

@@ -7,6 +7,8 @@ device and is read once per `log_every` steps: the loop has no other host syncs.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from gpunb.config import TrainConfig
@@ -99,6 +101,12 @@ def _train_epoch(run: Run, epoch: int, skip: int, timer, interrupt) -> bool:
     logged_before = len(state.history)
     while logged_before and state.history[logged_before - 1].get("epoch") == epoch:
         logged_before -= 1  # a resumed epoch: its rows from before the stop count too
+    if _finished(state):  # resumed at the run's last step: no step is left, at most that epoch's end
+        if skip and not (state.epochs and state.epochs[-1]["epoch"] == epoch):  # saved before its end
+            with warnings.catch_warnings():  # the optimizer stepped in the run that saved the checkpoint
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler", UserWarning)
+                _end_epoch(run, state.history[logged_before:], timer)
+        return False
     run.train_model.train()
     remaining = None if run.feed.num_batches is None else run.feed.num_batches - skip
     # Per step, only host bookkeeping beside what a plain loop does (kept to a few

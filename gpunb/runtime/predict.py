@@ -41,6 +41,11 @@ def predict(model, data, *, batch_size: int = DEFAULT_BATCH, precision: str = "a
     fed to the model), a Dataset, a DataLoader, or dict batches (`model(**batch)`). Outputs
     that are tensors come back as one tensor; tuples and dicts of tensors as a tuple or dict
     of concatenated tensors (0-d tensors, one per batch, are stacked).
+
+    Outputs whose batches differ in a dimension other than the first (a causal LM's logits
+    when the collator pads each batch to its own length) are not padded: they come back as a
+    list of the per-batch tensors, in order (under a process group, one tensor per sample, each
+    as long as its batch).
     """
     __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
     job = _Job(model, data, _config(batch_size, precision, devices, accelerator, num_workers,
@@ -190,7 +195,11 @@ def concatenate(outputs: list):
         return []
     first = outputs[0]
     if isinstance(first, torch.Tensor):
-        return torch.stack(outputs) if first.ndim == 0 else torch.cat(outputs)
+        if first.ndim == 0:
+            return torch.stack(outputs)
+        if any(o.shape[1:] != first.shape[1:] for o in outputs):  # batches padded each to its own length
+            return Ragged(outputs)
+        return torch.cat(outputs)
     if is_mapping(first):
         return {key: concatenate([o[key] for o in outputs]) for key in first}
     if isinstance(first, (list, tuple)):
@@ -198,9 +207,21 @@ def concatenate(outputs: list):
     return list(outputs)  # anything else: one item per batch
 
 
+class Ragged(list):
+    """Per-batch output tensors that differ beyond the sample dimension, in order."""
+
+
 def _interleave(parts: list, n: int):
     """Rank r's outputs are samples r, r + world, ...: put them back in the data's order."""
     first = parts[0]
+    if isinstance(first, Ragged):  # one tensor per sample, each its batch's length
+        samples = [[row for batch in part for row in batch] for part in parts]
+        if sum(len(s) for s in samples) == n:
+            whole = [None] * n
+            for rank, rows in enumerate(samples):
+                whole[rank::len(parts)] = rows
+            return whole
+        return parts
     if isinstance(first, torch.Tensor):
         if first.ndim == 0 or sum(len(p) for p in parts) != n:
             return parts  # one value per rank (or per batch): nothing to put in sample order

@@ -16,13 +16,16 @@ from torch.utils.data import DataLoader
 from gpunb.config import TrainConfig
 from gpunb.runtime.eta import EtaClock
 from gpunb.runtime.events import Callbacks
+from gpunb.runtime.feed.epoch_start import warn_unresumable
 from gpunb.runtime.feed.feeds import build_feed, with_batch_size
+from gpunb.runtime.memory.blocks import checkpoint_every_block
 from gpunb.runtime.memory.measures import MemoryFallback, apply_plan, plan_run, run_strategy
 from gpunb.runtime.placement import ALONE
 from gpunb.runtime.plan import Plan
 from gpunb.runtime.plan import length as plan_length
 from gpunb.runtime.probes.batch_size import BatchChoice, find_batch_size
 from gpunb.runtime.probes.peak_flops import device_peak_tflops
+from gpunb.runtime.probes.plan_cost import measure_plan_cost
 from gpunb.runtime.probes.preflight import preflight
 from gpunb.runtime.probes.summary import summarize
 from gpunb.runtime.run_state import RunState
@@ -31,7 +34,6 @@ from gpunb.runtime.state import continuing
 from gpunb.runtime.state.best_k import BestCheckpoints
 from gpunb.runtime.state.checkpointer import Checkpointer, resume
 from gpunb.runtime.state.nan_guard import StepLosses
-from gpunb.runtime.state.resume_target import find_checkpoint
 from gpunb.runtime.step.compiling import Compilation
 from gpunb.runtime.step.ema import WeightEma
 from gpunb.runtime.step.objective import Objective
@@ -90,20 +92,23 @@ def prepare(config, dist, model, train_data, val_data, optimizer, scheduler, obj
     plan = _plan(config, ready, choice, feed, carried, placement)
     validation.warn_unused(config, plan, val is not None, dist.rank)
     # one forward + backward, undone; FSDP: the whole model's step may not fit on one device
-    summary = summarize(model, optimizer, objective, precision, train, device, choice.size, config,
+    summary = summarize(model, optimizer, objective, precision, train, device, plan.batch_size, config,
                         measure=not (dist.world_size > 1 and config.strategy == "fsdp"))
     # measures chosen from the summary's estimate, before the schedule binds the optimizer
     memory, optimizer = _memory_plan(summary, model, optimizer, objective, precision, config, dist, device,
-                                     scheduler, teardown, continuing=carried is not None or bool(plan.resume))
+                                     scheduler, teardown, train, continuing=carried is not None or bool(plan.resume))
     plan, precision = _strategy(plan, config, dist, memory, summary, precision)  # before anything wraps the model
     schedule = _schedule(scheduler, optimizer, config, plan.total_steps, val_names, carried)
     # a continued fit goes on under the name of the fit it continues; the class: before FSDP renames it
     run_name = config.name or (carried.run_name if carried is not None else None) or type(model).__name__
-    train_model, teardown.unwrap = wrap_model(model, config, dist, device)  # undone whatever happens next
+    summary.run = run_name  # the summary and the result name the run alike
+    checkpointing = checkpoint_every_block if config.activation_checkpointing else None
+    train_model, teardown.unwrap = wrap_model(model, config, dist, device, checkpointing)  # undone whatever happens
     dist.adopt_shards(optimizer)  # FSDP replaced the parameters with sharded ones
     ema = _weight_ema(model, config, carried)
     state = state_type(module=model, optimizer=optimizer, schedule=schedule, ema=ema, precision=precision,
                        best=BestCheckpoints(monitor, config.save_top_k) if monitor is not None else None,
+                       data_start=getattr(feed, "start", None),
                        run_name=run_name, config=config, plan=plan, model=train_model, device=device,
                        batches_per_epoch=feed.num_batches, steps_per_epoch=plan.steps_per_epoch,
                        total_steps=plan.total_steps, summary=summary.as_plain(),  # plain: ranks send it on
@@ -113,9 +118,8 @@ def prepare(config, dist, model, train_data, val_data, optimizer, scheduler, obj
     # the state's marks: a profiler asks for the step's phases by name
     state.stepper = Stepper(train_model, optimizer, objective, precision, schedule, config, state.marks,
                             getattr(train_model, "no_sync", None), ema=ema)
-    if memory is not None and config.memory_plan:  # a real OOM the split cannot fix: the next measure
-        state.stepper.memory_fallback = MemoryFallback(memory, model, objective)
-        teardown.memory = _then(teardown.memory, state.stepper.memory_fallback.restore)
+    if memory is not None:
+        _memory_on_stepper(state.stepper, memory, model, objective, config, teardown)
     run = Run(config, plan, dist, state, Callbacks(list(user_callbacks)), model, train_model, objective,
                precision, feed, val_feed, state.stepper, best=state.best)
     _add_checkpointer_and_schedule(run, schedule)
@@ -124,19 +128,22 @@ def prepare(config, dist, model, train_data, val_data, optimizer, scheduler, obj
         run.continued = carried
         continuing.restore(run, carried)
     if plan.resume:
-        resume(run, find_checkpoint(plan.resume, plan.checkpoint_dir))
+        resume(run)
     state.start_step, state.start_samples = state.step, state.samples_seen  # a resumed or continued fit counts on
     run.samples_at_log = state.samples_seen  # the first interval's samples/s counts from here
     return run
 
 
 def _memory_plan(summary, model, optimizer, objective, precision, config, dist, device, scheduler, teardown,
-                 continuing: bool):
-    """The memory plan (None: none made) and the optimizer to train with; its measures in place,
-    undone by the teardown, and said in the summary."""
+                 data, continuing: bool):
+    """The memory plan (None: none made) and the optimizer to train with; what it costs measured
+    on `data`'s first batch (before anything is in place, which the measuring would disturb), its
+    measures in place, undone by the teardown, and said in the summary."""
     memory = plan_run(summary, model, optimizer, objective, precision, config, dist, device, scheduler=scheduler,
                       continuing=continuing)
-    if memory is not None and memory.measures:
+    if memory is not None and memory.acts:
+        measure_plan_cost(memory, summary, model, optimizer, objective, precision, data, device, config,
+                          dist.world_size)
         optimizer, teardown.memory = apply_plan(memory, model, optimizer, objective)
         summary.plan = memory.text()
     return memory, optimizer
@@ -154,6 +161,14 @@ def _strategy(plan, config, dist, memory, summary, precision):
         if precision.scaler is not None:  # built for DDP: FSDP skips a step on every rank together
             precision = Precision(precision.name, precision.device, scaler_type=dist.grad_scaler)
     return replace(plan, strategy=strategy, strategy_reason=reason), precision
+
+
+def _memory_on_stepper(stepper, memory, model, objective, config, teardown) -> None:
+    """The plan's micro-batches, and the next measure for a real OOM the split cannot fix."""
+    stepper.splits = memory.micro_batches  # over the budget by the activations alone: smaller pieces
+    if config.memory_plan:
+        stepper.memory_fallback = MemoryFallback(memory, model, objective)
+        teardown.memory = _then(teardown.memory, stepper.memory_fallback.restore)
 
 
 def _then(first, second):
@@ -201,6 +216,8 @@ def _feeds(train, val, batch_size, device, config, dist):
     val_feed = (build_feed(val, batch_size=batch_size, device=device, config=config,
                            rank=dist.rank, world_size=dist.world_size, train=False)
                 if val is not None else None)
+    if getattr(feed, "start", None) is not None and (config.checkpoint_dir or config.resume) and dist.rank == 0:
+        warn_unresumable(feed.loader)  # before training: a stop mid-epoch would not resume exactly
     return feed, val_feed
 
 

@@ -76,6 +76,9 @@ class RunState:
     precision: Any = field(default=None, metadata=_OBJECT)  # runtime.precision.Precision: the loss scaler
     # runtime.best.BestCheckpoints (save_top_k) or None; not continued (see CONTINUE_SKIPS)
     best: Any = field(default=None, metadata=_OBJECT)
+    # feed.epoch_start.EpochStart: the RNG states a user's own DataLoader began its epoch from (None: data
+    # gpunb batches itself, whose order depends on the seed and epoch alone)
+    data_start: Any = field(default=None, metadata=_OBJECT)
     # --- where the run is
     epoch: int = own(0, relayed=True)  # 0-based epoch in progress
     batch_in_epoch: int = own(0, relayed=True)  # micro-batches consumed in the current epoch
@@ -108,6 +111,8 @@ class RunState:
     val_names: tuple | None = moment(relayed=True)  # the metrics validation produces (None: no validation data)
     checkpoint_path: str | None = moment(relayed=True)  # the newest checkpoint this run wrote
     checkpoint_run: str | None = moment()  # the id of the run directory checkpoints go to
+    # the frozen weights' fingerprint (trainable.py), computed once a fit: they never change in one
+    frozen_fingerprint: dict | None = moment()
     registry_run: str | None = moment()  # this fit's id in the run registry (set by its recorder, runs/)
     continues_run: str | None = moment()  # a continued fit: the run registry's id of the run it goes on with
     resumed: dict | None = moment(relayed=True)  # what the run resumed from: path, run, run_name, step, ...
@@ -191,7 +196,9 @@ class RunState:
         elif self.module is not None:
             model = self.module.state_dict()
         if model is not None and getattr(dist, "strategy", None) != "fsdp":  # FSDP's sharded state stays whole
-            model, frozen = trainable.split_state(self.module, model)  # frozen weights: their fingerprint only
+            # frozen weights: their fingerprint only
+            model, frozen = trainable.split_state(self.module, model, self.frozen_fingerprint)
+            self.frozen_fingerprint = frozen
         schedule, ema = self.schedule, self.ema
         return {"model": model, "optimizer": optimizer,
                 "frozen": frozen,  # None: `model` is the whole state; else the fingerprint of what it leaves out
@@ -210,8 +217,11 @@ class RunState:
                 setattr(self, f.name, _loaded(getattr(self, f.name), saved[f.name]))
         self._load_objects(saved, dist, where)
         self.epoch, self.batch_in_epoch = saved["epoch"], saved["batch_in_epoch"]
-        # A stop mid-epoch wrote that epoch's partial row; the resumed epoch writes the whole one.
-        self.epochs[:] = [row for row in saved["epochs"] if row["epoch"] < saved["epoch"]]
+        # A stop mid-epoch wrote that epoch's partial row; the resumed epoch writes the whole one. A
+        # run resumed at its last step keeps the row of an epoch that max_steps ended there: that
+        # epoch's end was done (the loop does it only when the checkpoint came before it).
+        over = self.total_steps is not None and saved["step"] >= self.total_steps
+        self.epochs[:] = [row for row in saved["epochs"] if row["epoch"] < saved["epoch"] or over]
         if self.stepper is not None:
             self.stepper.splits = saved["splits"]
         devices.set_rng_state(saved["rng"], self.device or _CPU)

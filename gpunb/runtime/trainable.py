@@ -13,10 +13,11 @@ exact resume needs them. Tensors a layer saves beside its weights that are neith
 parameters nor buffers (a bitsandbytes layer's quantization scales) belong to the frozen
 weight they describe.
 
-The digest samples values instead of reading every byte: computing it for a 7B base
-costs a few hundred small copies, not a pass over 14 GB, and two different pretrained
-(or fine-tuned) bases differ in nearly every value, so 16 evenly spaced ones tell them
-apart. The values are compared exactly, so the fingerprint is the same on any device.
+The digest reads every value, so a base that differs in one row, or in one value, is told
+apart: it is computed once a fit (the frozen weights never change in one), on the device
+where the weights live, in exact integer arithmetic (the same digest on every device), and
+never copies the weights to the host (see _digest). Checkpoints written before it hold a
+digest of 16 sampled values, which is still compared, as it was.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import hashlib
 
 import torch
 
-_SAMPLES = 16  # values per frozen tensor in its digest
 _LISTED = 8  # tensors named per kind of difference
 
 
@@ -56,13 +56,22 @@ def frozen_keys(model: torch.nn.Module) -> list[str]:
     return frozen
 
 
-def split_state(model: torch.nn.Module, state: dict) -> tuple[dict, dict | None]:
+def split_state(model: torch.nn.Module, state: dict, known: dict | None = None) -> tuple[dict, dict | None]:
     """(what trains, the fingerprint of the rest) of `state`, the model's state_dict; a model
-    without frozen parameters: (`state` whole, None)."""
+    without frozen parameters: (`state` whole, None). `known`: the fingerprint of the model's
+    frozen tensors, already computed in this fit (frozen_fingerprint)."""
     kept = trainable_part(model, state)
     if kept is state:
         return state, None
+    if known is not None:
+        return kept, known
     return kept, fingerprint({name: value for name, value in state.items() if name not in kept})
+
+
+def frozen_fingerprint(model: torch.nn.Module) -> dict:
+    """The fingerprint of `model`'s frozen tensors, as split_state writes it into a checkpoint."""
+    state = model.state_dict()
+    return fingerprint({name: state[name] for name in frozen_keys(model)})
 
 
 def trainable_part(model: torch.nn.Module, state: dict) -> dict:
@@ -75,11 +84,86 @@ def trainable_part(model: torch.nn.Module, state: dict) -> dict:
 
 def fingerprint(tensors: dict) -> dict:
     """{name: [shape, dtype, digest]}: plain lists and strings (a weights_only load reads them)."""
-    return {name: [list(t.shape), str(t.dtype).removeprefix("torch."), _digest(t)] for name, t in tensors.items()}
+    tables = {}  # per device: the powers _digest multiplies by, made once per call
+    return {name: [list(t.shape), str(t.dtype).removeprefix("torch."), _digest(t, tables)]
+            for name, t in tensors.items()}
 
 
-def _digest(tensor: torch.Tensor) -> str:
-    """A digest of up to _SAMPLES evenly spaced values of `tensor` (its bytes, exactly)."""
+# The digest of a tensor: two polynomial hashes of all its bytes, read as 16-bit words (8-bit
+# ones when their count is odd), each  sum_j word_j * base**j  modulo a prime below 2**31. Two
+# words differ by less than either prime, so tensors that differ in one value never share a
+# digest; others do by chance about once in 2**62. The products are summed in rows of _ROW
+# words, whose sums stay below 2**62 (a word below 2**15 in size, a power below 2**31), so
+# int64 is exact; a chunk of _CHUNK words at a time bounds the temporaries (~96 MiB a chunk).
+_SCHEME = "all:"  # digests of every value; older checkpoints hold SAMPLES sampled values without it
+_PRIMES = (2_147_483_647, 2_147_483_629)
+_BASES = (1_000_003, 911_382_323)
+_ROW = 1 << 16
+_CHUNK = 1 << 22
+SAMPLES = 16  # values per frozen tensor in an older checkpoint's digest
+
+
+def _digest(tensor: torch.Tensor, tables: dict) -> str:
+    """The digest of every value of `tensor`, on its device; the host receives two numbers a chunk."""
+    tensor = tensor.detach()
+    if tensor.is_meta:
+        return "meta"
+    if tensor.numel() == 0:
+        return "empty"
+    words = _words(tensor)
+    if words.device not in tables:
+        tables[words.device] = _powers(words.device)
+    columns, rows = tables[words.device]
+    chunks = torch.stack([_chunk_digest(words[start:start + _CHUNK], columns, rows)
+                          for start in range(0, words.numel(), _CHUNK)]).tolist()
+    digest = ""
+    for k, (prime, base) in enumerate(zip(_PRIMES, _BASES)):
+        step, total = pow(base, _CHUNK, prime), 0
+        for value in reversed(chunks):  # Horner: chunk c counts base ** (c * _CHUNK) times
+            total = (total * step + value[k]) % prime
+        digest += f"{total:08x}"
+    return _SCHEME + digest
+
+
+def _words(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as one row of 16-bit words (8-bit for an odd count), on its device."""
+    if tensor.is_quantized:
+        tensor = tensor.int_repr()
+    flat = tensor.contiguous().view(-1)  # a copy (on the device) only when the tensor is not contiguous
+    raw = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+    if raw.numel() % 2:
+        return raw
+    try:
+        return raw.view(torch.int16)
+    except RuntimeError:  # bytes that start at an odd address: the same words from an aligned copy
+        return raw.clone().view(torch.int16)
+
+
+def _chunk_digest(words: torch.Tensor, columns: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """(2,) int64: for each prime, sum_j words[j] * base**j over the chunk, modulo the prime."""
+    count = words.numel()
+    width = min(count, _ROW)  # a small tensor is one short row
+    padded = torch.zeros(-(-count // width) * width, dtype=torch.int64, device=words.device)
+    padded[:count] = words  # zeros add nothing; the tensor's shape is in the fingerprint beside it
+    padded = padded.view(1, -1, width)
+    primes = torch.tensor(_PRIMES, dtype=torch.int64, device=words.device).view(2, 1)
+    sums = (padded * columns[:, :width].reshape(2, 1, width)).sum(-1).remainder(primes)  # (2, rows)
+    return (sums * rows[:, :sums.shape[1]]).remainder(primes).sum(-1).remainder(primes[:, 0])
+
+
+def _powers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """base**j for j < _ROW (within a row) and base**(i * _ROW) for the rows of a chunk, per prime."""
+    primes = torch.tensor(_PRIMES, dtype=torch.int64).view(2, 1)
+    columns = torch.ones(2, 1, dtype=torch.int64)
+    while columns.shape[1] < _ROW:  # doubling: the next powers are these times base**(their count)
+        times = torch.tensor([pow(b, columns.shape[1], p) for b, p in zip(_BASES, _PRIMES)]).view(2, 1)
+        columns = torch.cat([columns, (columns * times).remainder(primes)], dim=1)
+    rows = torch.tensor([[pow(b, i * _ROW, p) for i in range(_CHUNK // _ROW)] for b, p in zip(_BASES, _PRIMES)])
+    return columns[:, :_ROW].to(device), rows.to(device)
+
+
+def _sampled_digest(tensor: torch.Tensor) -> str:
+    """The digest of older checkpoints: SAMPLES evenly spaced values of `tensor` (its bytes, exactly)."""
     tensor = tensor.detach()
     if tensor.is_meta:
         return "meta"
@@ -89,7 +173,7 @@ def _digest(tensor: torch.Tensor) -> str:
     if tensor.dim() == 0:
         values = tensor.reshape(1)
     else:  # picked by their positions: no flattened copy of a non-contiguous tensor
-        index = torch.linspace(0, count - 1, min(count, _SAMPLES), device=tensor.device).round().long()
+        index = torch.linspace(0, count - 1, min(count, SAMPLES), device=tensor.device).round().long()
         values = tensor[torch.unravel_index(index, tensor.shape)]
     values = values.to("cpu").contiguous()
     if values.dtype.is_complex:
@@ -98,14 +182,18 @@ def _digest(tensor: torch.Tensor) -> str:
     return hashlib.blake2b(raw.numpy().tobytes(), digest_size=8).hexdigest()
 
 
-def base_problems(model: torch.nn.Module, saved: dict) -> list[str]:
-    """How `model`'s frozen tensors differ from the fingerprint `saved` of a checkpoint's base."""
+def base_problems(model: torch.nn.Module, saved: dict, here: dict | None = None) -> list[str]:
+    """How `model`'s frozen tensors differ from the fingerprint `saved` of a checkpoint's base;
+    `here`: frozen_fingerprint(model), when the caller has it."""
     current = model.state_dict()
     absent = [name for name in saved if name not in current]
-    here = fingerprint({name: current[name] for name in saved if name in current})
-    layout = [f"{name}: checkpoint {tuple(saved[name][0])} {saved[name][1]}, model {tuple(shape)} {dtype}"
-              for name, (shape, dtype, _) in here.items() if [shape, dtype] != list(saved[name][:2])]
-    values = [name for name, entry in here.items() if list(saved[name][:2]) == entry[:2] and saved[name][2] != entry[2]]
+    here = dict(here or {})
+    others = {name: current[name] for name in saved if name in current and name not in here}
+    here.update(fingerprint(others) if others else {})  # tensors the model does not freeze (a mismatch)
+    layout = [f"{name}: checkpoint {tuple(saved[name][0])} {saved[name][1]}, model {tuple(here[name][0])} "
+              f"{here[name][1]}" for name in saved if name in here and here[name][:2] != list(saved[name][:2])]
+    values = [name for name in saved if name in here and here[name][:2] == list(saved[name][:2])
+              and saved[name][2] != _digest_like(saved[name][2], here[name][2], current[name])]
     problems = []
     if absent:
         problems.append("frozen tensors of the checkpoint's base that this model lacks: " + _names(absent))
@@ -115,6 +203,13 @@ def base_problems(model: torch.nn.Module, saved: dict) -> list[str]:
     if values:
         problems.append(f"other values in {len(values)} of {len(saved)} frozen tensors: " + _names(values))
     return problems
+
+
+def _digest_like(saved: str, digest: str, tensor: torch.Tensor) -> str:
+    """The model's digest of `tensor` in the scheme of the `saved` one (an older checkpoint sampled)."""
+    if saved.startswith(_SCHEME) or saved in ("meta", "empty"):
+        return digest
+    return _sampled_digest(tensor)
 
 
 def load_weights(model: torch.nn.Module, state: dict) -> None:

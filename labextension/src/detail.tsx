@@ -50,15 +50,24 @@ export function RunDetail(props: {
 }): JSX.Element {
   const { run } = props;
   const running = run.status === 'running';
+  const section = React.useRef<HTMLElement>(null);
+  React.useEffect(() => {
+    // opened below the list of runs: brought into view once, not at every poll
+    section.current?.scrollIntoView({ block: 'nearest' });
+  }, [run.id]);
   return (
-    <section className="jp-gpunb-section jp-gpunb-detail" data-run-id={run.id}>
+    <section
+      className="jp-gpunb-section jp-gpunb-detail"
+      data-run-id={run.id}
+      ref={section}
+    >
       <div className="jp-gpunb-detail-bar">
         <button
           className="jp-gpunb-back jp-mod-styled"
           onClick={props.onClose}
-          title="Back to the list of runs"
+          title="Close this run's curves and configuration"
         >
-          ← Runs
+          Close
         </button>
         {running ? null : (
           <button

@@ -20,8 +20,8 @@ const HISTORY_SAMPLES = 60; // kept per GPU and for the host CPU, like nvdashboa
 /**
  * The sidebar: polls the server every 2 s while it is visible (one request for the
  * devices, one for the runs, which carries the running runs' losses) and draws the
- * GPUs and the host (with the last 60 samples kept here), the runs, or one run's
- * curves and configuration.
+ * GPUs and the host (with the last 60 samples kept here), the runs, and below them
+ * the curves and configuration of the run opened.
  */
 export class GpunbPanel extends ReactWidget {
   constructor() {
@@ -64,20 +64,21 @@ export class GpunbPanel extends ReactWidget {
         ) : this._error ? null : (
           <div className="jp-gpunb-muted">Loading…</div>
         )}
+        {/* The list stays while a run is open: a new run and its Stop button are never hidden. */}
+        <Runs
+          runs={this._runs}
+          losses={this._losses}
+          error={this._runsError}
+          actions={this._actions}
+          openId={this._detail?.id ?? null}
+        />
         {this._detail ? (
           <RunDetail
             run={this._detail}
             actions={this._actions}
             onClose={() => this._close()}
           />
-        ) : (
-          <Runs
-            runs={this._runs}
-            losses={this._losses}
-            error={this._runsError}
-            actions={this._actions}
-          />
-        )}
+        ) : null}
       </div>
     );
   }

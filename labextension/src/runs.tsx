@@ -52,6 +52,7 @@ function RunRow(props: {
   run: IRun;
   losses: number[];
   actions: IRunActions;
+  open: boolean;
 }): JSX.Element {
   const { run, actions } = props;
   const running = run.status === 'running';
@@ -83,7 +84,7 @@ function RunRow(props: {
   );
   return (
     <li
-      className="jp-gpunb-run"
+      className={`jp-gpunb-run${props.open ? ' jp-mod-open' : ''}`}
       data-run-id={run.id}
       data-status={run.status}
       role="button"
@@ -180,6 +181,7 @@ export function Runs(props: {
   losses: Map<string, number[]>;
   error: string | null;
   actions: IRunActions;
+  openId: string | null; // the run whose curves are shown below the list
 }): JSX.Element {
   const active = (run: IRun) =>
     Number(run.status === 'running' || run.status === 'queued');
@@ -207,6 +209,7 @@ export function Runs(props: {
               run={run}
               losses={props.losses.get(run.id) ?? []}
               actions={props.actions}
+              open={run.id === props.openId}
             />
           ))}
         </ul>

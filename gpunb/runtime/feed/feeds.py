@@ -6,7 +6,9 @@
   wrapped in a CudaPrefetcher on CUDA.
 
 Both draw their order from EpochOrder, so an epoch's order depends only on the seed
-and the epoch number: a resumed run sees exactly the batches it would have seen.
+and the epoch number: a resumed run sees exactly the batches it would have seen. A user's own
+DataLoader keeps its own order; a resumed epoch makes it again from the RNG states it was first
+made from (epoch_start.py).
 Device transforms run on each batch on the device (augmenter.py): on CUDA ahead of the
 step on the prefetcher's side stream, elsewhere inline. On CUDA the preparation runs in
 a thread of its own wherever it draws from no global RNG (the transforms take their
@@ -26,7 +28,8 @@ from torch.utils.data import (BatchSampler, DataLoader, IterableDataset, RandomS
 from gpunb.errors import GpunbError
 from gpunb.runtime.feed.augmenter import Augmenter
 from gpunb.runtime.feed.batch_seeds import SeededBatchSampler, SeededDataset, loader_generator
-from gpunb.runtime.feed.inputs import gather_rows, move_batch
+from gpunb.runtime.feed.epoch_start import EpochStart
+from gpunb.runtime.feed.inputs import gather_rows, loader_batch_size, move_batch
 from gpunb.runtime.feed.prefetch import CudaPrefetcher
 from gpunb.runtime.feed.workers import SHIPPED, for_workers
 
@@ -144,8 +147,10 @@ class LoaderFeed:
     def __init__(self, loader: DataLoader, device, augment: Augmenter, sampler: _EpochSampler | None = None):
         self.loader, self.device, self.augment, self.sampler = loader, device, augment, sampler
         self.prefetch = CudaPrefetcher(device) if device.type == "cuda" else None
-        self.batch_size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+        self.batch_size = loader_batch_size(loader)
         self.padding = sampler.order.padding if sampler is not None else _sampler_padding(loader.sampler)
+        # the user's own loader draws its order itself: the RNG states it began each epoch from
+        self.start = EpochStart(loader) if sampler is None else None
         try:
             self.num_batches = len(loader)  # measured before any resume offset is set
         except TypeError:  # an IterableDataset without __len__
@@ -155,12 +160,10 @@ class LoaderFeed:
         if self.sampler is not None:
             self.sampler.epoch, self.sampler.start = epoch, skip * self.batch_size
             batches = iter(self.loader)
-        else:  # the user's own DataLoader: its order is its own, so skip by reading
+        else:  # the user's own DataLoader: its order is its own, so skip by reading (epoch_start.py)
             if hasattr(self.loader.sampler, "set_epoch"):  # a DistributedSampler of the user's
                 self.loader.sampler.set_epoch(epoch)
-            batches = iter(self.loader)
-            for _ in range(skip):
-                next(batches, None)
+            batches = self.start.batches(epoch, skip)
         if self.prefetch:  # copied and transformed on the side stream
             augment, copy = self.augment, self.prefetch.copy
             # in a thread where the loader's own Python (its Dataset, collate_fn) runs in its workers

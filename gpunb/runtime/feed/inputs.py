@@ -283,6 +283,11 @@ def gather_rows(tensors: tuple, rows: torch.Tensor) -> tuple:
     return tuple([t.index_select(0, rows) for t in tensors])
 
 
+def loader_batch_size(loader: DataLoader) -> int | None:
+    """The samples a DataLoader batches together: its batch_size, or its batch sampler's (None: unknown)."""
+    return loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+
+
 def first_batch(data, size: int, device):
     """A batch like training's first (its first samples), on the device, drawn without a DataLoader
     iterator so that no worker starts and no sampler moves on. It is made as the feeds make theirs
@@ -298,7 +303,7 @@ def first_batch(data, size: int, device):
         if data.batch_sampler is None:  # the loader yields the dataset's items as batches
             size = None
         else:
-            size = data.batch_size or getattr(data.batch_sampler, "batch_size", None) or 2
+            size = loader_batch_size(data) or 2
     if isinstance(dataset, IterableDataset):
         items = list(itertools.islice(iter(dataset), size or 1))
     elif size is not None and hasattr(dataset, "__getitems__"):

@@ -18,6 +18,8 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from gpunb.runtime.step.wrap import model_blocks
+
 
 def repeated_blocks(model: torch.nn.Module) -> tuple[str, list]:
     """(qualified name, blocks) of the largest list of identical blocks; ("", []) when none."""
@@ -32,6 +34,15 @@ def repeated_blocks(model: torch.nn.Module) -> tuple[str, list]:
         if size > best_size:
             best, best_size = (name, items), size
     return best
+
+
+def checkpoint_every_block(model: torch.nn.Module):
+    """`activation_checkpointing=True`: every repeated block, as the plan checkpoints them (a
+    Hugging Face model's layers by their own switch, a PEFT model's decoder layers inside it);
+    a model without repeated blocks: each direct child with parameters. Returns the undo."""
+    _, blocks = repeated_blocks(model)
+    blocks = blocks or model_blocks(model)
+    return checkpoint_blocks(model, blocks, len(blocks))
 
 
 def checkpoint_blocks(model: torch.nn.Module, blocks: list, count: int):

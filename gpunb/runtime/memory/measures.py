@@ -11,6 +11,7 @@ that smaller micro-batches cannot fix: the next measure that can still be taken 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import warnings
@@ -21,7 +22,7 @@ from gpunb.errors import GpunbError
 from gpunb.runtime.memory import chunked_loss as chunked
 from gpunb.runtime.memory.blocks import checkpoint_blocks, repeated_blocks
 from gpunb.runtime.memory.in_backward import OptimizerInBackward
-from gpunb.runtime.memory.plan import LOSS_CHUNKS, MEASURES, SAFETY, Footprint, Plan, plan_memory
+from gpunb.runtime.memory.plan import LOSS_CHUNKS, MEASURES, SAFETY, Footprint, Plan, plan_memory, split_micro_batch
 
 _ADAMS = ("Adam", "AdamW")
 _HYPER = ("lr", "betas", "eps", "weight_decay")
@@ -63,7 +64,7 @@ def plan_run(summary, model, optimizer, objective, precision, config, dist, devi
 
                 sharded.strategy_reason = (f"DDP needs {format_bytes(plan.after)} per device of "
                                            f"{format_bytes(budget)}; sharded: {format_bytes(sharded.after)}")
-                return sharded
+                return split_micro_batch(sharded, summary.batch_size)
             over = True  # sharded too, the weights, gradients and states are over: said below
     if over:
         sharded = None
@@ -71,7 +72,29 @@ def plan_run(summary, model, optimizer, objective, precision, config, dist, devi
                                     (config.strategy == "auto" and _why_not_sharded(config) is None)):
             sharded = _sharded(footprint, budget, unavailable, kept)  # the switch is the user's: the message names it
         raise does_not_fit(plan, footprint, sharded)
-    return plan
+    # over by the activations alone: smaller micro-batches
+    return said_full_states(split_micro_batch(plan, summary.batch_size), model)
+
+
+def full_state_params(model) -> list:
+    """The trainable parameters whose states stay 32-bit under 8-bit states: embeddings (a tied LM
+    head is the same tensor), whose rare rows' 8-bit states blur the few updates they get, as
+    bitsandbytes and torchao advise. Tensors too small for torchao's blocks stay 32-bit by its own rule."""
+    kept = {}
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.weight.requires_grad:
+            kept.setdefault(id(module.weight), module.weight)
+    return list(kept.values())
+
+
+def said_full_states(plan: Plan, model) -> Plan:
+    """The plan's 8-bit states say which parameters keep 32-bit ones."""
+    kept = sum(p.numel() for p in full_state_params(model))
+    if not plan.has("states_8bit") or not kept:
+        return plan
+    measures = tuple(dataclasses.replace(m, text=f"{m.text} except embeddings ({kept:,} params, 32-bit)")
+                     if m.name == "states_8bit" else m for m in plan.measures)
+    return dataclasses.replace(plan, measures=measures)
 
 
 def may_shard(config, world_size: int, unavailable: dict) -> bool:
@@ -114,10 +137,15 @@ def kept_measures(config, world_size: int) -> tuple:
 
 
 def budget_of(config, summary, device) -> int | None:
-    """`memory_budget`, else the device's free memory plus what this process holds there now
-    (the weights it already moved count against the estimate, not twice)."""
+    """`memory_budget`, else the room on the device (`device_room`)."""
     if config.memory_budget is not None:
         return config.memory_budget
+    return device_room(summary, device)
+
+
+def device_room(summary, device) -> int | None:
+    """The device's free memory plus what this process holds there now (the weights it already
+    moved count against the estimate, not twice); None when unknown."""
     if summary.free_bytes is None:
         return None
     held = torch.cuda.memory_allocated(device) if device.type == "cuda" else summary.weights_bytes
@@ -142,7 +170,7 @@ def footprint_of(summary, model, objective, world_size: int, optimizer) -> Footp
         largest_gradient=max((_nbytes(p) for p in trainable), default=0),
         float_weights=sum(_nbytes(t) for t in floats),
         float_gradients=sum(_nbytes(p) for p in trainable if p.dtype == torch.float32),
-        world_size=world_size, optimizer_name=name)
+        world_size=world_size, optimizer_name=name, device=summary.device)
 
 
 def unavailable_measures(model, optimizer, objective, precision, config, world_size, device, *,
@@ -269,7 +297,7 @@ def apply_plan(plan: Plan, model, optimizer, objective):
         undo.append(checkpoint_blocks(model, blocks, plan.checkpointed_blocks))
     if "chunked_loss" in names:
         undo.append(use_chunked_loss(objective))
-    optimizer = planned_optimizer(optimizer, names)
+    optimizer = planned_optimizer(optimizer, names, full_state_params(model))
     if isinstance(optimizer, OptimizerInBackward):
         undo.append(optimizer.close)
 
@@ -289,12 +317,13 @@ def use_chunked_loss(objective):
     return restore
 
 
-def planned_optimizer(optimizer, names):
-    """`optimizer` rebuilt for the plan's optimizer measures (the same groups and hyperparameters)."""
+def planned_optimizer(optimizer, names, full_states=()):
+    """`optimizer` rebuilt for the plan's optimizer measures (the same groups and hyperparameters);
+    `full_states`: parameters whose states stay 32-bit under 8-bit states."""
     lean = {"states_8bit", "states_cpu", "bf16_weights"} & set(names)
     if not lean and "optimizer_in_backward" not in names:
         return optimizer
-    make = functools.partial(_torchao_optimizer, type(optimizer).__name__, lean) if lean else \
+    make = functools.partial(_torchao_optimizer, type(optimizer).__name__, lean, full_states) if lean else \
         functools.partial(_same_kind, optimizer)
     if "optimizer_in_backward" in names:
         return OptimizerInBackward(optimizer.param_groups, make)
@@ -305,8 +334,10 @@ def _same_kind(optimizer, groups):
     return type(optimizer)([{k: v for k, v in g.items() if k != "initial_lr"} for g in groups])
 
 
-def _torchao_optimizer(kind: str, lean: set, groups):
-    from torchao import optim
+def _torchao_optimizer(kind: str, lean: set, full_states, groups):
+    from gpunb.quiet import import_quietly
+
+    optim = import_quietly("torchao.optim")  # without torchao's notices about its extensions
 
     groups = [{key: g[key] for key in ("params", *_HYPER) if key in g} for g in groups]
     rounding = {"bf16_stochastic_round": "bf16_weights" in lean}
@@ -315,8 +346,28 @@ def _torchao_optimizer(kind: str, lean: set, groups):
         extra = rounding if inner is optim._AdamW else {}
         return optim.CPUOffloadOptimizer(groups, inner, offload_gradients=True, **extra)
     if "states_8bit" in lean:
-        return (optim.AdamW8bit if kind == "AdamW" else optim.Adam8bit)(groups, **rounding)
+        eight_bit = _with_full_states(optim.AdamW8bit if kind == "AdamW" else optim.Adam8bit)
+        return eight_bit(groups, full_states=full_states, **rounding)
     return optim._AdamW(groups, **rounding) if kind == "AdamW" else optim._Adam(groups, **rounding)
+
+
+@functools.cache
+def _with_full_states(eight_bit: type) -> type:
+    """torchao's 8-bit Adam(W) keeping 32-bit states for the parameters given as `full_states`
+    (torchao decides per tensor in `_new_buffer`: its own rule keeps small tensors 32-bit)."""
+
+    class FullStatesFor(eight_bit):
+        def __init__(self, params, *, full_states=(), **options):
+            super().__init__(params, **options)
+            self.full_states = {id(p) for p in full_states}
+
+        def _new_buffer(self, p, signed: bool):
+            if id(p) in self.full_states:
+                return torch.zeros_like(p)
+            return super()._new_buffer(p, signed)
+
+    FullStatesFor.__name__ = FullStatesFor.__qualname__ = eight_bit.__name__  # what checkpoints name
+    return FullStatesFor
 
 
 class MemoryFallback:

@@ -22,21 +22,35 @@ What each measure saves (P: trainable parameters' bytes as they are now):
                            stochastically so that small steps are not lost
     fsdp                   weights, gradients and states split across the devices
 
-The slowdowns are priors (fractions of a step's time), not measurements: recomputing a
-block's forward costs about a third of its share of the step. bf16 weights are priced
-above their speed cost: they change the numbers the model holds, so they come last.
+The slowdowns are priors (fractions of a step's time), by the type of device: recomputing a
+block's forward costs about a third of its share of the step on either; torchao's 8-bit
+states and a step per parameter cost far more on a CPU, whose update is already most of a
+small model's step (benchmarks/RESULTS.md, "the measures' step-time cost"). bf16 weights are
+priced above their speed cost: they change the numbers the model holds, so they come last.
+A run measures what its plan costs before its first step where it can (probes/plan_cost.py),
+and the plan says that beside the prior.
+
+A plan over the budget by its activations alone cuts each batch into micro-batches
+(`split_micro_batch`): activations scale with the micro-batch, and the gradients are
+accumulated, so the optimizer step is the same.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 MEASURES = ("chunked_loss", "checkpointing", "optimizer_in_backward", "states_8bit", "states_cpu",
             "bf16_weights", "fsdp")
-# Expected step-time cost of each measure, as a fraction of a step (checkpointing: of all blocks).
-SLOWDOWN = {"chunked_loss": 0.02, "checkpointing": 0.33, "optimizer_in_backward": 0.02,
-            "states_8bit": 0.05, "states_cpu": 0.5, "bf16_weights": 0.0, "fsdp": 0.10}
+# Expected step-time cost of each measure, as a fraction of a step (checkpointing: of all blocks),
+# by device type. CPU: measured (benchmarks/RESULTS.md); CUDA: priors until measured on a GPU.
+SLOWDOWNS = {
+    "cuda": {"chunked_loss": 0.02, "checkpointing": 0.33, "optimizer_in_backward": 0.02,
+             "states_8bit": 0.05, "states_cpu": 0.5, "bf16_weights": 0.0, "fsdp": 0.10},
+    "cpu": {"chunked_loss": 0.20, "checkpointing": 0.33, "optimizer_in_backward": 0.25,
+            "states_8bit": 1.0, "states_cpu": 0.5, "bf16_weights": 0.0, "fsdp": 0.10},
+}
+SLOWDOWN = SLOWDOWNS["cuda"]  # other accelerators are priced as CUDA
 # What choosing a measure costs beyond its speed: bf16 weights hold fewer digits.
 PRECISION_PRICE = {"bf16_weights": 1.0}
 SAFETY = 0.9  # the share of the budget an estimate may use: allocator slack, kernels' workspaces
@@ -63,6 +77,11 @@ class Footprint:
     float_gradients: int = 0  # the same of the gradients
     world_size: int = 1
     optimizer_name: str = "AdamW"
+    device: str = "cuda"  # the device type whose step-time priors price the measures
+
+    @property
+    def slowdowns(self) -> dict:
+        return SLOWDOWNS.get(self.device, SLOWDOWN)
 
     @property
     def total(self) -> int:
@@ -89,6 +108,10 @@ class Plan:
     unavailable: dict = field(default_factory=dict)  # measure -> why it could not be used
     fixed_after: int = 0  # the part of `after` no smaller micro-batch can shrink
     strategy_reason: str = ""  # strategy="auto" that shards: DDP's estimate per device against the sharded one
+    batch_size: int = 0  # the batch each step loads (0: the plan was not asked to split it)
+    micro_batches: int = 1  # pieces each batch is cut into, its gradients accumulated (split_micro_batch)
+    measured: float | None = None  # the step-time cost measured before the first step (probes/plan_cost.py)
+    measured_note: str = ""  # how it was measured, or why it was not
 
     @property
     def names(self) -> tuple:
@@ -101,17 +124,44 @@ class Plan:
     def has(self, name: str) -> bool:
         return name in self.names
 
+    @property
+    def micro_batch(self) -> int:
+        return -(-self.batch_size // self.micro_batches) if self.batch_size else 0
+
+    @property
+    def changes(self) -> bool:
+        """Whether the plan changes the run: measures, or micro-batches."""
+        return bool(self.measures) or self.micro_batches > 1
+
+    @property
+    def acts(self) -> bool:
+        """Whether the plan has something to do or to say: changes, or a budget it cannot meet."""
+        return self.changes or not self.fits
+
     def text(self) -> str:
         """`plan: chunked loss + activation checkpointing on 32 LlamaDecoderLayer blocks: 61 GiB
-        of 79 GiB; expected step time +35%`, or why none was needed."""
+        of 79 GiB; expected step time +35%, measured +31% (...)`, or why none was needed."""
         from gpunb.render import format_bytes
 
         amount = f"{format_bytes(self.after)} of {format_bytes(self.budget)}"
-        if not self.measures:
+        if self.fits and not self.changes:
             return f"plan: no measure needed ({amount})"
-        listed = " + ".join(m.text for m in self.measures)
-        verdict = "" if self.fits else " (over the budget by the activations: smaller micro-batches follow)"
-        return f"plan: {listed}: {amount}{verdict}; expected step time +{100 * self.slowdown:.0f}%"
+        listed = [m.text for m in self.measures]
+        if self.micro_batches > 1:
+            listed.append(f"micro-batches of {self.micro_batch} ({self.micro_batches} a step of {self.batch_size}, "
+                          "the gradients accumulated)")
+        verdict = "" if self.fits else (
+            f" (over the budget by the activations even at a micro-batch of 1 sample: it trains at micro-batch "
+            f"{self.batch_size} as asked, and may run out of memory)" if self.batch_size else
+            " (over the budget by the activations)")
+        if not listed:
+            return f"plan: no measure available: {amount}{verdict}"
+        cost = f"expected step time +{100 * self.slowdown:.0f}%"
+        if self.measured is not None:
+            cost += f", measured {100 * self.measured:+.0f}% ({self.measured_note})"
+        elif self.measured_note:
+            cost += f" ({self.measured_note})"
+        return f"plan: {' + '.join(listed)}: {amount}{verdict}; {cost}"
 
 
 def plan_memory(footprint: Footprint, budget: int, unavailable: dict | None = None,
@@ -158,8 +208,9 @@ def _cheapest_checkpointing(footprint, chosen, limit, unavailable):
     for blocks in counts:
         if estimate(footprint, chosen, blocks) <= limit:
             measures = chosen | ({"checkpointing"} if blocks else set())
-            price = sum(SLOWDOWN[m] + PRECISION_PRICE.get(m, 0.0) for m in chosen)
-            price += SLOWDOWN["checkpointing"] * blocks / max(1, footprint.blocks)
+            cost = footprint.slowdowns
+            price = sum(cost[m] + PRECISION_PRICE.get(m, 0.0) for m in chosen)
+            price += cost["checkpointing"] * blocks / max(1, footprint.blocks)
             return (price, len(measures), sorted(MEASURES.index(m) for m in measures)), measures, blocks
     return None
 
@@ -198,21 +249,38 @@ def activations(footprint: Footprint, measures, blocks: int = 0) -> int:
 
 
 def _plan(footprint, budget, chosen, blocks, kept, unavailable) -> Plan:
-    measures, applied = [], set()
+    measures, applied, cost = [], set(), footprint.slowdowns
     ordered = sorted(chosen | ({"checkpointing"} if blocks else set()),
-                     key=lambda m: (SLOWDOWN[m] + PRECISION_PRICE.get(m, 0.0), MEASURES.index(m)))
+                     key=lambda m: (cost[m] + PRECISION_PRICE.get(m, 0.0), MEASURES.index(m)))
     if "checkpointing" in ordered and not blocks:
         ordered.remove("checkpointing")
     for name in ordered:
         applied.add(name)
         after = estimate(footprint, applied, blocks if "checkpointing" in applied else 0)
-        slowdown = SLOWDOWN[name] * (blocks / max(1, footprint.blocks) if name == "checkpointing" else 1)
+        slowdown = cost[name] * (blocks / max(1, footprint.blocks) if name == "checkpointing" else 1)
         measures.append(Measure(name, describe(name, footprint, blocks), after, slowdown))
     after = estimate(footprint, applied, blocks if "checkpointing" in applied else 0)
     fixed = after - activations(footprint, applied, blocks if "checkpointing" in applied else 0)
     return Plan(budget=budget, before=footprint.total, after=after, fits=after <= int(SAFETY * budget),
                 measures=tuple(measures), checkpointed_blocks=blocks if "checkpointing" in applied else 0,
                 kept=kept, unavailable=unavailable, fixed_after=fixed)
+
+
+def split_micro_batch(plan: Plan, batch_size: int) -> Plan:
+    """`plan`, over the budget by its activations alone, with each batch of `batch_size` cut into
+    the fewest micro-batches under which it fits (the activations scale with the micro-batch;
+    the rest does not). When even a micro-batch of 1 is over, the plan says so and splits nothing."""
+    limit, activations_after = int(SAFETY * plan.budget), plan.after - plan.fixed_after
+    if plan.fits or batch_size <= 1 or plan.fixed_after > limit or plan.has("optimizer_in_backward"):
+        return plan  # a step in backward steps once per piece: it cannot take micro-batches
+    for pieces in range(2, batch_size + 1):
+        micro = -(-batch_size // pieces)
+        if pieces > 2 and micro == -(-batch_size // (pieces - 1)):
+            continue  # the same micro-batch as one piece fewer
+        after = plan.fixed_after + -(-activations_after * micro // batch_size)
+        if after <= limit:
+            return replace(plan, after=after, fits=True, batch_size=batch_size, micro_batches=pieces)
+    return replace(plan, batch_size=batch_size)
 
 
 def describe(name: str, footprint: Footprint, blocks: int = 0) -> str:

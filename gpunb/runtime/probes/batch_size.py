@@ -57,7 +57,7 @@ def find_batch_size(model, optimizer, objective, precision, data, device, config
                          "pass an int batch size, e.g. `batch_size=64`.")
     cap = _largest_candidate(min(CPU_CAP if device.type == "cpu" else GPU_CAP,
                                  max(1, n // MIN_STEPS_PER_EPOCH)))
-    probe = _Probe(model, optimizer, objective, Precision(precision.name, device), data, device, config)
+    probe = StepProbe(model, optimizer, objective, Precision(precision.name, device), data, device, config)
     saved = rewind.capture(model, optimizer, device)
     try:
         if device.type == "cpu":
@@ -69,7 +69,7 @@ def find_batch_size(model, optimizer, objective, precision, data, device, config
     return BatchChoice(size, reason, tuple(probe.records))
 
 
-def _by_flops(probe: "_Probe", cap: int) -> tuple[int, str]:
+def _by_flops(probe: "StepProbe", cap: int) -> tuple[int, str]:
     """The smallest power of two from START whose step does CPU_STEP_FLOPS, checked to fit."""
     first = min(START, cap)
     flops = probe.count_flops(first)
@@ -90,7 +90,7 @@ def _by_flops(probe: "_Probe", cap: int) -> tuple[int, str]:
     return size, f"auto: {per_sample / 1e6:.3g} MFLOP per sample on CPU, {why}"
 
 
-def _by_throughput(probe: "_Probe", cap: int) -> tuple[int, str]:
+def _by_throughput(probe: "StepProbe", cap: int) -> tuple[int, str]:
     """Doubling sizes until memory runs short; the smallest near the best throughput."""
     size = min(START, cap)
     while size <= cap:
@@ -121,7 +121,7 @@ def _nothing_fits(tried: int) -> GpunbError:
                       "smaller batch such as `batch_size=4`.")
 
 
-class _Probe:
+class StepProbe:
     """Runs real training steps at a given batch size and keeps a record of each."""
 
     def __init__(self, model, optimizer, objective, precision, data, device, config):
@@ -189,7 +189,7 @@ def count_flops(work) -> int | None:
     None when the counter cannot trace an op. An out-of-memory error is let through."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=_cpu_attention_formulas())
     try:
         with counter:
             work()
@@ -198,6 +198,24 @@ def count_flops(work) -> int | None:
     except Exception:  # noqa: BLE001 - a counter that cannot trace an op is not the user's error
         return None
     return counter.get_total_flops()
+
+
+def _cpu_attention_formulas() -> dict:
+    """FLOP formulas for scaled_dot_product_attention's CPU kernel, which torch's counter does not
+    know (it counts the CUDA kernels'): without them a transformer's attention counts as nothing on
+    the CPU. The CUDA kernels' formulas (grouped keys and values included; backward with the
+    recomputed scores, as the CPU kernel recomputes them too)."""
+    from torch.utils import flop_counter
+
+    def forward(query, key, value, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_flop_count(query, key, value)
+
+    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
+
+    aten = torch.ops.aten
+    return {aten._scaled_dot_product_flash_attention_for_cpu: forward,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
 
 
 def _synchronize(device) -> None:

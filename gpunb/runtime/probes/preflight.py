@@ -138,9 +138,9 @@ def _check_batch(model, objective, precision, data, device, config, what, traini
                     objective.stateful.reset()  # a check: this batch counts in no validation
     except GpunbError as error:
         raise _name_the_data(error, batch, model, objective, what) from error.__cause__
-    except torch.OutOfMemoryError:
-        return  # training's own OOM handling (smaller micro-batches) takes it from here
     except Exception as error:
+        if devices.out_of_memory(error):
+            return  # training's own OOM handling (smaller micro-batches) takes it from here
         _explain_failure(error, batch, model, objective, what, trace.failed_in_torch_layer(error))
 
 
@@ -164,10 +164,8 @@ def _passes(model, objective, precision, sample, training: bool) -> bool:
                 objective.evaluate(model, sample)
                 if objective.stateful is not None:
                     objective.stateful.reset()
-    except torch.OutOfMemoryError:
-        return True  # training's own OOM handling (smaller micro-batches) takes it from here
-    except Exception:  # noqa: BLE001 - the whole batch runs next and explains the error
-        return False
+    except Exception as error:  # noqa: BLE001 - the whole batch runs next and explains the error
+        return devices.out_of_memory(error)  # an OOM: training's own handling (smaller micro-batches)
     return True
 
 

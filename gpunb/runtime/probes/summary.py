@@ -21,9 +21,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 import torch
+from torch.utils.data import DataLoader
 
 from gpunb.runtime.feed.augmenter import apply_transforms
-from gpunb.runtime.feed.inputs import batch_size_of, first_batch, is_mapping, map_tensors
+from gpunb.runtime.feed.inputs import batch_size_of, first_batch, is_mapping, loader_batch_size, map_tensors
 from gpunb.runtime.memory.blocks import repeated_blocks
 from gpunb.runtime.probes.batch_size import count_flops
 from gpunb.runtime.probes.preflight import Untouched, small_sample
@@ -63,6 +64,7 @@ class RunSummary:
     block_saved_bytes: int = 0  # of the activations, those saved inside the blocks
     block_input_bytes: int = 0  # the blocks' inputs (what a checkpointed block keeps)
     plan: str = ""  # the memory plan's measures ("" when none was needed)
+    run: str = ""  # the run's name, where one was given (the result's repr starts with it too)
     strategy: str = ""  # strategy="auto" that shards: "strategy: fsdp — DDP needs ... per device of ...; sharded: ..."
 
     @property
@@ -114,7 +116,7 @@ def summarize(model, optimizer, objective, precision, data, device, batch_size: 
     summary = RunSummary(
         model=type(model).__name__, trainable_params=sum(parameter_count(p) for p in trainable),
         frozen_params=sum(parameter_count(p) for p in params if not p.requires_grad), batch_size=batch_size,
-        device=device.type, precision=precision.name,
+        device=device.type, precision=precision.name, run=config.name or "",
         weights_bytes=sum(_nbytes(t) for t in [*params, *model.buffers()]),
         gradients_bytes=sum(_nbytes(p) for p in trainable))
     if config.ema is not None:  # the trainable parameters and the buffers (frozen ones are not averaged)
@@ -154,12 +156,14 @@ def dry_run(config, context, model, train_data, val_data=None, *, optimizer=None
     if batch_size == "auto":
         batch_size = find_batch_size(model, ready.optimizer, objective, ready.precision, train, ready.device,
                                      config).size
+    elif isinstance(train, DataLoader):  # a user's DataLoader batches by its own size, as fit's does
+        batch_size = loader_batch_size(train) or batch_size
     summary = summarize(model, ready.optimizer, objective, ready.precision, train, ready.device, batch_size, config)
     from gpunb.runtime.memory.measures import plan_run
 
     plan = plan_run(summary, model, ready.optimizer, objective, ready.precision, config, context, ready.device,
                     continuing=bool(config.resume))
-    if plan is not None and plan.measures:
+    if plan is not None and plan.acts:
         summary.plan = plan.text()  # what fit would take, not taken here
     if plan is not None and plan.strategy_reason:  # strategy="auto" would shard
         summary.strategy = f"strategy: fsdp — {plan.strategy_reason}"

@@ -29,7 +29,9 @@ import torch
 from gpunb.errors import GpunbError
 
 FORMAT = "gpunb-checkpoint"
-VERSION = 2  # the newest format read here; 2: `model` may hold only what trains (see `frozen`)
+# The newest format read here. 2: `model` may hold only what trains (see `frozen`); 3: `frozen`
+# digests every value (trainable.py), which a gpunb that reads 2 would take for another base.
+VERSION = 3
 _NAME = re.compile(r"^step-(\d{9})\.pt$")
 _ANY_NAME = re.compile(r"^(?:best-)?step-(\d{9})\.pt$")  # last-N and best checkpoints
 _RUN_DIR = "run-"
@@ -84,8 +86,8 @@ def save_checkpoint(directory: str | os.PathLike, payload: dict, step: int, keep
 def write_checkpoint(directory: Path, name: str, payload: dict) -> Path:
     """A checkpoint file (gpunb's format header, then `payload`), written atomically."""
     # Whole checkpoints stay version 1, which an older gpunb reads; one that leaves out the frozen
-    # weights is 2, which it refuses, asking for an upgrade, instead of finding weights missing.
-    version = 2 if payload.get("frozen") else 1
+    # weights is 3, which it refuses, asking for an upgrade, instead of finding weights missing.
+    version = 3 if payload.get("frozen") else 1
     return write_atomic(directory, name, {"format": FORMAT, "version": version, **payload})
 
 
@@ -149,22 +151,33 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     return sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
 
 
+class UnreadableCheckpoint(GpunbError):
+    """A file that cannot be read as a torch file at all (truncated, empty, random bytes): a choice
+    of the newest checkpoint may fall back to an older one (resume_target.open_checkpoint)."""
+
+    def __init__(self, path, cause: str):
+        self.path, self.cause = Path(path), cause  # cause: what torch said of the file
+        super().__init__(f"Cannot read the checkpoint {path!s}: it is corrupt or not a torch file ({cause}).",
+                         "resume from an earlier checkpoint in the same directory, or start fresh without "
+                         "`resume`.")
+
+
 def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     """Read a gpunb checkpoint; a corrupt or foreign file is a GpunbError that says so."""
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:
+        refused = _refused_object(error)
+        if refused is None:  # a malformed stream, not a refused object: the bytes are damaged
+            raise _unreadable(path, error) from None
         raise GpunbError(
             f"gpunb will not load {path!s}: it holds Python objects other than tensors and plain "
-            f"containers, and unpickling those could run code ({_refused_object(error)}).",
+            f"containers, and unpickling those could run code ({refused}).",
             "if you trust the file, load it yourself and save only state: "
             "`torch.save({'model': model.state_dict()}, 'weights.pt')` (state_dicts, tensors, "
             "numbers and strings), then load the weights with `model.load_state_dict(...)`.") from None
     except Exception as error:
-        raise GpunbError(f"Cannot read the checkpoint {path!s}: it is corrupt or not a torch file "
-                         f"({type(error).__name__}: {_first_line(error)}).",
-                         "resume from an earlier checkpoint in the same directory, "
-                         "or start fresh without `resume`.") from error
+        raise _unreadable(path, error) from error
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise GpunbError(f"{path!s} is a torch file but not a gpunb checkpoint.",
                          "to load plain weights use `model.load_state_dict(torch.load(path))` "
@@ -181,23 +194,42 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     return payload
 
 
+def _unreadable(path, error: BaseException) -> UnreadableCheckpoint:
+    # torch words a malformed stream as a refusal of weights_only; what it refused is the context
+    inner = error.__context__ if isinstance(error, pickle.UnpicklingError) and error.__context__ else error
+    said = _first_line(inner)
+    said = type(inner).__name__ if said == type(inner).__name__ else f"{type(inner).__name__}: {said}"
+    try:
+        size = f"{os.path.getsize(path):,} bytes"
+    except OSError:
+        size = "no longer there"
+    return UnreadableCheckpoint(path, f"{size}; {said}")
+
+
 # What every checkpoint holds since format version 1 (RunState.state_dict writes these and more;
 # a field added to RunState later is optional here: older files load without it).
 REQUIRED = ("model", "optimizer", "scheduler", "precision", "rng", "epoch", "batch_in_epoch", "step",
             "samples_seen", "splits", "history", "epochs")
 
 
-def _refused_object(error: BaseException) -> str:
-    """What torch's weights_only unpickler refused, without its advice to turn the check off."""
+def _refused_object(error: BaseException) -> str | None:
+    """What torch's weights_only unpickler refused (a global it would have imported or called),
+    without its advice to turn the check off; None when it refused a malformed stream instead
+    (an unknown opcode in random bytes), which says nothing about code."""
     for line in str(error).splitlines():
         line = line.split(" Please use")[0].strip().rstrip(".")
-        if line and not any(word in line.lower() for word in ("weights_only", "weights only", "documentation")):
+        if any(word in line for word in _REFUSALS) and "weights_only" not in line:
             return line
-    return "an object the safe loader does not allow"
+    return None
+
+
+# How the weights_only unpickler words the refusal of an object (a GLOBAL it will not import, a
+# class it will not build, a function it will not call); any other refusal is of damaged bytes.
+_REFUSALS = ("GLOBAL ", "allowlisted", "unrecognized function")
 
 
 def _first_line(error: BaseException) -> str:
-    lines = [line for line in str(error).splitlines() if "weights_only" not in line]
+    lines = [line for line in str(error).splitlines() if line.strip() and "weights_only" not in line]
     return lines[0] if lines else type(error).__name__
 
 

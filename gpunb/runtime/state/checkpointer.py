@@ -177,12 +177,15 @@ def _best_weights(payload: dict) -> dict:
     return payload["ema"]["weights"] if payload.get("ema") else payload["model"]
 
 
-def resume(run, path) -> None:
-    """Load the checkpoint at `path` into the run's state: model, optimizer, schedule, RNGs, counters.
+def resume(run) -> None:
+    """Load the checkpoint `resume=` means into the run's state: model, optimizer, schedule, RNGs,
+    counters (an unreadable newest one gives way to the newest readable, with a warning).
 
     Everything is checked first (resume_check): on a mismatch nothing has been loaded.
     """
-    payload = ckpt.load_checkpoint(path)
+    path, payload, fell_back = resume_target.open_checkpoint(run.plan.resume, run.plan.checkpoint_dir)
+    if fell_back and run.state.rank == 0:
+        warnings.warn(fell_back, RuntimeWarning, stacklevel=2)
     resume_check.check_fits(run, payload, path)
     resume_check.check_schedule(run, payload, path)
     if run.state.rank == 0:

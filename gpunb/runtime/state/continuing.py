@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpunb.errors import GpunbError
 from gpunb.runtime.state import rewind
@@ -37,6 +37,9 @@ class ContinueState:
     saved: dict  # RunState.state_dict(live=True), its "model" left out
     continued_by: str | None = None  # the fit that went on from this state (its objects have moved on)
     run_id: str | None = None  # the fit's row in the run registry (tracked fits): a continuation goes on in it
+    # name -> (weak reference, shape) of each parameter of the model when the fit ended: a layer
+    # replaced since then is not the one the optimizer holds (changed_parameters)
+    parameters: dict = field(default_factory=dict)
 
     @property
     def optimizer(self):
@@ -86,6 +89,14 @@ def continue_state_of(previous, model, config, world_size: int) -> ContinueState
                          "step count belong to that model's parameters.",
                          "continue with the same model object that fit trained, or start a fresh fit "
                          "without `continue_from`.")
+    changed = changed_parameters(state, model)
+    if changed:
+        raise GpunbError(f"The model's parameters changed since the fit to continue: {_listed(changed)}. The "
+                         "continued optimizer holds the parameters it was built on and their state, so a new or "
+                         "reshaped parameter would never train (or its state would not fit).",
+                         "drop `continue_from` (`%%gputrain` without `--continue`): a fresh fit builds its "
+                         "optimizer over the parameters as they are now (pass `optimizer=` built on "
+                         "`model.parameters()` to keep your own settings).")
     if world_size > 1 or config.devices != 1:
         raise GpunbError("Continuing a fit keeps its optimizer in this process, so it works in one process only.",
                          "train with `devices=1`, or use `checkpoint_dir` and `resume='last'` across processes.")
@@ -93,6 +104,34 @@ def continue_state_of(previous, model, config, world_size: int) -> ContinueState
         raise GpunbError("continue_from and resume were both given: a fit goes on from one of them.",
                          "drop `resume` to continue the fit in memory, or drop `continue_from` to load the checkpoint.")
     return state
+
+
+def changed_parameters(state: ContinueState, model) -> list[tuple[str, str]]:
+    """(name, how) of each parameter that is not what the continued optimizer was left with: new,
+    replaced, removed or reshaped since the previous fit ended. Only those that matter: what
+    trains now, or what the optimizer holds (a frozen layer swapped for another is no change)."""
+    held = {id(p) for group in state.optimizer.param_groups for p in group["params"]}
+    now = dict(model.named_parameters())
+    changed = []
+    for name in dict.fromkeys([*state.parameters, *now]):
+        ref, shape = state.parameters.get(name, (None, None))
+        before, param = ref() if ref is not None else None, now.get(name)
+        if not ((param is not None and param.requires_grad) or (before is not None and id(before) in held)):
+            continue
+        if param is None:
+            changed.append((name, "removed"))
+        elif ref is None:
+            changed.append((name, "new"))
+        elif param is not before:
+            changed.append((name, "replaced"))
+        elif tuple(param.shape) != shape:
+            changed.append((name, f"reshaped {shape} -> {tuple(param.shape)}"))
+    return changed
+
+
+def _listed(changed: list[tuple[str, str]], shown: int = 8) -> str:
+    text = ", ".join(f"{name} ({how})" for name, how in changed[:shown])
+    return text + (f" and {len(changed) - shown} more" if len(changed) > shown else "")
 
 
 def same_optimizer(state: ContinueState, optimizer):
@@ -181,7 +220,8 @@ def capture(run, carried: ContinueState | None = None) -> ContinueState | None:
     if fit.step == 0:  # nothing trained: the same epoch, from its start
         saved["batch_in_epoch"] = 0
     saved["model"] = Live(None)  # held weakly, below
-    return ContinueState(weakref.ref(run.model), saved, run_id=fit.registry_run)
+    parameters = {name: (weakref.ref(p), tuple(p.shape)) for name, p in run.model.named_parameters()}
+    return ContinueState(weakref.ref(run.model), saved, run_id=fit.registry_run, parameters=parameters)
 
 
 class Rollback:

@@ -36,7 +36,9 @@ def check_fits(run, payload: dict, path) -> None:
             raise GpunbError(f"The checkpoint {path!s} does not fit this model:\n" + _bullets(problems),
                              "resume with the model definition it was trained with, or start fresh "
                              "without `resume`.")
-        problems = trainable.base_problems(run.model, frozen) if frozen else []
+        if frozen:  # computed once a fit: the run's own checkpoints reuse it
+            run.state.frozen_fingerprint = trainable.frozen_fingerprint(run.model)
+        problems = trainable.base_problems(run.model, frozen, run.state.frozen_fingerprint) if frozen else []
         if problems:
             raise GpunbError(f"The checkpoint {path!s} holds only what trains (adapters, unfrozen layers), and "
                              "this model's frozen weights are not the ones it was trained on:\n" + _bullets(problems),

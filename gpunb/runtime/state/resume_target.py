@@ -22,25 +22,74 @@ from gpunb.runtime.state.run_lock import RunLock, describe, owner_of
 def find_checkpoint(resume, checkpoint_dir) -> Path:
     """The file `resume` points at: True/"last" is the newest in checkpoint_dir (any run);
     "best" the best checkpoint of the newest run that kept best ones (best_k.py)."""
+    return _candidates(resume, checkpoint_dir)[0]
+
+
+def open_checkpoint(resume, checkpoint_dir) -> tuple[Path, dict, str | None]:
+    """The checkpoint `resume` means, read: (its path, what it holds, a warning to show or None).
+
+    Where `resume` picks the newest checkpoint itself (True, "last", a directory), a newest file
+    that cannot be read at all (truncated, empty, random bytes) gives way to the newest one that
+    can, and the warning names both; the unreadable files stay as they are. A file named by its
+    path, and "best", are read as they are or refused: never swapped for another."""
+    candidates = _candidates(resume, checkpoint_dir)
+    if len(candidates) == 1 and not _picks_newest(resume):
+        return candidates[0], ckpt.load_checkpoint(candidates[0]), None
+    skipped = []
+    for path in candidates:
+        try:
+            return path, ckpt.load_checkpoint(path), _fell_back(skipped, path)
+        except ckpt.UnreadableCheckpoint as error:
+            skipped.append(error)
+    raise _none_readable(resume, checkpoint_dir if resume in (True, "last") else resume, skipped)
+
+
+def _picks_newest(resume) -> bool:
+    return resume in (True, "last") or (resume != "best" and Path(resume).is_dir())
+
+
+def _candidates(resume, checkpoint_dir) -> list[Path]:
+    """Where `resume` picks the newest checkpoint itself, every one it could pick, newest first;
+    else the one file it names."""
     if resume == "best":
-        return find_best(checkpoint_dir)
+        return [find_best(checkpoint_dir)]
     if resume in (True, "last"):
         found = ckpt.list_checkpoints(checkpoint_dir)
         if not found:
             raise GpunbError(f"resume='last' found no checkpoint in {checkpoint_dir!s}.",
                              "train once with `checkpoint_dir` set, or drop `resume` to start fresh.")
-        return found[-1]
+        return found[::-1]
     path = Path(resume)
     if path.is_dir():
         found = ckpt.list_checkpoints(path)
         if not found:
             raise GpunbError(f"No checkpoint (step-*.pt) in the directory {path!s}.",
                              "point `resume` at a checkpoint file or at a directory that has one.")
-        return found[-1]
+        return found[::-1]
     if not path.exists():
         raise GpunbError(f"The checkpoint {path!s} does not exist.",
                          "check the path, or use `resume='last'` with `checkpoint_dir`.")
-    return path
+    return [path]
+
+
+def _fell_back(skipped: list, path: Path) -> str | None:
+    """The one warning of a resume that took an older checkpoint: which could not be read, which was taken."""
+    if not skipped:
+        return None
+    named = "; ".join(f"{error.path} ({error.cause})" for error in skipped)
+    newest = ("The newest checkpoint cannot be read" if len(skipped) == 1
+              else f"The {len(skipped)} newest checkpoints cannot be read")
+    return (f"{newest}: {named}. Resuming from {path}, the newest readable one, instead; the unreadable "
+            "files are left as they are.")
+
+
+def _none_readable(resume, directory, skipped: list) -> GpunbError:
+    named = "; ".join(f"{error.path.name} ({error.cause})" for error in skipped)
+    found = "the one checkpoint" if len(skipped) == 1 else f"any of the {len(skipped)} checkpoints"
+    return GpunbError(f"resume={resume!r} cannot read {found} in {directory}: each is corrupt or not a "
+                      f"torch file: {named}.",
+                      "start fresh without `resume` (the unreadable files are left as they are), or point "
+                      "`resume` at a readable checkpoint of another run.")
 
 
 def refuse_live_pick(plan, path: Path) -> None:

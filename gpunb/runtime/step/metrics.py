@@ -65,9 +65,11 @@ def shifts_labels(model) -> bool:
         return True
     if "transformers" not in sys.modules:  # a model of one's own with a Hugging Face-like config
         return False
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from gpunb.quiet import import_quietly
 
-    for heads in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+    auto = import_quietly("transformers.models.auto.modeling_auto")  # may import torchao: no notices
+
+    for heads in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
         if names & ({heads} if isinstance(heads, str) else set(heads)):
             return True
     return False

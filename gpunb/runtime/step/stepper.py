@@ -21,6 +21,7 @@ import warnings
 import torch
 
 from gpunb.errors import GpunbError
+from gpunb.runtime.device import out_of_memory
 from gpunb.runtime.feed.inputs import split_batch
 from gpunb.runtime.step.engines import EagerEngine
 from gpunb.runtime.step.step_graph import CaptureError
@@ -108,17 +109,17 @@ class Stepper:
         self.pending.append(batch)
         try:
             self._backward(batch, last_in_step)
-        except torch.OutOfMemoryError:
-            self._drop_step()
-            if not self.split_on_oom:
-                raise
-            self._recover_from_oom(batch)
-            self._replay(last_in_step)
-        except Exception as error:  # a compiled model that cannot run: replayed eagerly
-            if not self.engine.compiles:
+        except Exception as error:
+            if out_of_memory(error):  # on the GPU, or the host's allocator
+                self._drop_step()
+                if not self.split_on_oom:
+                    raise
+                self._recover_from_oom(batch)
+            elif self.engine.compiles:  # a compiled model that cannot run: replayed eagerly
+                self._fall_back(error)
+                self._drop_step()
+            else:
                 raise  # the model's own error
-            self._fall_back(error)
-            self._drop_step()
             self._replay(last_in_step)
 
     def _take_whole_step(self, batch) -> bool:
@@ -148,7 +149,9 @@ class Stepper:
                 for i, loaded in enumerate(self.pending):
                     self._backward(loaded, sync=last_in_step and i == len(self.pending) - 1)
                 return
-            except torch.OutOfMemoryError:
+            except Exception as error:
+                if not out_of_memory(error):
+                    raise
                 self._drop_step()
                 self._recover_from_oom(self.pending[-1])
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 
-def wrap_model(model: torch.nn.Module, config, dist, device):
+def wrap_model(model: torch.nn.Module, config, dist, device, checkpointing=None):
+    """`checkpointing(model)`: activation checkpointing put in place, returning its undo (memory/blocks.py)."""
     undo = []
-    if config.activation_checkpointing:
-        undo.append(checkpoint_activations(model))
+    if checkpointing is not None:
+        undo.append(checkpointing(model))
     train_model = model
     if dist.world_size > 1:
         train_model = dist.wrap(train_model, device)
@@ -27,26 +27,6 @@ def wrap_model(model: torch.nn.Module, config, dist, device):
             restore()
 
     return train_model, unwrap
-
-
-def checkpoint_activations(model: torch.nn.Module):
-    """Recompute activations in backward instead of storing them.
-
-    Wraps the forward of each block of the model: the items of every ModuleList /
-    Sequential among the model's direct children (a transformer's layers), or else
-    each direct child that has parameters. Trades ~30% more compute for activation
-    memory of one block at a time. Returns a function that restores the forwards.
-    """
-    blocks = model_blocks(model)
-    for block in blocks:
-        original = block.forward
-        block.forward = functools.partial(_checkpointed, original)
-
-    def restore():
-        for block in blocks:
-            block.__dict__.pop("forward", None)
-
-    return restore
 
 
 def trace_from_here(model: torch.nn.Module):
@@ -82,15 +62,11 @@ def _forward_is_torchs(model: torch.nn.Module) -> bool:
 def model_blocks(model: torch.nn.Module) -> list:
     """The model's blocks: the items of every ModuleList / Sequential among its direct
     children (a transformer's layers), or else each direct child that has parameters.
-    Activation checkpointing recomputes them and FSDP shards them one by one."""
+    FSDP shards them one by one; activation checkpointing takes them where the model has no
+    repeated blocks (memory/blocks.py)."""
     blocks = [block for child in model.children()
               if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) for block in child]
     if not blocks:
         blocks = [child for child in model.children() if any(True for _ in child.parameters())]
     return blocks
 
-
-def _checkpointed(forward, *args, **kwargs):
-    if not torch.is_grad_enabled():
-        return forward(*args, **kwargs)  # validation: nothing to save memory on
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
