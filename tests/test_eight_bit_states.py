@@ -50,3 +50,31 @@ def test_embeddings_keep_32_bit_states_under_8_bit_adamw_and_move_like_the_plain
     # embedding states, rows moved by up to thousands here)
     assert eight.max() < 1.5 * plain.max() and abs(eight[:SEEN].mean() / plain[:SEEN].mean() - 1) < 0.2
     assert (eight[SEEN:] - plain[SEEN:]).abs().max() < 1e-5  # rows the data never uses: weight decay alone
+
+
+def test_the_plan_prices_the_embeddings_32_bit_states_under_8_bit_states():
+    from gpunb.runtime.memory.plan import Footprint, estimate
+
+    # 1,024 KiB of AdamW states, a quarter of them an embedding's
+    states, kept = 1024 * 1024, 256 * 1024
+    footprint = Footprint(weights=0, gradients=0, optimizer=states, activations=0, full_states=kept)
+    lean = states - kept
+    assert estimate(footprint, {"states_8bit"}) == lean // 4 + lean // 256 + kept
+    # bf16 weights halve the states that stay in the weights' dtype, not the 8-bit ones
+    with_bf16 = Footprint(weights=0, gradients=0, optimizer=states, activations=0, full_states=kept)
+    assert estimate(with_bf16, {"states_8bit", "bf16_weights"}) == lean // 4 + lean // 256 + kept // 2
+
+
+def test_the_footprint_counts_the_embeddings_share_of_the_states():
+    from types import SimpleNamespace
+
+    from gpunb.runtime.memory.measures import footprint_of
+    from gpunb.runtime.step.objective import Objective
+
+    model = torch.nn.Sequential(torch.nn.Embedding(300, 8), torch.nn.Linear(8, 100))  # 2,400 of 3,300 values
+    summary = SimpleNamespace(weights_bytes=13_200, gradients_bytes=13_200, optimizer_bytes=26_400,
+                              activations_bytes=0, ema_bytes=0, blocks=0, block_class="", block_saved_bytes=0,
+                              block_input_bytes=0, tokens_per_sample=None, batch_size=1, device="cpu")
+    objective = Objective(loss_fn=torch.nn.functional.mse_loss)
+    footprint = footprint_of(summary, model, objective, 1, torch.optim.AdamW(model.parameters()))
+    assert footprint.full_states == 26_400 * 2_400 // 3_300

@@ -162,8 +162,12 @@ def footprint_of(summary, model, objective, world_size: int, optimizer) -> Footp
         logits = 4 * summary.batch_size * summary.tokens_per_sample * chunked.vocabulary(model)
         logits = min(logits, max(0, (summary.activations_bytes or 0) - summary.block_saved_bytes))
     name = getattr(optimizer, "inner_type", type(optimizer).__name__)
+    states = summary.optimizer_bytes or 0
+    # the embeddings' share of the states stays 32-bit under 8-bit states (full_state_params)
+    kept = sum(p.numel() for p in full_state_params(model))
+    full_states = states * kept // max(1, sum(p.numel() for p in trainable))
     return Footprint(
-        weights=summary.weights_bytes, gradients=summary.gradients_bytes, optimizer=summary.optimizer_bytes or 0,
+        weights=summary.weights_bytes, gradients=summary.gradients_bytes, optimizer=states, full_states=full_states,
         activations=summary.activations_bytes or 0, ema=summary.ema_bytes, blocks=summary.blocks,
         block_class=summary.block_class, block_saved=summary.block_saved_bytes,
         block_inputs=summary.block_input_bytes, logits=logits,

@@ -66,6 +66,7 @@ class Footprint:
     gradients: int
     optimizer: int
     activations: int
+    full_states: int = 0  # the optimizer states that stay 32-bit under 8-bit states (embeddings')
     ema: int = 0
     blocks: int = 0  # the repeated blocks checkpointing can recompute
     block_class: str = ""  # their class name, for the plan's text
@@ -226,7 +227,9 @@ def estimate(footprint: Footprint, measures, blocks: int = 0) -> int:
     if "optimizer_in_backward" in measures or "states_cpu" in measures:
         gradients = min(gradients, f.largest_gradient)
     if "states_8bit" in measures:
-        optimizer = f.optimizer // 4 + f.optimizer // 256  # 1 byte a value + a scale per block of 256
+        # 1 byte a value + a scale per block of 256; the embeddings' states as they were
+        lean = f.optimizer - f.full_states
+        optimizer = lean // 4 + lean // 256 + f.full_states * optimizer // max(1, f.optimizer)
     elif "states_cpu" in measures:
         optimizer = 0
     if "fsdp" in measures:
