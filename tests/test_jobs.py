@@ -244,6 +244,28 @@ def test_a_cancelled_job_is_reported_cancelled(submitter):
         assert "precision" not in shown and "micro-batch" not in shown and "wall time" not in shown
 
 
+@pytest.mark.parametrize("ignores_for_s, ends_by", [(1.0, "SIGINT"), (None, "SIGKILL")])
+def test_a_local_cancel_reaches_a_controller_that_ignored_sigint_while_starting(ignores_for_s, ends_by):
+    """A controller started by a submitter that ignores SIGINT ignores it too until its own
+    handler is in place: the cancel sends SIGINT again, and at last SIGKILLs its session."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from gpunb.jobs import scheduler
+
+    handler = "signal.SIG_IGN" if ignores_for_s is None else "signal.default_int_handler"
+    code = f"import signal, time; time.sleep({ignores_for_s or 0}); signal.signal(signal.SIGINT, {handler}); time.sleep(120)"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a submitter in the background (the autouse fixture undoes it)
+    process = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stderr=subprocess.DEVNULL)
+    try:
+        spec = SimpleNamespace(job_id=str(process.pid), job_started=psutil.Process(process.pid).create_time())
+        scheduler._end_local(spec, tries=3, wait_s=1.5)
+        code = process.wait(timeout=10)
+        assert code == -getattr(signal, ends_by)  # Python ends on an uncaught KeyboardInterrupt by SIGINT
+    finally:
+        process.kill()
+
+
 def test_an_unpicklable_object_is_named_before_submitting(gpunb_home):
     model = mlp()
     model.guard = threading.Lock()

@@ -307,18 +307,23 @@ class Follower:
         result = self._result(status="stopped" if trained.stop_reason else "completed", base=trained)
         if trained.stop_reason and self._was_cancelled():  # its tasks stopped in time, on the cancel's SIGINT
             result.status, result.stop_reason = "cancelled", self._cancel_reason()
+            self._record_cancel(result.stop_reason)  # the tasks' recorder wrote "interrupted"
         result.ema_state_dict = final.get("ema")
         self._load(final["model"], final.get("optimizer"))
         return result
 
-    def _without_result(self, reason: str) -> JobResult:
-        """Cancelled: the newest readable checkpoint's weights, when there is one."""
+    def _record_cancel(self, reason: str) -> None:
+        """The row says cancelled, and by whom; a registry that cannot be written costs the record, never the weights."""
         if self.registry is not None:
             try:
                 self.registry.set_job(self.spec.run_id, {"state": "CANCELLED", "reason": None}, status="cancelled",
                                       stop_reason=reason)
             except Exception:
                 pass
+
+    def _without_result(self, reason: str) -> JobResult:
+        """Cancelled: the newest readable checkpoint's weights, when there is one."""
+        self._record_cancel(reason)
         result = self._result(status="cancelled")
         result.interrupted, result.stop_reason = True, reason
         newest = newest_checkpoint(self.spec.checkpoint_dir)

@@ -18,6 +18,7 @@ the background, or under `nohup`), which a child would otherwise inherit.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -158,8 +159,7 @@ def cancel(spec) -> str | None:
         return None
     if spec.cluster == "local":
         (spec.path / CANCELLED_MARK).touch()  # how a local job that ended tells a cancel from a crash
-        if _local_alive(spec):
-            os.kill(int(spec.job_id), signal.SIGINT)  # the controller stops its tasks (SIGINT, then SIGKILL)
+        _end_local(spec)
         return None
     state, reason = job_state(spec)
     if state == LOST:
@@ -167,6 +167,25 @@ def cancel(spec) -> str | None:
     (spec.path / CANCELLED_MARK).touch()
     _run(["scancel", f"--name={job_name(spec)}", f"--user={os.getuid()}", str(spec.job_id)])
     return None
+
+
+def _end_local(spec, tries: int = 3, wait_s: float = 3.0) -> None:
+    """SIGINT to the controller, which stops its tasks (SIGINT, then SIGKILL after 1 s). A
+    controller still starting ignores SIGINT when its submitter did (the background, nohup), so
+    one still alive `wait_s` later (its tasks would be gone by then) is sent it again, and after
+    `tries`, SIGKILL goes to its whole session, tasks included."""
+    import time
+
+    for _ in range(tries):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(spec.job_id), signal.SIGINT)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if not _local_alive(spec):
+                return
+            time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(int(spec.job_id), signal.SIGKILL)  # the controller leads its session's process group
 
 
 def _local_alive(spec) -> bool:
