@@ -374,19 +374,19 @@ class Follower:
 
 
 def newest_checkpoint(directory) -> tuple | None:
-    """(path, payload) of the newest checkpoint in `directory` that loads; None when none does."""
+    """(path, payload) of the newest checkpoint in `directory` that loads, as a resume picks it
+    (an unreadable newer one named in a warning); None when none does."""
     import warnings
 
-    from gpunb.runtime.state.checkpoint_files import list_checkpoints, load_checkpoint
+    from gpunb.runtime.state.resume_target import open_checkpoint
 
-    found = list_checkpoints(directory)
-    for path in reversed(found):
-        try:
-            return path, load_checkpoint(path)
-        except Exception as error:  # damaged: the one before it still holds good weights
-            warnings.warn(f"gpunb: the checkpoint {path} cannot be read ({error}); the one before it is used.",
-                          stacklevel=2)
-    return None
+    try:
+        path, payload, fell_back = open_checkpoint(str(directory), None)
+    except GpunbError:  # no checkpoint there, or none readable
+        return None
+    if fell_back:
+        warnings.warn(f"gpunb: {fell_back}", stacklevel=2)
+    return path, payload
 
 
 def _remote_error(outcome: dict, spec) -> GpunbError:

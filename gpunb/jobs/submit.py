@@ -104,15 +104,15 @@ def resume_in_folder(spec: JobSpec, config, registry) -> JobSpec | None:
     goes on exactly from the folder's newest checkpoint (entry.py), and says so in one line. None
     when it left no checkpoint (then it is submitted anew)."""
     from gpunb.jobs import events
-    from gpunb.runtime.state.checkpoint_files import list_checkpoints
+    from gpunb.jobs.follow import newest_checkpoint
 
-    found = list_checkpoints(config.checkpoint_dir or spec.checkpoint_dir)
-    if not found:
+    found = newest_checkpoint(config.checkpoint_dir or spec.checkpoint_dir)
+    if found is None:
         return None
     for leftover in (spec.stop_path, spec.path / scheduler.CANCELLED_MARK):
         leftover.unlink(missing_ok=True)  # the old job's stop or cancel is not the new one's
     events.append(spec.events_path, "resubmitted")
-    step = int(re.sub(r"\D", "", found[-1].name) or 0)
+    step = found[1].get("step")
     print(f"Job {spec.name!r} ended without a result; it goes on from its newest checkpoint (step {step}) "
           "in its folder. `--resubmit` starts afresh.")
     if registry is not None:
