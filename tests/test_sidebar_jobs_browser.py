@@ -21,7 +21,10 @@ pytestmark = pytest.mark.browser
 
 SQUEUE = """#!/bin/sh
 echo "squeue $*" >> "{log}"
-case "$*" in *"-j 42 "*) echo "PENDING|Priority" ;; esac
+case "$*" in
+  *"-j 42 "*) echo "PENDING|Priority|waiting-job|$(id -u)" ;;
+  *"-j 43 "*) echo "RUNNING|None|training-job|$(id -u)" ;;
+esac
 """
 SACCT = """#!/bin/sh
 echo "sacct $*" >> "{log}"
@@ -115,7 +118,8 @@ def test_sidebar_shows_a_waiting_slurm_job_and_cancels_it_and_stops_then_cancels
         assert "leaves the queue" in dialog.inner_text()
         dialog.get_by_role("button", name="Cancel job").click()
         panel.locator(f".jp-gpunb-run[data-run-id='{waiting_id}'][data-status='cancelled']").wait_for()
-        assert "scancel 42" in slurm_log.read_text().splitlines()
+        # only once Slurm names the id this run's job and user, and scancel is told both too
+        assert f"scancel --name=waiting-job --user={os.getuid()} 42" in slurm_log.read_text().splitlines()
         row = registry.get_run(waiting_id, with_history=False)
         assert (row["status"], row["job"]["state"], row["job"]["reason"]) == ("cancelled", "CANCELLED", None)
         assert queued.locator(".jp-gpunb-job").inner_text() == "slurm job 42 · 2 nodes × 4 GPUs"
@@ -130,7 +134,7 @@ def test_sidebar_shows_a_waiting_slurm_job_and_cancels_it_and_stops_then_cancels
         running.locator(".jp-gpunb-status", has_text="stopping").wait_for()
         assert registry.get_run(training_id, with_history=False)["stop_requested"]
         assert training.stop_path.exists()
-        assert "scancel 43" not in slurm_log.read_text().splitlines()
+        assert "scancel" not in slurm_log.read_text().split("42\n", 1)[1]
 
         # ... and the button then offers to cancel it now, which a second request does.
         _wait_for(lambda: stop.inner_text() == "Cancel", "the Stop button to become Cancel")
@@ -141,7 +145,7 @@ def test_sidebar_shows_a_waiting_slurm_job_and_cancels_it_and_stops_then_cancels
         assert "newest checkpoint" in dialog.inner_text()
         dialog.get_by_role("button", name="Cancel job").click()
         panel.locator(f".jp-gpunb-run[data-run-id='{training_id}'][data-status='cancelled']").wait_for()
-        assert "scancel 43" in slurm_log.read_text().splitlines()
+        assert f"scancel --name=training-job --user={os.getuid()} 43" in slurm_log.read_text().splitlines()
         row = registry.get_run(training_id, with_history=False)
         assert (row["status"], row["job"]["state"]) == ("cancelled", "CANCELLED")
         page.screenshot(path=screenshots / "sidebar-jobs-cancelled.png")
