@@ -239,7 +239,7 @@ def test_a_cancelled_job_is_reported_cancelled(submitter):
     assert result.status == "cancelled" and result.stop_reason == "cancelled from gpunb"
     row = Registry().get_run(spec.run_id)
     assert (row["status"], row["stop_reason"]) == ("cancelled", "cancelled from gpunb")
-    if not result.steps:  # cancelled before it set up: its summary says only what is known
+    if not result.device:  # cancelled before it set up (a job set up at step 0 knows its precision)
         shown = result._repr_html_()
         assert "precision" not in shown and "micro-batch" not in shown and "wall time" not in shown
 
