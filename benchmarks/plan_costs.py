@@ -74,13 +74,13 @@ def seconds(model, optimizer, objective, batch, device, steps, names=(), blocks=
     """Median seconds of `steps` steps after 2 untimed, with `names` in place; all put back after."""
     from gpunb.config import TrainConfig
     from gpunb.runtime.memory.measures import apply_plan
-    from gpunb.runtime.memory.plan import Measure, Plan
+    from gpunb.runtime.memory.plan import Measure, MemoryPlan
     from gpunb.runtime.state import rewind
     from gpunb.runtime.step.precision import Precision
     from gpunb.runtime.step.stepper import Stepper
 
     saved = rewind.capture(model, optimizer, device)
-    plan = Plan(0, 0, 0, True, tuple(Measure(n, n, 0, 0.0) for n in names), checkpointed_blocks=blocks)
+    plan = MemoryPlan(0, 0, 0, True, tuple(Measure(n, n, 0, 0.0) for n in names), checkpointed_blocks=blocks)
     trained, undo = apply_plan(plan, model, optimizer, objective)
     stepper = Stepper(model, trained, objective, Precision("32", device), None, TrainConfig())
     times = []

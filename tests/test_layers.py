@@ -204,3 +204,22 @@ def test_a_submodule_imported_from_its_package_is_an_arrow_to_the_submodule():
     source = "from gpunb.runtime.state import checkpoint_files as ckpt\nfrom gpunb.runtime import device\n"
     assert imported(ast.parse(source), "gpunb.runtime.loop", False) == {
         "gpunb.runtime.state.checkpoint_files", "gpunb.runtime.device"}
+
+
+def _class_names(tree) -> list[str]:
+    return [node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+
+
+def test_no_two_classes_in_the_package_share_a_name():
+    """One name, one idea: a reader who meets `RunPlan` or `MemoryPlan` knows which it is."""
+    where: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for name in _class_names(ast.parse(path.read_text(), str(path))):
+            where.setdefault(name, []).append(str(path.relative_to(PACKAGE)))
+    shared = {name: files for name, files in where.items() if len(files) > 1}
+    assert not shared, f"classes that share a name: {shared}"
+
+
+def test_a_shared_class_name_is_seen():
+    tree = ast.parse("class Plan:\n    pass\ndef f():\n    class Plan:\n        pass\n")
+    assert _class_names(tree) == ["Plan", "Plan"]

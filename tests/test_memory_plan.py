@@ -563,7 +563,7 @@ def test_a_run_auto_shards_tells_its_context_and_takes_fsdps_loss_scaler():
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     from gpunb.config import TrainConfig
-    from gpunb.runtime.plan import Plan
+    from gpunb.runtime.plan import RunPlan
     from gpunb.runtime.prepare import _strategy
     from gpunb.runtime.probes.summary import RunSummary
     from gpunb.runtime.step.precision import Precision
@@ -580,7 +580,7 @@ def test_a_run_auto_shards_tells_its_context_and_takes_fsdps_loss_scaler():
 
     sharded, _ = planned(200 * MiB)
     cpu = torch.device("cpu")
-    summary, dist, plan = RunSummary("M", 64, 0, 8, "cpu", "16-mixed"), TwoRanks(), Plan(cpu, "16-mixed", "", 8)
+    summary, dist, plan = RunSummary("M", 64, 0, 8, "cpu", "16-mixed"), TwoRanks(), RunPlan(cpu, "16-mixed", "", 8)
     plan, precision = _strategy(plan, TrainConfig(), dist, sharded, summary, Precision("16-mixed", cpu))
     assert dist.strategy == plan.strategy == "fsdp" and isinstance(precision.scaler, ShardedGradScaler)
     assert plan.strategy_reason == sharded.strategy_reason and plan.settings(TrainConfig())["strategy"] == "fsdp"
@@ -588,6 +588,6 @@ def test_a_run_auto_shards_tells_its_context_and_takes_fsdps_loss_scaler():
     assert f"\n  {summary.strategy}" in repr(summary)
     kept, _ = planned(500 * MiB)  # DDP fits: the context and the precision stay as they were
     dist, before = TwoRanks(), Precision("16-mixed", cpu)
-    plan, precision = _strategy(Plan(cpu, "16-mixed", "", 8), TrainConfig(), dist, kept, RunSummary(
+    plan, precision = _strategy(RunPlan(cpu, "16-mixed", "", 8), TrainConfig(), dist, kept, RunSummary(
         "M", 64, 0, 8, "cpu", "16-mixed"), before)
     assert (dist.strategy, plan.strategy, precision) == ("ddp", "ddp", before)

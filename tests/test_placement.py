@@ -140,7 +140,7 @@ def test_what_is_not_a_trainconfig_is_left_alone(source):
 
 # --------------------------------------------------------------------------- what the registry records
 
-# Filled in by the run's plan (runtime/plan.py Plan.settings): the config as the run used it.
+# Filled in by the run's plan (runtime/plan.py RunPlan.settings): the config as the run used it.
 DECIDED = {"batch_size", "precision", "log_every", "epochs", "max_steps", "strategy"}
 
 

@@ -1,4 +1,4 @@
-"""The Plan: what set-up decided, and why, beside a TrainConfig that stays what the user asked."""
+"""The RunPlan: what set-up decided, and why, beside a TrainConfig that stays what the user asked."""
 
 import ast
 import copy

@@ -149,7 +149,7 @@ class _Launch:
         queue, stop = context.Queue(), context.Value("i", worker.RUN, lock=False)
         store = loopback_store()
         scratch = tempfile.TemporaryDirectory(prefix="gpunb-launch-")
-        plan = worker.Plan(entry=self.entry, world_size=self.count, port=store.port, method=method,
+        plan = worker.RankPlan(entry=self.entry, world_size=self.count, port=store.port, method=method,
                            accelerator=self.accelerator, backend=self.backend,
                            threads=_threads_per_rank(self.count),
                            weights_path=os.path.join(scratch.name, "weights.pt"),
@@ -267,7 +267,7 @@ class _Launch:
                               f"raising a Python error.", _DIED_HINT)
         return RankFailed(error.error_index, self.count, "it raised", None, str(error))
 
-    def _finish(self, plan: worker.Plan) -> TrainResult:
+    def _finish(self, plan: worker.RankPlan) -> TrainResult:
         state = self.state
         missing = [r for r in range(self.count) if r not in self.reports]
         if missing and not self.abandoned:
@@ -361,7 +361,7 @@ def _load_into(model, optimizer, final: dict) -> None:
         local.load_optimizer_state(model, optimizer, final["optimizer"])
 
 
-def _start(plan: worker.Plan, payload: FitArgs | Couriers, queue, stop):
+def _start(plan: worker.RankPlan, payload: FitArgs | Couriers, queue, stop):
     if plan.method == "fork":
         # The forked ranks must never collect this process's garbage: finalising a copy of an
         # object that owned a thread here (a store, a loader from an earlier cell) hangs there.

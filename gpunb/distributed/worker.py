@@ -29,7 +29,7 @@ PROGRESS_EVERY_S = 0.25  # rank 0 sends its progress (on_step_end) at most this 
 
 
 @dataclass
-class Plan:
+class RankPlan:
     """How the ranks of one launch find each other, what they run and where they leave their results."""
 
     entry: object  # entry(config, context, model, train_data, val_data, **fit keywords, placement=) -> TrainResult
@@ -43,7 +43,7 @@ class Plan:
     return_optimizer: bool  # also the optimizer's state (the caller passed an optimizer)
 
 
-def run_rank(rank: int, plan: Plan, payload, queue, stop) -> None:
+def run_rank(rank: int, plan: RankPlan, payload, queue, stop) -> None:
     """Started by torch.multiprocessing.start_processes as fn(rank, *args)."""
     _own_signals()
     torch.set_num_threads(plan.threads)
@@ -90,14 +90,14 @@ def _own_signals() -> None:
     _prctl_pr_set_pdeathsig(signal.SIGKILL)
 
 
-def _join_group(rank: int, plan: Plan) -> None:
+def _join_group(rank: int, plan: RankPlan) -> None:
     store = dist.TCPStore(HOST, plan.port, is_master=False)
     if plan.backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(plan.backend, store=store, rank=rank, world_size=plan.world_size)
 
 
-def _fit(rank: int, plan: Plan, args: FitArgs, queue, stop) -> dict:
+def _fit(rank: int, plan: RankPlan, args: FitArgs, queue, stop) -> dict:
     from gpunb.distributed.context import current_context
     from gpunb.runtime.device import select_device
     from gpunb.runtime.trainable import trainable_part

@@ -3,7 +3,7 @@
 One JSON object a line: {"t": time.time(), "event": name, ...}. The run's own events carry
 what the launcher's relay sends over its queue (distributed/worker.py): the log rows since the
 last line and the event's arguments as JSON, and the RunState's relayed fields (`relayed()`:
-counters, newest metrics, the Plan, the device), pickled and base64-encoded since some are
+counters, newest metrics, the RunPlan, the device), pickled and base64-encoded since some are
 objects; the kernel mirrors rank 0's state with `load_relayed`, as the launcher does. The job
 adds its own events:
 

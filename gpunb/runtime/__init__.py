@@ -7,7 +7,7 @@ Rooms along the path of one step, each importing only those above it in this lis
 (docs/architecture.md maps every module):
 
     events.py, context.py, device.py, roles.py, matching.py, trainable.py,
-    run_state.py (RunState), plan.py (Plan), placement.py (Placement)   the words every room uses
+    run_state.py (RunState), plan.py (RunPlan), placement.py (Placement)   the words every room uses
     feed/         the user's data into batches on the training device
     step/         one optimizer step: stepper, objective, precision, optimizer, schedule, EMA, compile
     validation/   when and how the weights are scored on held-out data; early stopping

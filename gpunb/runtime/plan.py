@@ -1,4 +1,4 @@
-"""Plan: what the runtime decided for one fit, and why, beside the TrainConfig the user gave.
+"""RunPlan: what the runtime decided for one fit, and why, beside the TrainConfig the user gave.
 
 The config stays what was asked ("auto" batch size, "auto" precision, epochs counted from
 where a continued fit starts); the plan holds the answers, made once in set-up
@@ -14,7 +14,7 @@ import torch
 
 
 @dataclass(frozen=True)
-class Plan:
+class RunPlan:
     device: torch.device
     precision: str  # "bf16-mixed", "16-mixed" or "32"
     precision_reason: str  # one line saying why this precision

@@ -1,7 +1,7 @@
 """prepare(): everything one fit needs before its first batch, built in the order it is decided.
 
 The continuation it goes on from, the device and precision (setup.py), one batch checked
-(preflight), the batch size, the feeds, the Plan, the summary's forward + backward, the
+(preflight), the batch size, the feeds, the RunPlan, the summary's forward + backward, the
 memory plan, the schedule, the wrapped model, the RunState and its stepper, the checkpointer,
 the step's engine, and what a continued or resumed fit loads. loop.py then trains the Run.
 """
@@ -21,7 +21,7 @@ from gpunb.runtime.feed.feeds import build_feed, with_batch_size
 from gpunb.runtime.memory.blocks import checkpoint_every_block
 from gpunb.runtime.memory.measures import MemoryFallback, apply_plan, plan_run, run_strategy
 from gpunb.runtime.placement import ALONE
-from gpunb.runtime.plan import Plan
+from gpunb.runtime.plan import RunPlan
 from gpunb.runtime.plan import length as plan_length
 from gpunb.runtime.probes.batch_size import BatchChoice, find_batch_size
 from gpunb.runtime.probes.peak_flops import device_peak_tflops
@@ -50,7 +50,7 @@ class Run:
     """Everything one fit needs, built by prepare."""
 
     config: TrainConfig  # as the user gave it
-    plan: Plan  # what set-up decided
+    plan: RunPlan  # what set-up decided
     dist: object
     state: RunState
     callbacks: Callbacks
@@ -221,11 +221,11 @@ def _feeds(train, val, batch_size, device, config, dist):
     return feed, val_feed
 
 
-def _plan(config, ready, choice, feed, carried, placement) -> Plan:
+def _plan(config, ready, choice, feed, carried, placement) -> RunPlan:
     """What set-up decided: device, precision, batch size, length (a continued fit's counted on), log
     interval, and where checkpoints go (the config's, else the placement's: a job's folder)."""
     length = plan_length(config, feed.num_batches, carried)
-    return Plan(device=ready.device, precision=ready.precision.name, precision_reason=ready.precision_reason,
+    return RunPlan(device=ready.device, precision=ready.precision.name, precision_reason=ready.precision_reason,
                 batch_size=feed.batch_size or choice.size,  # a user's DataLoader batches by its own size
                 batch_size_reason=choice.reason, batch_probe=choice.probes,
                 log_every=config.resolved_log_every(length["total_steps"], length["steps_per_epoch"]),

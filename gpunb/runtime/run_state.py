@@ -90,7 +90,7 @@ class RunState:
     run_name: str = own("run", relayed=True)
     # --- this fit: what it was asked and decided, and what callbacks may read
     config: Any = moment()  # the TrainConfig as the user gave it (the decisions are in `plan`)
-    plan: Any = moment(relayed=True)  # runtime.plan.Plan: device, precision, batch size, length, and why
+    plan: Any = moment(relayed=True)  # runtime.plan.RunPlan: device, precision, batch size, length, and why
     model: Any = moment()  # what the loop calls: `module`, possibly compiled or DDP-wrapped
     device: Any = moment(relayed=True)  # torch.device
     stepper: Any = moment()  # runtime.step.Stepper (its OOM splits are saved)

@@ -22,7 +22,7 @@ from gpunb.errors import GpunbError
 from gpunb.runtime.memory import chunked_loss as chunked
 from gpunb.runtime.memory.blocks import checkpoint_blocks, repeated_blocks
 from gpunb.runtime.memory.in_backward import OptimizerInBackward
-from gpunb.runtime.memory.plan import LOSS_CHUNKS, MEASURES, SAFETY, Footprint, Plan, plan_memory, split_micro_batch
+from gpunb.runtime.memory.plan import LOSS_CHUNKS, MEASURES, SAFETY, Footprint, MemoryPlan, plan_memory, split_micro_batch
 
 _ADAMS = ("Adam", "AdamW")
 _HYPER = ("lr", "betas", "eps", "weight_decay")
@@ -30,7 +30,7 @@ _AUTO = "strategy='auto' shards only when DDP does not fit"  # FSDP left out of 
 
 
 def plan_run(summary, model, optimizer, objective, precision, config, dist, device, *,
-             scheduler=None, continuing=False) -> Plan | None:
+             scheduler=None, continuing=False) -> MemoryPlan | None:
     """The run's plan, or None when there is nothing to plan (no budget known, plan off and
     nothing set by hand). Raises GpunbError before the first step when nothing can fit."""
     kept = kept_measures(config, dist.world_size)
@@ -87,7 +87,7 @@ def full_state_params(model) -> list:
     return list(kept.values())
 
 
-def said_full_states(plan: Plan, model) -> Plan:
+def said_full_states(plan: MemoryPlan, model) -> MemoryPlan:
     """The plan's 8-bit states say which parameters keep 32-bit ones."""
     kept = sum(p.numel() for p in full_state_params(model))
     if not plan.has("states_8bit") or not kept:
@@ -102,13 +102,13 @@ def may_shard(config, world_size: int, unavailable: dict) -> bool:
     return world_size > 1 and config.strategy == "auto" and config.memory_plan and unavailable.get("fsdp") == _AUTO
 
 
-def _sharded(footprint, budget, unavailable, kept) -> Plan:
+def _sharded(footprint, budget, unavailable, kept) -> MemoryPlan:
     """The plan with FSDP sharding, and what else it needs."""
     allowed = {m: why for m, why in unavailable.items() if m != "fsdp"}
     return plan_memory(footprint, budget, allowed, (*kept, "fsdp"))
 
 
-def run_strategy(config, world_size: int, memory: Plan | None) -> tuple[str | None, str]:
+def run_strategy(config, world_size: int, memory: MemoryPlan | None) -> tuple[str | None, str]:
     """The strategy the run trains under (None: one process) and why: the one asked for, or under
     "auto" DDP unless the memory plan shards (then the plan says the numbers)."""
     if world_size < 2:
@@ -264,7 +264,7 @@ def _why_not_torchao(optimizer) -> str | None:
     return None
 
 
-def does_not_fit(plan: Plan, footprint: Footprint, sharded: Plan | None = None) -> GpunbError:
+def does_not_fit(plan: MemoryPlan, footprint: Footprint, sharded: MemoryPlan | None = None) -> GpunbError:
     from gpunb.render import format_bytes  # only when it is said: render is not on a run's path otherwise
 
     used = " + ".join(m.text for m in plan.measures) or "no measure available"
@@ -289,7 +289,7 @@ def does_not_fit(plan: Plan, footprint: Footprint, sharded: Plan | None = None) 
         "(`devices=N, strategy='fsdp'`); or a larger `memory_budget` if it was set too low.")
 
 
-def apply_plan(plan: Plan, model, optimizer, objective):
+def apply_plan(plan: MemoryPlan, model, optimizer, objective):
     """Puts the plan's measures in place; returns (the optimizer to train with, undo). bf16 weights
     stay bf16: they are the trained weights (a copy back to fp32 would need the memory they saved)."""
     undo = []
@@ -378,7 +378,7 @@ class MemoryFallback:
     """After a real OOM that smaller micro-batches cannot fix: the next measure the run can still
     take (the chunked loss, then checkpointing of every block), said in a warning and the plan."""
 
-    def __init__(self, plan: Plan, model, objective):
+    def __init__(self, plan: MemoryPlan, model, objective):
         self.plan, self.model, self.objective = plan, model, objective
         self.chunked_available = "chunked_loss" not in plan.unavailable and not plan.has("chunked_loss")
         _, blocks = repeated_blocks(model)

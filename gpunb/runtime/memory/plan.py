@@ -4,7 +4,7 @@ Pure arithmetic, no torch: the inputs are the estimate's parts (a `Footprint`, f
 summary measured before the first step), the budget in bytes, the measures the model,
 optimizer and settings allow, and those the user set by hand. Every set of allowed
 measures is priced, the cheapest that fits wins (a model that fits gets none), and the
-`Plan` says each measure with the bytes after it and the step time it is expected to cost.
+`MemoryPlan` says each measure with the bytes after it and the step time it is expected to cost.
 
 What each measure saves (P: trainable parameters' bytes as they are now):
 
@@ -98,7 +98,7 @@ class Measure:
 
 
 @dataclass
-class Plan:
+class MemoryPlan:
     budget: int
     before: int  # the estimate without measures
     after: int  # with the plan's measures
@@ -166,7 +166,7 @@ class Plan:
 
 
 def plan_memory(footprint: Footprint, budget: int, unavailable: dict | None = None,
-                kept: tuple = ()) -> Plan:
+                kept: tuple = ()) -> MemoryPlan:
     """The cheapest set of measures under which `footprint` fits in SAFETY x `budget`.
 
     `unavailable`: measure -> why it cannot be used here (the model, optimizer or settings);
@@ -251,7 +251,7 @@ def activations(footprint: Footprint, measures, blocks: int = 0) -> int:
     return max(0, total)
 
 
-def _plan(footprint, budget, chosen, blocks, kept, unavailable) -> Plan:
+def _plan(footprint, budget, chosen, blocks, kept, unavailable) -> MemoryPlan:
     measures, applied, cost = [], set(), footprint.slowdowns
     ordered = sorted(chosen | ({"checkpointing"} if blocks else set()),
                      key=lambda m: (cost[m] + PRECISION_PRICE.get(m, 0.0), MEASURES.index(m)))
@@ -264,12 +264,12 @@ def _plan(footprint, budget, chosen, blocks, kept, unavailable) -> Plan:
         measures.append(Measure(name, describe(name, footprint, blocks), after, slowdown))
     after = estimate(footprint, applied, blocks if "checkpointing" in applied else 0)
     fixed = after - activations(footprint, applied, blocks if "checkpointing" in applied else 0)
-    return Plan(budget=budget, before=footprint.total, after=after, fits=after <= int(SAFETY * budget),
+    return MemoryPlan(budget=budget, before=footprint.total, after=after, fits=after <= int(SAFETY * budget),
                 measures=tuple(measures), checkpointed_blocks=blocks if "checkpointing" in applied else 0,
                 kept=kept, unavailable=unavailable, fixed_after=fixed)
 
 
-def split_micro_batch(plan: Plan, batch_size: int) -> Plan:
+def split_micro_batch(plan: MemoryPlan, batch_size: int) -> MemoryPlan:
     """`plan`, over the budget by its activations alone, with each batch of `batch_size` cut into
     the fewest micro-batches under which it fits (the activations scale with the micro-batch;
     the rest does not). When even a micro-batch of 1 is over, the plan says so and splits nothing."""

@@ -167,7 +167,7 @@ def data_layout_note(run, payload: dict, path) -> str | None:
 
 
 def config_problems(settings: dict, saved: dict, payload: dict, world_size: int) -> list[str]:
-    """`settings`: the resuming run's, as Plan.settings gives them (the batch size chosen)."""
+    """`settings`: the resuming run's, as RunPlan.settings gives them (the batch size chosen)."""
     problems = [f"{name}={saved[name]!r} in the checkpoint, {settings[name]!r} now"
                 for name in _POSITION_SETTINGS if name in saved and saved[name] != settings[name]]
     saved_world = payload.get("world_size")
