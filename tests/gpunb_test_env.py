@@ -30,3 +30,9 @@ _startup = Path(tempfile.mkdtemp(prefix="gpunb-test-ipython-")) / "profile_defau
 _startup.mkdir(parents=True)
 (_startup / "00-quiet-imports.py").write_text(_QUIET_IMPORTS)
 os.environ["IPYTHONDIR"] = str(_startup.parent.parent)
+
+# A forced compile in one process compiles in a worker beside the eager steps, and switches
+# when that is done: on a loaded CPU, after the short runs of most tests. Those tests pin what
+# compiled steps do, so they compile inline, as before; tests/test_compile_beside.py turns the
+# worker on (and kernels started by tests inherit this).
+os.environ.setdefault("GPUNB_COMPILE_BESIDE", "0")

@@ -20,6 +20,7 @@ from gpunb.runtime.step.step_timing import COMPILED_WARMUP, TIMED_STEPS, WARMUP_
 LAUNCH_BOUND = 0.5  # GPU busy time over step time below this: the GPU waits on the host
 ASSUMED_SPEEDUP = {True: 1.3, "reduce-overhead": 1.8, "step-graph": 2.0}  # what deciding counts on (measured after)
 CAPTURE_STEPS = 3  # a step graph's cost, in eager steps: its warm-up passes and the capture
+BESIDE_STALL_SHARE = 0.25  # a compile from a warm cache over a cold one (measured 0.21 on a CPU, 0.3 on an H100)
 PAYBACK_MARGIN = 1.5  # the saving must exceed the expected compile time this many times
 SHORTEST_RUN = WARMUP_STEPS + 2 * TIMED_STEPS + COMPILED_WARMUP + 1  # time, compile, check, then gain
 
@@ -68,13 +69,15 @@ def auto_blocker(device, world_size: int, total_steps: int | None, strategy: str
     return None
 
 
-def expected_compile_s(model: torch.nn.Module, signature) -> float:
+def expected_compile_s(model: torch.nn.Module, signature, beside: bool = False) -> float:
     """What the same model cost to compile earlier in this process (the caches only make it
-    cheaper), else 10 s plus 0.25 s per leaf module (GPT-2 124M: ~30 s on an H100)."""
+    cheaper), else 10 s plus 0.25 s per leaf module (GPT-2 124M: ~30 s on an H100). `beside`:
+    compiled beside eager steps, where the cost is the stall at the switch, the training
+    process's own compile from the cache the worker warmed (BESIDE_STALL_SHARE of a cold one)."""
     if signature in _measured_compile_s:
         return _measured_compile_s[signature]
     leaves = sum(1 for m in model.modules() if next(m.children(), None) is None)
-    return 10.0 + 0.25 * leaves
+    return (10.0 + 0.25 * leaves) * (BESIDE_STALL_SHARE if beside else 1.0)
 
 
 def signature_of(model: torch.nn.Module, batch_size) -> tuple:

@@ -18,6 +18,9 @@ and says what it is:
     compiles                       a failed forward may be the compiler's: the stepper goes on eager
     eager                          the eager engine to go on with when this one fails (None: eager)
 
+CheckedEngine is the compiled engine that checks its first micro-batch against eager before it
+counts (compile_beside.py: the switch after a compile beside the eager steps).
+
 An engine that can fail also words it: `failure_warning(error)`, the warning the stepper gives,
 and `failure_reason(error, reason)`, what the result says after (compiling.py).
 
@@ -94,6 +97,90 @@ class CompiledEngine:
     def failure_reason(error: BaseException, reason: str) -> str:
         """What the result says after the failure (`reason`: what it said before)."""
         return f"compiled step failed ({error_text(error)}); eager from then on"
+
+
+class CheckError(RuntimeError):
+    """The compiled step's loss or gradients differ from the eager step's."""
+
+
+class CheckedEngine(CompiledEngine):
+    """A compiled engine whose first micro-batch is checked against the eager engine's before it
+    counts: both compute the loss and the gradients of that micro-batch, from the same random
+    state and the same buffers, and they must agree within `tolerance` (relative; rounding
+    differs between fused and unfused kernels); else CheckError, and the stepper goes on eager
+    with a warning. A forward that draws random numbers (dropout) draws others once compiled,
+    so such a model is checked loosely: finite, and a loss of the same size; under CUDA graphs
+    ("reduce-overhead") the loss alone is checked. The compile itself
+    happens in that first call, inside `cache()` (the Inductor cache directory to use)."""
+
+    def __init__(self, eager: EagerEngine, mode, backend, tolerance: float, cache, validation: bool = False):
+        super().__init__(eager, mode, backend, validation=validation)
+        self.tolerance, self.cache, self.unchecked = tolerance, cache, True
+
+    def loss(self, piece) -> torch.Tensor:
+        __tracebackhide__ = True  # noqa: F841
+        if self.unchecked:
+            self.unchecked = False
+            with self.cache():
+                return self._checked_loss(piece)
+        return self.objective.loss(self.model, piece, self.loss_fn)
+
+    def _checked_loss(self, piece) -> torch.Tensor:
+        """Eager and compiled passes on `piece`, compared, each from the same random state and
+        buffers; then the step's own compiled pass (a compiled backward runs once per forward:
+        Inductor reuses, "donates", the buffers it saved)."""
+        model = self.eager.model
+        params = [p for p in model.parameters() if p.requires_grad]
+        buffers = [(b, b.clone()) for b in model.buffers()]
+        devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
+        passes = []
+        for forward in (self.eager.loss, lambda batch: self.objective.loss(self.model, batch, self.loss_fn)):
+            with torch.random.fork_rng(devices=devices):  # each pass draws the numbers the step will
+                loss = forward(piece)
+                # a CUDA graph's backward replays into memory the next replay reuses: its loss alone is checked
+                grads = None if self.graphed and passes else torch.autograd.grad(loss, params, allow_unused=True)
+            passes.append((loss.detach(), grads))
+            with torch.no_grad():
+                for buffer, saved in buffers:  # the pass's updates (running statistics) undone
+                    buffer.copy_(saved)
+        (reference, expected), (checked, got) = passes
+        why = mismatch(reference, checked, expected, got, self.tolerance, loose=draws_random(model))
+        if why:
+            raise CheckError(why)
+        return self.objective.loss(self.model, piece, self.loss_fn)
+
+    @staticmethod
+    def failure_warning(error: BaseException) -> str:
+        if isinstance(error, CheckError):
+            return f"gpunb: the compiled step disagrees with the eager step, so training goes on eager: {error}"
+        return CompiledEngine.failure_warning(error)
+
+
+def mismatch(reference, loss, expected, got, tolerance: float, loose: bool = False) -> str | None:
+    """Why a compiled step's loss and gradients differ from the eager step's (None: they agree).
+    Gradients are compared as a whole: the norm of their difference over the eager norm (`got`
+    None: not compared)."""
+    pairs = [(e.float(), g.float()) for e, g in zip(expected, got or ()) if e is not None and g is not None]
+    pairs = pairs or [(torch.zeros(()), torch.zeros(()))]
+    difference = torch.stack([(g - e).square().sum() for e, g in pairs]).sum()
+    size = torch.stack([e.square().sum() for e, _ in pairs]).sum()
+    finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(difference))  # one host sync, once
+    if not finite:
+        return f"the compiled step's loss or gradients are not finite (loss {float(loss):.4g})"
+    ref, value = float(reference), float(loss)
+    loss_tolerance = 0.25 if loose else tolerance
+    if abs(value - ref) > loss_tolerance * abs(ref) + 1e-6:
+        return f"loss {value:.6g} against the eager step's {ref:.6g}"
+    relative = float(difference.sqrt() / size.sqrt().clamp_min(1e-12))
+    if not loose and got is not None and relative > tolerance:
+        return f"the gradients differ by {relative:.2g} of their norm (tolerance {tolerance:g})"
+    return None
+
+
+def draws_random(model: torch.nn.Module) -> bool:
+    """Whether the model's training forward draws random numbers (dropout that drops)."""
+    return any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 and m.training
+               for m in model.modules())
 
 
 class GraphEngine:
