@@ -278,3 +278,70 @@ def test_artifacts_that_do_not_load_are_a_cold_cache_and_are_dropped():
     compile_cache.save("b" * 32, b"not artifacts")
     assert compile_cache.load("b" * 32) is False
     assert not (compile_cache.directory() / f"{'b' * 32}{compile_cache.ARTIFACTS}").exists()
+
+
+# --- compile="auto" beside the steps (a worker that answers at once; torch's eager backend)
+
+
+class _QuickWorker:
+    """A worker that answers "compiled" at its third poll, each poll a step end."""
+
+    made: list = []
+
+    def __init__(self, payload, cache_dir):
+        self.payload, self.polls, self.began = payload, 0, time.perf_counter()
+        _QuickWorker.made.append(self)
+
+    def poll(self):
+        self.polls += 1
+        return ("ok", 0.1, None) if self.polls == 3 else None
+
+    def stop(self):
+        pass
+
+
+@pytest.mark.parametrize("compile, compiled_s, kept", [("auto", 0.0005, True), ("auto", 0.002, False),
+                                                      (True, 0.002, True)])  # forced: kept, even slower
+def test_auto_compiles_beside_then_keeps_the_compiled_step_only_when_faster(monkeypatch, compile, compiled_s, kept):
+    monkeypatch.setattr(compiling, "auto_blocker", lambda *args: None)
+    monkeypatch.setattr(compiling, "BACKEND", "eager")
+    monkeypatch.setattr(compiling, "decide", lambda *args, **options: compile_decision.Decision(True, "test"))
+    monkeypatch.setattr(compiling, "Worker", _QuickWorker)
+    timings = iter([(0.001, 0.9), (compiled_s, 0.9)])  # eager, then compiled
+    monkeypatch.setattr(step_timing.StepTimings, "result", lambda self: next(timings))
+    _QuickWorker.made.clear()
+    result = _fit(_model(), compile=compile, max_steps=60)
+    info, timed = result.compilation, step_timing.WARMUP_STEPS + step_timing.TIMED_STEPS
+    assert len(_QuickWorker.made) == 1 and _QuickWorker.made[0].polls == 3
+    assert info["at_step"] == timed + 3  # eager while it compiled, switched at the step end it answered
+    assert "compiled beside training in" in info["reason"] and "switched at step 16" in info["reason"]
+    assert (info["mode"] == "default") is kept and ("went back to eager" in info["reason"]) is not kept
+
+
+def test_the_worker_gets_the_structure_and_not_the_weights():
+    import pickle
+
+    from gpunb.runtime.step import compile_worker
+    from gpunb.runtime.step.objective import Objective
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = nn.Embedding(1000, 64), nn.Linear(64, 1000, bias=False)
+            self.head.weight = self.embed.weight
+            self.norm = nn.BatchNorm1d(64)
+
+        def forward(self, x):
+            return self.head(self.norm(self.embed(x)))
+
+    model = Tied()
+    payload = compile_worker.ship(model, Objective(loss_fn=nn.CrossEntropyLoss()), torch.zeros(4, dtype=torch.long),
+                                  None, True, "inductor")
+    assert len(payload) < 64_000 * 4 / 10  # far less than the weights
+    job = pickle.loads(payload)
+    copy = job["model"]
+    assert copy.head.weight is copy.embed.weight  # still tied
+    assert [(n, p.shape, p.dtype) for n, p in copy.named_parameters()] == \
+        [(n, p.shape, p.dtype) for n, p in model.named_parameters()]
+    assert not torch.equal(copy.embed.weight, model.embed.weight)
+    assert torch.equal(copy.norm.running_var, torch.ones(64)) and isinstance(job["loss_fn"], nn.CrossEntropyLoss)

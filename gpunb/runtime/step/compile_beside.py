@@ -64,7 +64,7 @@ class Worker:
             env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         self.process = subprocess.Popen([sys.executable, "-m", "gpunb.runtime.step.compile_worker"],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.DEVNULL, env=env)
+                                        stderr=_log(), env=env)
         self.began = time.perf_counter()
         self.answer: list = []
         job = pickle.dumps((sys.path, payload))  # the worker imports what this process can
@@ -96,6 +96,13 @@ class Worker:
                 self.process.kill()
         self.process.wait()
         self.reader.join(5)
+
+
+def _log():
+    """Where the worker's stderr goes: GPUNB_COMPILE_WORKER_LOG's file (appended), else nowhere
+    (Inductor's warnings would land in the notebook's output)."""
+    path = os.environ.get("GPUNB_COMPILE_WORKER_LOG")
+    return open(path, "ab") if path else subprocess.DEVNULL  # noqa: SIM115 - the child holds it
 
 
 def _send(pipe, job: bytes) -> None:

@@ -59,10 +59,32 @@ def ship(model, objective, piece, autocast_dtype, mode, backend) -> bytes:
     """What the worker needs, as bytes. Raises when something cannot be pickled."""
     job = {"model": model, "loss_fn": objective.loss_fn, "step_fn": objective.step_fn,
            "model_loss": objective.model_loss, "piece": piece, "autocast_dtype": autocast_dtype,
-           "mode": mode, "backend": backend, "training": model.training}
+           "mode": mode, "backend": backend, "training": model.training, "settings": settings()}
     buffer = io.BytesIO()
     _StructurePickler(buffer, model).dump(job)
     return buffer.getvalue()
+
+
+def settings() -> dict:
+    """This process's global settings that Inductor's cache keys read (its compiled code differs
+    with them): the worker takes them on, so that what it compiles is what training looks up."""
+    return {"threads": torch.get_num_threads(), "matmul": torch.get_float32_matmul_precision(),
+            "deterministic": (torch.are_deterministic_algorithms_enabled(),
+                              torch.is_deterministic_algorithms_warn_only_enabled()),
+            "fill": torch.utils.deterministic.fill_uninitialized_memory, "dtype": torch.get_default_dtype(),
+            "cudnn": (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+                      torch.backends.cudnn.allow_tf32)}
+
+
+def _take_on(given: dict) -> None:
+    torch.set_num_threads(given["threads"])
+    if torch.get_float32_matmul_precision() != given["matmul"]:  # setting it names it: a key of its own
+        torch.set_float32_matmul_precision(given["matmul"])
+    torch.use_deterministic_algorithms(given["deterministic"][0], warn_only=given["deterministic"][1])
+    torch.utils.deterministic.fill_uninitialized_memory = given["fill"]
+    torch.set_default_dtype(given["dtype"])
+    (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+     torch.backends.cudnn.allow_tf32) = given["cudnn"]
 
 
 def main() -> None:
@@ -90,6 +112,7 @@ def _compile_and_run(job: dict) -> float:
     from gpunb.runtime.step.objective import Objective
 
     began = time.perf_counter()
+    _take_on(job["settings"])
     model = job["model"].train(job["training"])
     options = {"mode": job["mode"]} if isinstance(job["mode"], str) else {}
     compiled = torch.compile(model, backend=job["backend"], **options)

@@ -87,7 +87,7 @@ class Compilation:
             self.info["reason"] = f"compile={self.requested!r}"
         elif self.requested != "auto":  # eager first steps, timed; compiled once compiled beside them
             self.timings = StepTimings(device)
-            self.info["reason"] = f"compile={self.requested!r}"
+            self.info["reason"] = "eager: the run ended while its first steps were being timed, before the compile"
             self._ask(Sampling(self.eager))
         elif blocker := auto_blocker(device, self.world_size, total_steps, getattr(dist, "strategy", "ddp")):
             self.info["reason"] = blocker
@@ -240,6 +240,7 @@ class Compilation:
         self.info["eager_step_ms"] = 1000 * step_s
         self.signature = signature_of(self.model, self.batch_size)
         if self.requested != "auto":  # forced: compiled from here (beside the steps)
+            self.info["reason"] = f"compile={self.requested!r}"
             self._compile(self.requested, at_step=state.step, validation=True)
             return
         if state.total_steps is None:
