@@ -20,8 +20,9 @@ What each measure saves:
                            stochastically so that small steps are not lost
     fsdp                   weights, gradients and states split across the devices
 
-What each costs is a prior share of a step's time, by the type of device (`slowdowns`; other
-accelerators are priced as CUDA): recomputing a block's forward costs about a third of its share
+What each costs is a prior share of a step's time, by the type of device (`slowdowns`: CPU
+figures measured, CUDA ones priors until measured on a GPU; other accelerators are priced as
+CUDA): recomputing a block's forward costs about a third of its share
 of the step on either; torchao's 8-bit states and a step per parameter cost far more on a CPU,
 whose update is already most of a small model's step (benchmarks/RESULTS.md, "the measures'
 step-time cost"). bf16 weights are priced above their speed cost (`precision_price`): they
@@ -31,13 +32,12 @@ change the numbers the model holds, so they come last.
 from __future__ import annotations
 
 import functools
-import importlib.util
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from gpunb.runtime.memory.optimizers import Recipe, why_not_replaced, why_not_torchao
+
 LOSS_CHUNKS = 8  # chunks of the sequence the chunked loss computes one at a time
-_ADAMS = ("Adam", "AdamW")
-_HYPER = ("lr", "betas", "eps", "weight_decay")
 AUTO_SHARDS = "strategy='auto' shards only when DDP does not fit"  # FSDP out of the DDP plan (strategy.py)
 
 
@@ -117,30 +117,16 @@ class RunFacts:
     def replaced(self) -> str | None:
         """Why the optimizer cannot be rebuilt with other states or steps, or None. A resumed run
         takes the states it saved: optimizer_states="8bit" / "cpu" set again are kept."""
-        return _why_not_replaced(self.optimizer, self.scheduler,
+        return why_not_replaced(self.optimizer, self.scheduler,
                                  self.continuing and self.config.optimizer_states in ("auto", "full"))
 
     @functools.cached_property
     def lean(self) -> str | None:
         """Why torchao's optimizer cannot stand in for this one, or None."""
-        why = self.replaced or _why_not_torchao(self.optimizer)
+        why = self.replaced or why_not_torchao(self.optimizer)
         if self.world_size > 1:  # torchao's states under DDP / FSDP2 shards: not tried yet
             why = why or "torchao's optimizers are used on one device only for now"
         return why
-
-
-@dataclass
-class Recipe:
-    """How the optimizer is rebuilt for the plan (the same groups and hyperparameters)."""
-
-    states: str = ""  # "8bit", "cpu", or "" (torchao's plain Adam(W) where `torchao` is set)
-    torchao: bool = False
-    rounding: bool = False  # bf16 weights: the update rounds stochastically
-    in_backward: bool = False
-
-    @property
-    def changes(self) -> bool:
-        return self.torchao or self.in_backward
 
 
 @dataclass
@@ -247,11 +233,26 @@ class StepInBackward(Measure):
         target.recipe.in_backward = True
 
 
-class EightBitStates(Measure):
-    name = "states_8bit"
-    slowdowns = {"cuda": 0.05, "cpu": 1.0}
+class _TorchaoStates(Measure):
+    """Optimizer states kept another way by torchao's Adam(W): `optimizer_states=<states>` by hand."""
+
+    states = ""  # the value of `optimizer_states` that asks for it
     stage = 2
     option = "optimizer_states"
+
+    def why_not(self, run):
+        return "optimizer_states='full'" if run.config.optimizer_states == "full" else run.lean
+
+    def kept(self, config, world_size):
+        return config.optimizer_states == self.states
+
+    def apply(self, target):
+        target.recipe.states, target.recipe.torchao = self.states, True
+
+
+class EightBitStates(_TorchaoStates):
+    name, states = "states_8bit", "8bit"
+    slowdowns = {"cuda": 0.05, "cpu": 1.0}
 
     def text(self, footprint, blocks):
         return f"8-bit {footprint.optimizer_name} states"
@@ -262,21 +263,10 @@ class EightBitStates(Measure):
         kept = footprint.full_states * parts.optimizer // max(1, footprint.optimizer)
         return parts._replace(optimizer=lean // 4 + lean // 256 + kept)
 
-    def why_not(self, run):
-        return "optimizer_states='full'" if run.config.optimizer_states == "full" else run.lean
 
-    def kept(self, config, world_size):
-        return config.optimizer_states == "8bit"
-
-    def apply(self, target):
-        target.recipe.states, target.recipe.torchao = "8bit", True
-
-
-class HostStates(Measure):
-    name = "states_cpu"
+class HostStates(_TorchaoStates):
+    name, states = "states_cpu", "cpu"
     slowdowns = {"cuda": 0.5, "cpu": 0.5}
-    stage = 2
-    option = "optimizer_states"
     # one place for the states at a time; the host's update takes the gradients after backward
     excludes = ("states_8bit", "optimizer_in_backward")
 
@@ -287,17 +277,10 @@ class HostStates(Measure):
         return Parts(parts.weights, min(parts.gradients, footprint.largest_gradient), 0)
 
     def why_not(self, run):
-        if run.config.optimizer_states == "full":
-            return "optimizer_states='full'"
-        if run.lean:
-            return run.lean
+        why = super().why_not(run)
+        if why:
+            return why
         return None if run.device.type == "cuda" else "the states are in host memory already"
-
-    def kept(self, config, world_size):
-        return config.optimizer_states == "cpu"
-
-    def apply(self, target):
-        target.recipe.states, target.recipe.torchao = "cpu", True
 
 
 class Bf16Weights(Measure):
@@ -391,87 +374,3 @@ def use_chunked_loss(objective):
         objective.model_loss = None
 
     return restore
-
-
-def rebuilt_optimizer(optimizer, recipe: Recipe, full_states=()):
-    """`optimizer` rebuilt as `recipe` says; `full_states`: parameters whose states stay 32-bit
-    under 8-bit states."""
-    if not recipe.changes:
-        return optimizer
-    make = functools.partial(_torchao_optimizer, type(optimizer).__name__, recipe, full_states) if recipe.torchao \
-        else functools.partial(_same_kind, optimizer)
-    if recipe.in_backward:
-        from gpunb.runtime.memory.in_backward import OptimizerInBackward
-
-        return OptimizerInBackward(optimizer.param_groups, make)
-    return make(optimizer.param_groups)
-
-
-def _same_kind(optimizer, groups):
-    return type(optimizer)([{k: v for k, v in g.items() if k != "initial_lr"} for g in groups])
-
-
-def _torchao_optimizer(kind: str, recipe: Recipe, full_states, groups):
-    import torch
-
-    from gpunb.quiet import import_quietly
-
-    optim = import_quietly("torchao.optim")  # without torchao's notices about its extensions
-
-    groups = [{key: g[key] for key in ("params", *_HYPER) if key in g} for g in groups]
-    rounding = {"bf16_stochastic_round": recipe.rounding}
-    if recipe.states == "cpu":
-        inner = optim._AdamW if kind == "AdamW" else torch.optim.Adam
-        extra = rounding if inner is optim._AdamW else {}
-        return optim.CPUOffloadOptimizer(groups, inner, offload_gradients=True, **extra)
-    if recipe.states == "8bit":
-        eight_bit = _with_full_states(optim.AdamW8bit if kind == "AdamW" else optim.Adam8bit)
-        return eight_bit(groups, full_states=full_states, **rounding)
-    return optim._AdamW(groups, **rounding) if kind == "AdamW" else optim._Adam(groups, **rounding)
-
-
-@functools.cache
-def _with_full_states(eight_bit: type) -> type:
-    """torchao's 8-bit Adam(W) keeping 32-bit states for the parameters given as `full_states`
-    (torchao decides per tensor in `_new_buffer`: its own rule keeps small tensors 32-bit)."""
-    import torch
-
-    class FullStatesFor(eight_bit):
-        def __init__(self, params, *, full_states=(), **options):
-            super().__init__(params, **options)
-            self.full_states = {id(p) for p in full_states}
-
-        def _new_buffer(self, p, signed: bool):
-            if id(p) in self.full_states:
-                return torch.zeros_like(p)
-            return super()._new_buffer(p, signed)
-
-    FullStatesFor.__name__ = FullStatesFor.__qualname__ = eight_bit.__name__  # what checkpoints name
-    return FullStatesFor
-
-
-def _why_not_replaced(optimizer, scheduler, continuing) -> str | None:
-    """Why the optimizer cannot be rebuilt with other states or steps, or None."""
-    import torch
-    from torch.optim.lr_scheduler import LRScheduler
-
-    held = scheduler.get("scheduler") if isinstance(scheduler, dict) else scheduler
-    if isinstance(held, LRScheduler):
-        return "the scheduler given is bound to the optimizer given"
-    if continuing:
-        return "a resumed or continued run goes on with its optimizer's saved state"
-    if optimizer.state:
-        return "the optimizer already holds state"
-    if getattr(optimizer.zero_grad, "__func__", None) is not torch.optim.Optimizer.zero_grad:
-        return f"{type(optimizer).__name__} is not a plain torch optimizer"
-    return None
-
-
-def _why_not_torchao(optimizer) -> str | None:
-    if type(optimizer).__name__ not in _ADAMS or type(optimizer).__module__.split(".")[0] != "torch":
-        return f"torchao's states replace Adam or AdamW, and the optimizer is {type(optimizer).__name__}"
-    if any(group.get("amsgrad") for group in optimizer.param_groups):
-        return "amsgrad is not in torchao's 8-bit AdamW"
-    if importlib.util.find_spec("torchao") is None:  # not imported here: a plan that needs none stays light
-        return "torchao is not installed (`pip install gpunb[llm]`)"
-    return None

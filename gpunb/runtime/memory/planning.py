@@ -22,7 +22,8 @@ from gpunb.runtime.memory import chunked_loss as chunked
 from gpunb.runtime.memory import strategy
 from gpunb.runtime.memory.blocks import checkpoint_blocks, repeated_blocks
 from gpunb.runtime.memory.measures import (CHECKPOINTING, CHUNKED_LOSS, EIGHT_BIT_STATES, MEASURES, STEP_IN_BACKWARD,
-                                           RunFacts, Target, rebuilt_optimizer, use_chunked_loss)
+                                           RunFacts, Target, use_chunked_loss)
+from gpunb.runtime.memory.optimizers import rebuilt_optimizer
 from gpunb.runtime.memory.plan import SAFETY, Footprint, MemoryPlan, plan_memory, split_micro_batch
 
 
