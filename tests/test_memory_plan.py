@@ -636,6 +636,8 @@ def test_each_measure_says_what_it_saves_costs_and_needs():
     assert by_name["fsdp"].idle(PARTS) == "one device" and by_name["fsdp"].idle(replace(PARTS, world_size=2)) is None
     assert not by_name["optimizer_in_backward"].micro_batches
     assert set(by_name["states_cpu"].excludes) == {"states_8bit", "optimizer_in_backward"}
+    # kept 8-bit states are never joined by states on the host, though that would save more
+    assert "states_cpu" not in plan_memory(PARTS, 100 * MiB, kept=("states_8bit",)).names
 
 
 def test_the_strategy_is_said_in_one_line_only_where_auto_chose_to_shard():

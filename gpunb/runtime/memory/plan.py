@@ -193,7 +193,7 @@ def estimate(footprint: Footprint, measures, blocks: int = 0) -> int:
     blocks checkpointed."""
     f = footprint
     parts = Parts(f.weights, f.gradients, f.optimizer)
-    for measure in sorted(measures_of(measures), key=lambda m: m.stage):
+    for measure in sorted(measures_of(measures), key=lambda m: (m.stage, m.name)):
         parts = measure.shrink(parts, f)
     return sum(parts) + f.ema + activations(footprint, measures, blocks)
 
