@@ -194,9 +194,9 @@ def _strategy(plan, config, dist, memory, summary, precision):
     shards), the context told, the summary said, and the precision rebuilt where FSDP's fp16 needs
     its own scaler."""
     strategy = run_strategy(config, dist.world_size, memory)
-    summary.strategy = strategy.line()
-    if strategy.name is None:
+    if strategy.name is None:  # one process: nothing to say (and render stays unimported)
         return plan, precision
+    summary.strategy = strategy.line()
     dist.use_strategy(strategy.name)
     if strategy.name == "fsdp" and precision.scaler is not None and config.strategy == "auto":
         # built for DDP: FSDP skips a step on every rank together

@@ -31,10 +31,10 @@ class Strategy(NamedTuple):
 def run_strategy(config, world_size: int, memory: MemoryPlan | None) -> Strategy:
     """The one asked for, or under "auto" DDP unless the memory plan shards (then the plan says
     the numbers)."""
-    from gpunb.render import ASKED_FOR
-
     if world_size < 2:
         return Strategy(None)
+    from gpunb.render import ASKED_FOR  # not on a one-process run's path
+
     if config.strategy != "auto":
         return Strategy(config.strategy, ASKED_FOR)
     if memory is not None and memory.has(FSDP):
