@@ -30,7 +30,7 @@ def modules():
 def assigning(tree, name: str) -> bool:
     """Whether `tree` assigns the module-level name `name` (NAME = ..., NAME: type = ...)."""
     for node in ast.walk(tree):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
         if any(isinstance(t, ast.Name) and t.id == name for t in targets):
             return True
     return False
@@ -38,7 +38,7 @@ def assigning(tree, name: str) -> bool:
 
 def calling(tree, name: str) -> bool:
     """Whether `tree` calls a function or method called `name`."""
-    return any(isinstance(node, ast.Call) and (getattr(node.func, "attr", None) == name or getattr(node.func, "id", None) == name)
+    return any(isinstance(node, ast.Call) and name in (getattr(node.func, "attr", None), getattr(node.func, "id", None))
                for node in ast.walk(tree))
 
 
@@ -143,7 +143,8 @@ def test_a_lost_message_sends_its_rows_with_the_next_one():
     writer.on_log(state, state.history[-1])  # lost
     state.history.append({"step": 2, "loss": 0.5})
     writer.on_log(state, state.history[-1])
-    assert [row["step"] for row in channel.sent[-1]["rows"]] == [1, 2] and channel.sent[-1]["args"] == [{"step": 2, "loss": 0.5}]
+    last = channel.sent[-1]
+    assert [row["step"] for row in last["rows"]] == [1, 2] and last["args"] == [{"step": 2, "loss": 0.5}]
 
 
 def test_the_mirror_follows_rank0_and_tells_each_event_once():
@@ -213,7 +214,7 @@ def test_the_launchers_channel_brings_its_stops_in():
 
     flag, queue = Flag(), Queue()
     channel = QueueChannel(queue, flag)
-    state = rank0_state()
+    state = rank0_state(history=[{"step": 1, "loss": 1.0}])  # resumed: its history goes first
     writer = RelayWriter(channel)
     writer.on_fit_start(state)
     writer.on_step_end(state)
@@ -223,4 +224,5 @@ def test_the_launchers_channel_brings_its_stops_in():
     assert state.stop_reason == "interrupted"
     message = queue[0][2]
     assert queue[0][:2] == ("event", 0) and message["event"] == "on_fit_start"
-    assert message["rows"] is not state.history  # a copy: the queue pickles it later, while training goes on
+    # A copy: the queue pickles it later, on its own thread, while training goes on.
+    assert message["rows"] == state.history and message["rows"][0] is not state.history[0]
