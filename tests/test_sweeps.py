@@ -238,3 +238,23 @@ def test_a_cell_that_raises_in_its_first_trial_stops_the_sweep_with_one_message(
 
     with pytest.raises(UsageError, match="the cell raised while building trial 0"):
         ip.run_cell_magic("gputrain", "--trials 3 --epochs 1 --no-track", SWEEP_CELL + "\n1 / 0\n")
+
+
+def test_the_sweeps_live_view_is_one_output_re_sent_as_trials_validate_and_end(ip, monkeypatch):
+    sent = []
+    monkeypatch.setenv("GPUNB_DASHBOARD", "html")
+    monkeypatch.setattr(ip.display_formatter.formatters["text/html"], "enabled", True)  # as in a kernel
+    monkeypatch.setattr(ip.display_pub, "publish", lambda data, metadata=None, transient=None, update=False,
+                        **kw: sent.append((data, (transient or {}).get("display_id"), update)))
+    ip.run_cell_magic("gputrain", "--trials 3 --sampler random --seed 0 --epochs 2 --batch-size 40 "
+                                  "--val-every-steps 5 --no-track", SWEEP_CELL)
+    ids = {display_id for _, display_id, _ in sent}
+    assert len(ids) == 1 and None not in ids  # one output, updated in place
+    assert [update for _, _, update in sent][:1] == [False] and all(update for _, _, update in sent[1:])
+    html = [data.get("text/html", "") for data, _, _ in sent]
+    assert "starting" in html[0]
+    assert any("trial 1 running, step 5 of 10" in h for h in html)  # a trial's curve at its validation
+    assert any("sweep: 2 of 3 trials ended" in h for h in html)
+    final = sent[-1][0]
+    assert final["text/plain"].startswith("SweepResult(") and "★" in final["text/html"]
+    assert "<svg" not in final["text/html"] and "data:image/svg+xml;base64" in final["text/html"]

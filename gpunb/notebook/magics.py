@@ -134,11 +134,15 @@ class GpuMagics(Magics):
         from gpunb.notebook.busy import kernel_stays_busy
         from gpunb.notebook.sweep_cell import check_sweep_line, run_sweep_cell
 
-        check_sweep_line(args, cell, config)
+        settings = check_sweep_line(args, cell, config)
+        view = _sweep_view(self.shell, args, settings)
         with kernel_stays_busy(self.shell):
-            sweep = run_sweep_cell(self.shell, args, line, cell, config, callbacks=[])
+            sweep = run_sweep_cell(self.shell, args, line, cell, config, settings, view)
         self.shell.user_ns[args.out] = sweep.best_result if sweep.best_result is not None else sweep
-        display(sweep)
+        if view is not None:
+            view.close(sweep)
+        else:
+            display(sweep)
 
     def _export(self, args, line, cell, config):
         from gpunb.notebook.export import export_script
@@ -247,6 +251,15 @@ def _progress_callbacks(shell, quiet: bool) -> list:
     from gpunb.notebook.frontends import live_view
 
     return live_view(_dashboard_mode(shell))
+
+
+def _sweep_view(shell, args, settings):
+    """The sweep's live view where a kernel can re-send it; None in a terminal or with --quiet."""
+    if args.quiet or _dashboard_mode(shell) == "text":
+        return None
+    from gpunb.notebook.sweep_view import SweepView
+
+    return SweepView(settings.trials, settings.monitor, settings.resolved_direction())
 
 
 def _dashboard_mode(shell) -> str:

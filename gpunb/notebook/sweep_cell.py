@@ -18,8 +18,10 @@ _NOT_WITH = {"continue_fit": "--continue", "export": "--export", "find_lr": "--f
              "dry_run": "--dry-run", "no_wait": "--no-wait"}
 
 
-def check_sweep_line(args, cell, config) -> None:
-    """What a sweep cannot be combined with, refused before the cell runs."""
+def check_sweep_line(args, cell, config):
+    """The sweep's settings; what a sweep cannot be combined with is refused before the cell runs."""
+    from gpunb.sweeps.study import SweepSettings
+
     if cell is None:
         raise UsageError("--trials runs the cell once per trial, and a line magic has no cell.\n"
                          "HINT: put `%%gputrain --trials N` on top of the cell that builds the model.")
@@ -30,13 +32,20 @@ def check_sweep_line(args, cell, config) -> None:
     if config.cluster is not None:
         raise UsageError("--trials runs its trials in this kernel, one after another; a sweep's trials as "
                          "jobs are not offered yet.\nHINT: drop `--detach` / `--cluster` to sweep here.")
+    return SweepSettings(args.trials, sampler=args.sampler, prune=args.prune, direction=args.direction,
+                         seed=config.seed, monitor=config.monitor or "val_loss").check()
 
 
-def run_sweep_cell(shell, args, line, cell, config, callbacks):
-    """Run the sweep; returns the best trial's TrainResult (None when no trial completed)."""
+def run_sweep_cell(shell, args, line, cell, config, settings, view=None):
+    """Run the sweep; `view`: a SweepView (None: the trials' lines only). Returns the SweepResult."""
     from gpunb.trainer import Trainer
 
     named = named_options(line)
+
+    def ended(row):
+        print(trial_line(row, config))
+        if view is not None:
+            view.ended(row)
 
     def build(trial):
         before = {name: id(value) for name, value in shell.user_ns.items()}
@@ -48,9 +57,9 @@ def run_sweep_cell(shell, args, line, cell, config, callbacks):
         return {role: found[role] for role in ("model", "train_data", "val_data", "optimizer", "scheduler",
                                                "loss_fn", "step", "metrics")} | {"callbacks": found["callbacks"]}
 
-    sweep = Trainer(config).sweep(_with_callbacks(build, callbacks), args.trials, monitor=config.monitor,
-                                  direction=args.direction, sampler=args.sampler, prune=args.prune,
-                                  seed=config.seed, on_trial=lambda row: print(trial_line(row, config)))
+    sweep = Trainer(config).sweep(build, settings.trials, monitor=settings.monitor, direction=settings.direction,
+                                  sampler=settings.sampler, prune=settings.prune, seed=settings.seed,
+                                  on_trial=ended, callbacks=[view] if view is not None else [])
     if sweep.best_model is not None:
         shell.user_ns[args.model_name] = sweep.best_model
         sweep.best_result.sweep = sweep
@@ -71,12 +80,3 @@ def trial_line(row, config) -> str:
 
 class CellFailed(GpunbError):
     """The cell itself raised while a trial was built (shown above by IPython)."""
-
-
-def _with_callbacks(build, callbacks):
-    def with_them(trial):
-        arguments = build(trial)
-        arguments["callbacks"] = [*arguments["callbacks"], *callbacks]
-        return arguments
-
-    return with_them

@@ -19,7 +19,7 @@ __all__ = ["suggest", "SweepSettings", "run_sweep"]
 
 
 def run_sweep(build, fit, settings: SweepSettings, *, name: str | None = None, space: dict | None = None,
-              on_trial=None):
+              on_trial=None, watch=()):
     """Run the sweep's trials in this process; returns a SweepResult (the best trial's model trained)."""
     from gpunb.runs.paths import data_dir
     from gpunb.sweeps.result import SweepResult
@@ -29,7 +29,8 @@ def run_sweep(build, fit, settings: SweepSettings, *, name: str | None = None, s
     folder = data_dir() / "sweeps" / name
     if settings.sampler == "grid" and space is None:
         space = _recorded_space(build)
-    rows, study, best = run_trials(build, fit, settings.check(), folder, name, space=space, on_trial=on_trial)
+    rows, study, best = run_trials(build, fit, settings.check(), folder, name, space=space, on_trial=on_trial,
+                                   watch=watch)
     result = SweepResult(name, str(folder), settings.monitor, settings.resolved_direction(), rows, study)
     if best is not None:
         result.best_trial, result.best_result = best[0].number, best[2]

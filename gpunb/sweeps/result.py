@@ -80,8 +80,9 @@ def sweep_text(s: SweepResult) -> str:
     return head + f"; best: trial {s.best_trial}, {s.monitor}={fmt(s.best_value)}, {params})"
 
 
-def sweep_html(s: SweepResult) -> str:
-    return (f"<div><b>{html_escape(sweep_text(s))}</b>{trials_html(s)}"
+def sweep_html(s: SweepResult, header: str | None = None) -> str:
+    """The sweep's table and charts under `header` (default: its text)."""
+    return (f"<div><b>{html_escape(header or sweep_text(s))}</b>{trials_html(s)}"
             f"{as_image(curves_chart(s), f'{s.monitor} of each trial')}"
             + "".join(as_image(objective_chart(s, name), f"{s.monitor} against {name}")
                       for name in s._columns()[3:-4]) + "</div>")

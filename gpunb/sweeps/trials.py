@@ -44,7 +44,7 @@ class TrialRow:
 
     number: int
     params: dict
-    state: str  # "complete", "pruned", "failed", "stopped" (the user stopped the sweep during it)
+    state: str  # "running", then "complete", "pruned", "failed" or "stopped" (the user stopped the sweep)
     value: float | None = None
     pruned_at: int | None = None
     steps: int = 0
@@ -55,10 +55,12 @@ class TrialRow:
 
 
 def run_trials(build, fit, settings: SweepSettings, folder, name: str, *, space: dict | None = None,
-               on_trial=None):
+               on_trial=None, watch=()):
     """Run `settings.trials` trials one after another; returns (rows, study, best).
 
     `build(trial)` -> fit's arguments (model, train_data, ...); `fit(arguments, callbacks, trial_name)` -> TrainResult.
+    `on_trial(row)`: called as each trial ends. `watch`: callbacks that every trial's fit calls too,
+    given the trial's row (`watcher.trial = row`) before it starts (a live view of the sweep).
     `best`: (row, model, result) of the best completed trial, or None when none completed.
     """
     study = open_study(folder, name, settings.check(), space)
@@ -66,7 +68,7 @@ def run_trials(build, fit, settings: SweepSettings, folder, name: str, *, space:
     for _ in range(settings.trials):
         trial = study.ask()
         try:
-            row, kept = _one_trial(trial, build, fit, settings, name, first=not rows)
+            row, kept = _one_trial(trial, build, fit, settings, name, first=not rows, watch=watch)
         except BaseException:
             _tell(study, trial, TrialRow(trial.number, {}, "failed"))  # no trial is left "running"
             raise
@@ -86,10 +88,12 @@ def run_trials(build, fit, settings: SweepSettings, folder, name: str, *, space:
     return rows, study, best and best[:3]
 
 
-def _one_trial(trial, build, fit, settings: SweepSettings, name: str, first: bool):
+def _one_trial(trial, build, fit, settings: SweepSettings, name: str, first: bool, watch=()):
     """Build and fit one trial; its row, and (model, result) when it completed."""
     started = time.perf_counter()
-    row = TrialRow(trial.number, {}, "failed", run_name=f"{name}-t{trial.number}")
+    row = TrialRow(trial.number, {}, "running", run_name=f"{name}-t{trial.number}")
+    for watcher in watch:
+        watcher.trial = row
     pruning = Pruning(trial, settings.monitor)
     try:
         with trial_values(trial=trial):
@@ -97,10 +101,11 @@ def _one_trial(trial, build, fit, settings: SweepSettings, name: str, first: boo
         row.params = dict(trial.params)
         if arguments.get("val_data") is None:  # the objective is a validation metric
             Monitor(settings.monitor).check_produced(None, "The sweep")
-        result = fit(arguments, [pruning, _Curve(row, settings.monitor)], row.run_name)
+        result = fit(arguments, [pruning, _Curve(row, settings.monitor), *watch], row.run_name)
     except Exception as error:  # noqa: BLE001 - a trial that fails is recorded and the sweep goes on
         if first and isinstance(error, GpunbError):  # a mistake in the set-up fails every trial alike
             raise
+        row.state = "failed"
         row.error = f"{type(error).__name__}: {error}"
         row.params = dict(trial.params)
         row.seconds = time.perf_counter() - started
