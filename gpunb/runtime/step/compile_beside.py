@@ -62,9 +62,11 @@ class Worker:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}  # shared with the training process
         if (os.cpu_count() or 1) <= SMALL_HOST_CPUS:  # a pool of compile processes would only compete with training
             env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+        log = _log()
         self.process = subprocess.Popen([sys.executable, "-m", "gpunb.runtime.step.compile_worker"],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=_log(), env=env)
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
+        if log is not subprocess.DEVNULL:
+            log.close()  # the child has its own
         self.began = time.perf_counter()
         self.answer: list = []
         job = pickle.dumps((sys.path, payload))  # the worker imports what this process can
@@ -102,7 +104,7 @@ def _log():
     """Where the worker's stderr goes: GPUNB_COMPILE_WORKER_LOG's file (appended), else nowhere
     (Inductor's warnings would land in the notebook's output)."""
     path = os.environ.get("GPUNB_COMPILE_WORKER_LOG")
-    return open(path, "ab") if path else subprocess.DEVNULL  # noqa: SIM115 - the child holds it
+    return open(path, "ab") if path else subprocess.DEVNULL  # noqa: SIM115 - closed once the child has it
 
 
 def _send(pipe, job: bytes) -> None:
