@@ -229,14 +229,12 @@ class TrainConfig:
 
     def _check_job(self) -> None:
         """cluster / nodes / gpus_per_node / slurm / gpu_hour_price, before anything is submitted."""
-        self.cluster = _choice("cluster", self.cluster, {"none": None, "local": "local", "slurm": "slurm",
-                                                         "detach": "local"},
-                               "use `cluster='local'` (a detached job on this machine) or `cluster='slurm'`")
+        self.cluster = _cluster_name(self.cluster)  # which names exist is the jobs' table's (jobs/backends)
         self.nodes = _positive_int("nodes", self.nodes)
         if self.gpus_per_node is not None:
             self.gpus_per_node = _positive_int("gpus_per_node", self.gpus_per_node)
-        if self.nodes > 1 and self.cluster != "slurm":
-            raise GpunbError(f"nodes={self.nodes} needs a cluster, and cluster={self.cluster!r}.",
+        if self.nodes > 1 and self.cluster is None:
+            raise GpunbError(f"nodes={self.nodes} needs a cluster, and cluster=None.",
                              "pass `cluster='slurm'` too (`--cluster slurm`), or drop `nodes`.")
         if not isinstance(self.slurm, dict):
             raise GpunbError(f"slurm must be a dict of Slurm settings, got {self.slurm!r}.",
@@ -325,6 +323,16 @@ def _choice(name: str, value: Any, aliases: dict, hint: str) -> str:
     if key not in aliases:
         raise GpunbError(f"Unknown {name} {value!r}.", hint + ".")
     return aliases[key]
+
+
+def _cluster_name(value: Any) -> str | None:
+    """None ("none": in this process) or a backend's name, as written (gpunb.jobs knows the names)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+        return None
+    if not isinstance(value, str):
+        raise GpunbError(f"cluster must be a cluster's name, got {value!r}.",
+                         "pass e.g. `cluster='local'` (a detached job on this machine) or `cluster='slurm'`.")
+    return value.strip().lower()
 
 
 def _positive_int(name: str, value: Any) -> int:
