@@ -124,8 +124,9 @@ class TrainConfig:
                                         "~/.config/gpunb/clusters.toml and `slurm`)", section="where the run executes")
     nodes: int = setting(1, "a job's nodes (Slurm)")
     gpus_per_node: int | None = setting(None, "a job's GPUs, one process each, per node; None: `devices` processes")
-    slurm: dict = setting(help="Slurm settings: partition, time, account, qos, constraint, any sbatch key "
-                               "(on a command line: --partition, --time, ..., --slurm KEY=VALUE)", factory=dict)
+    slurm: dict = setting(help="the job's settings for its cluster, over the cluster file's; Slurm's: partition, "
+                               "time, account, qos, constraint, any sbatch key (on a command line: --partition, "
+                               "--time, ..., --slurm KEY=VALUE)", factory=dict)
     gpu_hour_price: float | None = setting(None, "a GPU-hour's price, for the job's cost; None: the cluster file's")
     resubmit: bool = setting(False, "submit anew even when this run's job exists (else its job is attached to)")
     seed: int | None = setting(0, "seeds python, numpy and torch; None leaves RNGs alone",

@@ -25,8 +25,9 @@ class SubmititBackend(JobBackend):
 
     def refused(self, error: Exception) -> GpunbError:
         """The scheduler's refusal as one message naming the fix."""
-        return GpunbError(f"The job could not be submitted: {error}",
-                          f"its log may say more: {type(error).__name__} came from submitit.")
+        return GpunbError(f"The job could not be submitted ({type(error).__name__} from submitit: {error}).",
+                          "fix what it names (the cluster file's `python` is the interpreter the job starts), "
+                          "then run the cell again.")
 
     def submit(self, spec, settings: dict, time_limit_min: float, entry) -> None:
         executor = self.executor(spec, settings, time_limit_min)
