@@ -54,8 +54,9 @@ def get(name: str | None) -> JobBackend:
     found = find(name)
     if found is None:
         close = difflib.get_close_matches(str(name), list(TABLE), n=1)
+        guess = f" (did you mean {close[0]!r}?)" if close else ""
         known = ", ".join(f"`cluster='{b.name}'` ({b.what})" for b in every())
-        raise GpunbError(f"cluster={name!r} is not a cluster gpunb knows{f' (did you mean {close[0]!r}?)' if close else ''}.",
+        raise GpunbError(f"cluster={name!r} is not a cluster gpunb knows{guess}.",
                          f"use {known}, or cluster=None to train in this process.")
     return found
 

@@ -49,7 +49,8 @@ class LocalBackend(SubmititBackend):
     def executor(self, spec, settings: dict, time_limit_min: float):
         chosen = _DetachedLocalExecutor(spec.submitit_dir, python=settings.get("python"))
         chosen.update_parameters(timeout_min=time_limit_min, tasks_per_node=spec.tasks_per_node,
-                                 gpus_per_node=spec.gpus_per_node, signal_delay_s=int(settings.get("signal_delay_s", 30)))
+                                 gpus_per_node=spec.gpus_per_node,
+                                 signal_delay_s=int(settings.get("signal_delay_s", 30)))
         return chosen
 
     def submitted(self, spec, job) -> None:
