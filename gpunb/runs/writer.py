@@ -13,10 +13,17 @@ the stamp). In between, every STOP_POLL_S it reads whether the sidebar asked the
 stop, unless the training thread read it meanwhile, at a log (each read here takes the GIL
 from the step): the training thread reads `stop_requested` at each step, so a stop lands at
 the next step boundary, however long the log interval.
+
+The thread is a daemon, which would keep a stuck registry from letting the process exit; so
+that exit does not cut off a run's end that a locked registry held back past its fit, an
+exit hook gives such ends EXIT_WAIT_S more.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
+import logging
 import threading
 import time
 import weakref
@@ -29,7 +36,10 @@ RETRY_AFTER_S = 30.0  # after any other failure (disk full, damaged file), leave
 MAX_PENDING_ROWS = 1000  # metric rows kept while the registry is unavailable (thinned evenly beyond)
 HEARTBEAT_EVERY_S = 5.0  # idle this long, the thread stamps the run's heartbeat (liveness.STALE_AFTER_S is far longer)
 STOP_POLL_S = 0.5  # idle, the thread reads the run's stop request this often (one read, off the training thread)
+EXIT_WAIT_S = 10.0  # at exit, wait this long at most for runs' ends not yet written
 ABANDONED = "the fit ended without reporting its end to the run registry"
+
+log = logging.getLogger(__name__)
 
 
 class RunWriter:
@@ -72,6 +82,8 @@ class RunWriter:
             if finish is not None:
                 self._finish = finish
                 self._ending.set()
+                _UNWRITTEN_ENDS.add(self)
+                _exit_hook()
             self._changed.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -136,20 +148,35 @@ class RunWriter:
             fields, self._fields = self._fields, {}
             rows, self._rows = self._rows, []
             finish = self._finish
-        try:
-            if fields:
-                registry.update(self.run_id, **fields)
-                fields = {}
-            if rows:
-                registry.add_points(self.run_id, rows)  # one transaction for the second's logs
-                rows = []
-            if finish is not None:
-                registry.finish(self.run_id, **finish)
-                self.finished.set()
-                return
+        if not (fields or rows or finish):  # the row alone: it may be a job's, with a stop request waiting
             self.stop_requested = registry.stop_requested(self.run_id)
+            return
+        try:
+            # One transaction: the second's logs, the newest fields and, at the end, the final status.
+            self.stop_requested = registry.record(self.run_id, fields, rows, finish)
         except Exception:
             with self._changed:  # put back what was not written, under anything newer
                 self._fields = fields | self._fields
                 self._rows = rows + self._rows
             raise
+        if finish is not None:
+            self.finished.set()
+
+
+_UNWRITTEN_ENDS: weakref.WeakSet = weakref.WeakSet()  # writers given a run's end (a finished one's thread is gone)
+
+
+@functools.cache
+def _exit_hook() -> None:
+    atexit.register(_write_ends_at_exit)  # once, at the first run's end: nothing happens at import
+
+
+def _write_ends_at_exit() -> None:
+    waiting = [writer for writer in list(_UNWRITTEN_ENDS) if not writer.finished.is_set()]
+    if not waiting:
+        return
+    log.warning("gpunb: waiting up to %g s for the run registry to record the end of %d run(s).",
+                EXIT_WAIT_S, len(waiting))
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for writer in waiting:
+        writer.flush(max(0.0, deadline - time.monotonic()))
