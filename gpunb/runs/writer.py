@@ -30,6 +30,7 @@ import weakref
 from collections.abc import Callable
 
 from gpunb.runs.registry import Registry, RegistryLocked
+from gpunb.runs.threads import run_in_thread
 
 LOCKED_RETRY_S = 0.25  # pause between tries while another process holds the lock
 RETRY_AFTER_S = 30.0  # after any other failure (disk full, damaged file), leave the registry alone this long
@@ -68,9 +69,9 @@ class RunWriter:
         self._fields: dict = {}  # newest `Registry.update` fields not yet written
         self._rows: list = []  # (step, metrics) not yet written
         self._finish: dict | None = None  # `Registry.finish` arguments
-        self._busy = False  # this thread holds work taken from the pending state
+        self._busy = False  # a thread (this one, or the training thread at the end) holds work taken from the pending state
         self._ending = threading.Event()  # the final status was submitted: cut any back-off short
-        threading.Thread(target=self._loop, name=f"gpunb-run-{run_id[:8]}", daemon=True).start()
+        run_in_thread(self._loop, name=f"gpunb-run-{run_id[:8]}")
 
     # ------------------------------------------------------------------ training thread
     def submit(self, fields: dict | None = None, rows: list | None = None, finish: dict | None = None) -> None:
@@ -86,6 +87,30 @@ class RunWriter:
                 _exit_hook()
             self._changed.notify_all()
 
+    def end(self, registry: Registry, finish: dict, rows: list) -> bool:
+        """Submit the run's end and write it, with anything still pending, on the calling thread
+        through `registry` (the caller's own, which never waits for a lock), unless this thread is
+        writing; True once it is written. A fit's end then need not wait for this thread to wake."""
+        with self._changed:
+            self._rows.extend(rows)
+            self._finish = finish
+            self._ending.set()
+            _UNWRITTEN_ENDS.add(self)
+            _exit_hook()
+            mine = not self._busy and not self.finished.is_set()
+            self._busy = self._busy or mine
+            if not mine:
+                self._changed.notify_all()
+                return self.finished.is_set()
+        try:
+            self._write_pending(registry)
+        except Exception:  # put back by _write_pending: this thread tries again, and reports it
+            pass
+        with self._changed:
+            self._busy = False
+            self._changed.notify_all()
+        return self.finished.is_set()
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything submitted so far is written; False if `timeout` ran out first."""
         with self._changed:
@@ -96,6 +121,9 @@ class RunWriter:
     def _pending(self) -> bool:
         return bool(self._start or self._fields or self._rows or self._finish)
 
+    def _wanted(self) -> bool:  # something for this thread to do now
+        return self._pending() and not self._busy or self.finished.is_set()
+
     def _loop(self) -> None:
         last_beat = time.monotonic()
         while not self.finished.is_set():
@@ -103,7 +131,12 @@ class RunWriter:
             since_read = time.monotonic() - self.stop_read_at
             poll_in = max(0.01, STOP_POLL_S - since_read) if since_read < STOP_POLL_S else STOP_POLL_S
             with self._changed:
-                idle = not self._changed.wait_for(self._pending, min(poll_in, HEARTBEAT_EVERY_S))
+                idle = not self._changed.wait_for(self._wanted, min(poll_in, HEARTBEAT_EVERY_S))
+                if self.finished.is_set():  # written (by the training thread), or given up
+                    return
+                if self._busy:  # the training thread writes the run's end itself: see what it left
+                    self._changed.wait_for(lambda: not self._busy)
+                    continue
                 self._busy = True
             error = None
             try:
@@ -138,8 +171,8 @@ class RunWriter:
         elif self.recorded.is_set():  # removed by a host that took the run for dead: it lives, record it again
             self.registry.start_run(run_id=self.run_id, **{**self._start_args, "reopen": True})
 
-    def _write_pending(self) -> None:
-        registry = self.registry
+    def _write_pending(self, registry: Registry | None = None) -> None:
+        registry = registry or self.registry
         if self._start is not None:
             registry.start_run(run_id=self.run_id, **self._start)
             self._start = None
