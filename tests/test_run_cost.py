@@ -11,11 +11,11 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
+from test_runs import _until
 from torch import nn
 
 from gpunb import Trainer
@@ -106,13 +106,6 @@ def _recorded_run(registry: Registry, name: str) -> RunRecorder:
     state.step, state.result = 10, SimpleNamespace(interrupted=False, energy_j=None)
     rec.on_fit_end(state)
     return rec
-
-
-def _until(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def test_the_next_fit_writes_on_the_thread_the_last_one_left(tmp_path, monkeypatch):
