@@ -69,7 +69,7 @@ class RunWriter:
         self._fields: dict = {}  # newest `Registry.update` fields not yet written
         self._rows: list = []  # (step, metrics) not yet written
         self._finish: dict | None = None  # `Registry.finish` arguments
-        self._busy = False  # a thread (this one, or the training thread at the end) holds work taken from the pending state
+        self._busy = False  # a thread (this one, or at the end the training thread) holds work taken from the pending state
         self._ending = threading.Event()  # the final status was submitted: cut any back-off short
         run_in_thread(self._loop, name=f"gpunb-run-{run_id[:8]}")
 
@@ -81,10 +81,7 @@ class RunWriter:
             if len(self._rows) > MAX_PENDING_ROWS:  # keep every other row, and the newest
                 self._rows = self._rows[:-1:2] + self._rows[-1:]
             if finish is not None:
-                self._finish = finish
-                self._ending.set()
-                _UNWRITTEN_ENDS.add(self)
-                _exit_hook()
+                self._set_end(finish)
             self._changed.notify_all()
 
     def end(self, registry: Registry, finish: dict, rows: list) -> bool:
@@ -93,10 +90,7 @@ class RunWriter:
         writing; True once it is written. A fit's end then need not wait for this thread to wake."""
         with self._changed:
             self._rows.extend(rows)
-            self._finish = finish
-            self._ending.set()
-            _UNWRITTEN_ENDS.add(self)
-            _exit_hook()
+            self._set_end(finish)
             mine = not self._busy and not self.finished.is_set()
             self._busy = self._busy or mine
             if not mine:
@@ -110,6 +104,12 @@ class RunWriter:
             self._busy = False
             self._changed.notify_all()
         return self.finished.is_set()
+
+    def _set_end(self, finish: dict) -> None:  # under self._changed
+        self._finish = finish
+        self._ending.set()
+        _UNWRITTEN_ENDS.add(self)
+        _exit_hook()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything submitted so far is written; False if `timeout` ran out first."""
