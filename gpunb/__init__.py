@@ -10,7 +10,7 @@ touches CUDA or NVML at import time.
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["Trainer", "TrainConfig", "TrainResult", "predict", "evaluate", "profile", "runs", "compare", "attach", "stop"]
+__all__ = ["Trainer", "TrainConfig", "TrainResult", "predict", "evaluate", "profile", "runs", "compare", "attach", "stop", "suggest"]
 
 _LAZY = {
     "Trainer": "gpunb.trainer",
@@ -23,6 +23,7 @@ _LAZY = {
     "compare": "gpunb.runs",
     "attach": "gpunb.jobs",
     "stop": "gpunb.jobs",
+    "suggest": "gpunb.sweeps",
 }
 
 

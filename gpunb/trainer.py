@@ -146,6 +146,35 @@ class Trainer:
 
     dry_run = summary
 
+    def sweep(self, build, trials: int, *, monitor: str | None = None, direction: str | None = None,
+              sampler: str = "tpe", prune: str = "none", seed: int | None = None, name: str | None = None,
+              on_trial=None, callbacks=()):
+        """Run `trials` fits with hyperparameters an Optuna study samples; returns a SweepResult.
+
+        `build(trial)` returns fit's arguments (`model`, `train_data`, `val_data`, `loss_fn`, ...),
+        built afresh for that trial: inside it, `gpunb.suggest("lr", 1e-4, 1e-1, log=True)` (or
+        the Optuna trial's own `suggest_*`) gives the trial's value. Each trial's value is
+        `monitor` (default: the config's, else "val_loss") of the weights it ends with (with
+        `restore_best`: of its best); `prune="asha"|"median"` stops poor trials at a validation.
+        `result.best_model` is the best trial's trained model, `result.table` has one row per trial;
+        `on_trial(row)` is called as each trial ends; `callbacks` hear every trial's fit, and their
+        `trial` attribute is set to the running trial's row before it starts.
+        """
+        __tracebackhide__ = True  # noqa: F841
+        from gpunb.sweeps import SweepSettings, run_sweep
+
+        settings = SweepSettings(trials, sampler=sampler, prune=prune, direction=direction, seed=seed,
+                                 monitor=monitor or self.config.monitor or "val_loss").check()
+        return run_sweep(build, self._trial_fit, settings, name=name or self.config.name, on_trial=on_trial,
+                         watch=callbacks)
+
+    def _trial_fit(self, arguments: dict, callbacks: list, trial_name: str) -> TrainResult:
+        """One trial of a sweep: an ordinary fit under the trial's name, with the sweep's callbacks."""
+        arguments = dict(arguments)
+        model, train_data = arguments.pop("model"), arguments.pop("train_data")
+        callbacks = [*arguments.pop("callbacks", ()), *callbacks]
+        return Trainer(self.config, name=trial_name).fit(model, train_data, callbacks=callbacks, **arguments)
+
 
 def _finished(result, model, config, **objective) -> TrainResult:
     """The result, ready for predict and evaluate; with merge_adapters, the adapters merged."""

@@ -19,6 +19,7 @@ LAYERS = [
     {"runtime"},
     {"distributed", "profiling", "loggers"},
     {"jobs"},  # a run as a job (submitit): ships through distributed, records in runs
+    {"sweeps"},  # many trials of one fit, sampled and pruned by an Optuna study; handed its fit from above
     {"trainer"},  # the front door: one process, launched processes or a torchrun group
     {"notebook", "server"},  # the magics are a thin front-end over the front door
     {"__init__", "__main__", "cli", "demo"},  # the package's names and the commands

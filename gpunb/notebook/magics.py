@@ -34,6 +34,10 @@ class GpuMagics(Magics):
     @argument("--constraint", help="Slurm node features (--constraint)")
     @argument("--slurm", action="append", metavar="KEY=VALUE", help="any other sbatch setting (repeatable)")
     @argument("--no-wait", action="store_true", help="with a job: submit and return; gpunb.attach(name) follows it")
+    @argument("--trials", type=int, help="run the cell as a sweep of N trials (gpunb.suggest gives each its values)")
+    @argument("--sampler", default="tpe", help="a sweep's sampler: tpe | random | grid (seeded by --seed)")
+    @argument("--prune", default="none", help="stop poor trials at a validation: asha | median | none")
+    @argument("--direction", help="minimize | maximize the monitored value (default: by --monitor's name)")
     @role_options()
     @line_cell_magic
     def gputrain(self, line, cell=None):
@@ -77,6 +81,8 @@ class GpuMagics(Magics):
                 raise UsageError("--export writes the cell's code into a script, and a line magic has no cell.\n"
                                  "HINT: use the cell magic: `%%gputrain --export train.py` on top of the cell.")
             return self._export(args, line, cell, config)
+        if args.trials is not None:
+            return self._sweep(args, line, cell, config)
         if not args.quiet and not args.find_lr:
             _dashboard_mode(self.shell)  # a bad GPUNB_DASHBOARD is refused before the cell runs
         before = {name: id(value) for name, value in self.shell.user_ns.items()}
@@ -120,6 +126,23 @@ class GpuMagics(Magics):
         if not any(getattr(cb, "handle", None) for cb in callbacks):
             display(result)  # no dashboard showed the summary in its place
         return None
+
+    def _sweep(self, args, line, cell, config):
+        __tracebackhide__ = True  # noqa: F841
+        from IPython.display import display
+
+        from gpunb.notebook.busy import kernel_stays_busy
+        from gpunb.notebook.sweep_cell import check_sweep_line, run_sweep_cell
+
+        settings = check_sweep_line(args, cell, config)
+        view = _sweep_view(self.shell, args, settings)
+        with kernel_stays_busy(self.shell):
+            sweep = run_sweep_cell(self.shell, args, line, cell, config, settings, view)
+        self.shell.user_ns[args.out] = sweep.best_result if sweep.best_result is not None else sweep
+        if view is not None:
+            view.close(sweep)
+        else:
+            display(sweep)
 
     def _export(self, args, line, cell, config):
         from gpunb.notebook.export import export_script
@@ -228,6 +251,15 @@ def _progress_callbacks(shell, quiet: bool) -> list:
     from gpunb.notebook.frontends import live_view
 
     return live_view(_dashboard_mode(shell))
+
+
+def _sweep_view(shell, args, settings):
+    """The sweep's live view where a kernel can re-send it; None in a terminal or with --quiet."""
+    if args.quiet or _dashboard_mode(shell) == "text":
+        return None
+    from gpunb.notebook.sweep_view import SweepView
+
+    return SweepView(settings.trials, settings.monitor, settings.resolved_direction())
 
 
 def _dashboard_mode(shell) -> str:

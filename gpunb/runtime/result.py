@@ -63,6 +63,8 @@ class TrainResult:
     # fits); it keeps the optimizer state alive: set it to None to free that memory
     continue_state: object = field(default=None, repr=False)
 
+    # a sweep's best trial: the sweep (gpunb.sweeps.result.SweepResult: every trial, the study)
+    sweep: object = field(default=None, repr=False)
     batch_probe: tuple = field(default=(), repr=False)  # batch_size="auto": what each probed size did
 
     @classmethod
