@@ -55,6 +55,24 @@ def test_a_tracked_fit_is_recorded_whole_when_it_returns_even_if_the_writers_thr
     assert run["ended_at"] is not None and run["steps"][-1] == 12 and 4 in run["steps"]
 
 
+@pytest.mark.parametrize("error, status", [(KeyboardInterrupt(), "interrupted"), (ValueError("bad batch"), "failed")])
+def test_a_fit_that_dies_before_its_row_was_made_is_still_recorded_with_its_end(tmp_path, monkeypatch, error, status):
+    # The row is made lazily, by the writer's thread; here that thread never runs before the fit dies.
+    monkeypatch.setattr("gpunb.runs.writer.run_in_thread", lambda work, name: None)
+    from gpunb.runtime.events import FitState
+
+    registry = Registry(tmp_path / "runs.sqlite")
+    state = FitState(config=TrainConfig(name="dies"), model=None, optimizer=None, device="cpu", run_name="dies",
+                     total_steps=10)
+    rec = RunRecorder(registry)
+    rec.on_fit_start(state)
+    state.step = 3
+    rec.on_log(state, {"loss": 0.5})
+    rec.on_exception(state, error)
+    run = registry.get_run(state.registry_run)
+    assert (run["status"], run["step"], [p["step"] for p in run["history"]]) == (status, 3, [3])
+
+
 def test_an_untracked_fit_starts_no_writer_and_makes_no_registry(gpunb_home, monkeypatch):
     def no_writer(*args, **kwargs):
         raise AssertionError("a writer was made for an untracked fit")
