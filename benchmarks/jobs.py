@@ -11,7 +11,7 @@ start       the time from the fit call to the job's first optimizer step (the st
 lag         for every log row of a detached run: the time the kernel's callback got it minus the
             time the job wrote it (the line's timestamp; same machine, same clock). Goal: <= 2 s.
 events      the per-step cost of the events file in the job: the same small fit in one process
-            with and without the EventsWriter callback (log_every=10, so it writes a log line every
+            with and without rank 0's relay writing it (RelayWriter over an EventsChannel) (log_every=10, so it writes a log line every
             10 steps and a progress line at most every 0.25 s), median step time, and the callback's
             own time per step measured directly. Goal: <= 1 %.
 
@@ -97,8 +97,6 @@ def start_times(cluster: str | None, **extra) -> tuple[float, dict]:
 
 def events_cost(steps=600) -> tuple[float, float, float]:
     """(median step ms without, with the events file, the callback's own µs per step)."""
-    from gpunb.jobs.events import EventsWriter
-
     class StepClock:
         def __init__(self):
             self.times, self.last = [], None
@@ -115,7 +113,7 @@ def events_cost(steps=600) -> tuple[float, float, float]:
         for _ in range(3):
             for with_events in (False, True):
                 clock = StepClock()
-                callbacks = [clock] + ([EventsWriter(os.path.join(folder, "events.jsonl"))] if with_events else [])
+                callbacks = [clock] + ([events_writer(os.path.join(folder, "events.jsonl"))] if with_events else [])
                 Trainer(accelerator="cpu", batch_size=64, max_steps=steps, log_every=10, track=False).fit(
                     model(), data(), loss_fn=nn.CrossEntropyLoss(), callbacks=callbacks)
                 medians[with_events].append(statistics.median(clock.times[50:]))
@@ -125,15 +123,22 @@ def events_cost(steps=600) -> tuple[float, float, float]:
     return 1e3 * statistics.median(medians[False]), 1e3 * statistics.median(medians[True]), own
 
 
+def events_writer(path):
+    """Rank 0's relay over the job's events file, as a job's entry builds it."""
+    from gpunb.distributed.relay import RelayWriter
+    from gpunb.jobs.events import EventsChannel
+
+    return RelayWriter(EventsChannel(path))
+
+
 def _callback_cost(folder, steps=20_000) -> float:
-    """The EventsWriter's time per step on its own: on_step_end every step, on_log every 10."""
+    """The events file writer's time per step on its own: on_step_end every step, on_log every 10."""
     from gpunb.config import TrainConfig
-    from gpunb.jobs.events import EventsWriter
     from gpunb.runtime.events import FitState
 
     state = FitState(config=TrainConfig(batch_size=64, precision="32"), model=None, optimizer=None,
                      device=torch.device("cpu"), total_steps=steps)
-    writer = EventsWriter(os.path.join(folder, "cost.jsonl"))
+    writer = events_writer(os.path.join(folder, "cost.jsonl"))
     writer.on_fit_start(state)
     start = time.perf_counter()
     for step in range(1, steps + 1):

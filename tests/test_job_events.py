@@ -15,8 +15,9 @@ from torch import nn
 
 import gpunb
 from gpunb import Trainer
+from gpunb.distributed.relay import RelayWriter
 from gpunb.jobs import events
-from gpunb.jobs.events import EventsReader, EventsWriter, append
+from gpunb.jobs.events import EventsChannel, EventsReader, append
 
 pytest.importorskip("submitit")
 
@@ -117,7 +118,7 @@ def test_a_full_disk_warns_once_and_the_run_goes_on(tmp_path, monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = Trainer(**SETTINGS, max_steps=40, track=False).fit(
-            mlp(), data(), loss_fn=nn.CrossEntropyLoss(), callbacks=[EventsWriter(path)])
+            mlp(), data(), loss_fn=nn.CrossEntropyLoss(), callbacks=[RelayWriter(EventsChannel(path))])
     assert result.steps == 40 and disk.failed == 7 and disk.calls > 11  # writes were refused, then went on
     full = [w for w in caught if "events file" in str(w.message)]
     assert len(full) == 1 and "the disk is full" in str(full[0].message) and "HINT:" in str(full[0].message)

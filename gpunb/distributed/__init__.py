@@ -3,6 +3,8 @@
     context.py   where this process stands (one process, or a rank of a group) and what differs
     launch.py    a devices=N fit from a notebook: start the ranks, drive them, collect
     worker.py    the body of each started rank
+    relay.py     rank 0's events to the kernel and the kernel's mirror of its run, weights and
+                 reports back: one relay for launched ranks (a queue) and a job's tasks (a file)
     shipping.py  fit's arguments to spawned ranks (cloudpickle), with errors that name the culprit
     fsdp.py      strategy="fsdp": FSDP2 sharding and full state dicts
 

@@ -12,14 +12,15 @@ a runtime.placement.Placement.
   arguments cloudpickled (shipping.py). torch.multiprocessing starts and joins the
   processes; a TCPStore listening on a free port of 127.0.0.1 only is the rendezvous,
   and the ranks' own gloo/NCCL sockets are kept on the loopback interface too.
-- While they train: rank 0 streams its events over a queue (on_step_end as a
-  progress update at most 4 times a second); here they update a RunState that mirrors
+- While they train: rank 0 relays its events over a queue (relay.py: the relay every run
+  whose ranks train elsewhere shares, a job's too); here they update a RunState that mirrors
   rank 0's and go to the caller's callbacks (the dashboard, the run registry), which
   run in this process only. A stop asked for here
   (`state.request_stop`, the kernel's stop button) reaches the ranks through a shared
   value; they vote on it at the next log interval and stop after the same step.
 - At the end rank 0's weights (and optimizer state, when an optimizer was passed) are
   loaded into the caller's objects; TrainResult.per_rank holds each rank's timings.
+  This module keeps the lifetimes of the processes; what they send is relay.py's.
 - A rank that raises: the others are terminated and the call raises RankFailed with
   that rank's traceback. An interrupt: the ranks stop at their next log interval and
   send their weights; any still running after INTERRUPT_GRACE_S are terminated. An
@@ -43,12 +44,11 @@ import torch
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
-from gpunb.distributed import worker
+from gpunb.distributed import relay, worker
 from gpunb.distributed.context import backend_for, check_config
 from gpunb.distributed.loopback import loopback_store
 from gpunb.distributed.shipping import Couriers, FitArgs, ship
 from gpunb.errors import GpunbError
-from gpunb.runtime.events import Callbacks
 from gpunb.runtime.interrupt import InterruptFlag
 from gpunb.runtime.result import TrainResult
 from gpunb.runtime.run_state import RunState
@@ -134,19 +134,19 @@ class _Launch:
         self.state = (args.state_type or RunState)(
             config=config, model=args.model, module=args.model, optimizer=args.optimizer,
             device=torch.device("cpu"), run_name=config.name or type(args.model).__name__, world_size=self.count)
-        self.callbacks = Callbacks(list(callbacks))
-        self.reports: dict = {}  # rank -> what it sent when done
+        self.mirror = relay.Mirror(self.state, callbacks)
+        self.callbacks = self.mirror.callbacks
+        self.reports: dict = {}  # rank -> its report (relay.rank_report)
         self.errors: list = []  # (rank, description) in arrival order
         self.fork_unusable = False  # a forked rank found CUDA unusable: start again with spawn
-        self.forwarded = worker.RUN
+        self.forwarded = relay.RUN
         self.abandoned = None  # why the ranks were terminated before they could report, if they were
-        self.training = False  # rank 0 has begun to train (its on_fit_start arrived)
 
     def run(self, method: str) -> TrainResult:
         context = mp.get_context(method)
         # Forked ranks inherit the arguments; spawned ones read theirs from a pipe each.
         couriers = None if method == "fork" else Couriers(ship(self.args), self.count, context)
-        queue, stop = context.Queue(), context.Value("i", worker.RUN, lock=False)
+        queue, stop = context.Queue(), context.Value("i", relay.RUN, lock=False)
         store = loopback_store()
         scratch = tempfile.TemporaryDirectory(prefix="gpunb-launch-")
         plan = worker.RankPlan(entry=self.entry, world_size=self.count, port=store.port, method=method,
@@ -196,19 +196,20 @@ class _Launch:
             self._drain(queue, timeout=POLL_S)
             if interrupt.raised and deadline is None:
                 self.state.request_stop("interrupted")
-                if not self.training:  # no weights to wait for; a spawned rank may already be dead of it
+                # Rank 0 has not begun to train: no weights to wait for; a spawned rank may already be dead of it.
+                if not self.mirror.started:
                     self.abandoned = "the interrupt came while the ranks were starting, so they were stopped at once"
                     break
                 deadline = time.monotonic() + INTERRUPT_GRACE_S
-            if self.state.should_stop and self.forwarded == worker.RUN:
-                self.forwarded = worker.INTERRUPT if self.state.stop_reason == "interrupted" else worker.STOP
+            if self.state.should_stop and self.forwarded == relay.RUN:
+                self.forwarded = relay.INTERRUPT if self.state.stop_reason == "interrupted" else relay.STOP
                 stop.value = self.forwarded
             try:
                 if processes.join(timeout=0, grace_period=FAILURE_GRACE_S):
                     break
             except ProcessException as error:
                 self._drain(queue, timeout=0)
-                if interrupt.raised and not self.training:
+                if interrupt.raised and not self.mirror.started:
                     continue  # the interrupt killed a starting rank: the check above ends the launch
                 raise self._failure(error, processes) from None
             if deadline is not None and time.monotonic() > deadline:
@@ -227,21 +228,13 @@ class _Launch:
                 return
             timeout = 0
             if kind == "event":
-                self._dispatch(*body)
+                self.mirror.receive(body)
             elif kind == "done":
                 self.reports[rank] = body
             elif kind == "error":
                 self.errors.append((rank, body))
             elif kind == "fork-unusable":
                 self.fork_unusable = True
-
-    def _dispatch(self, event: str, snapshot: dict, args) -> None:
-        """Bring the mirror up to date with rank 0, then call the callbacks here."""
-        state = self.state
-        self.training = self.training or event == "on_fit_start"
-        state.history.extend(snapshot["rows"])
-        state.load_relayed(snapshot["fields"])
-        self.callbacks.call(event, state, *args)
 
     def _failure(self, error: ProcessException, processes=None) -> GpunbError:
         """The error that explains the failure: a rank's own error first, then a rank killed by
@@ -274,15 +267,11 @@ class _Launch:
             raise GpunbError(f"Rank(s) {missing} of {self.count} exited without finishing the run.",
                              "run the cell again; if it repeats, run with devices=1 to see the error.")
         if 0 in self.reports and os.path.exists(plan.weights_path):
-            final = torch.load(plan.weights_path, map_location="cpu", weights_only=True)
-            _load_into(self.args.model, self.args.optimizer, final)
             result = self.reports[0]["result"]
-            result.ema_state_dict = final.get("ema")
+            result.ema_state_dict = self.mirror.weights_back(plan.weights_path)
         else:
             result = self._result_without_rank0()
-        result.per_rank = [self.reports[r]["timings"] for r in sorted(self.reports)]
-        energies = [t["energy_j"] for t in result.per_rank if t.get("energy_j") is not None]
-        result.energy_j = sum(energies) if energies else result.energy_j
+        relay.with_ranks(result, list(self.reports.values()))
         if result.stop_reason and state.stop_reason:  # stopped from here: say why in our words
             result.stop_reason = state.stop_reason
             result.interrupted = state.stop_reason == "interrupted"
@@ -349,16 +338,6 @@ def _lost_peer(info: dict) -> bool:
     return info["type"] in ("DistBackendError", "DistNetworkError") or any(
         sign in text for sign in ("Connection closed by peer", "Connection reset by peer",
                                   "Broken pipe", "NCCL communicator was aborted"))
-
-
-def _load_into(model, optimizer, final: dict) -> None:
-    """Rank 0's weights into the caller's model (wherever its parameters live)."""
-    from gpunb.runtime.context import LocalContext
-
-    local = LocalContext()
-    local.load_model_state(model, final["model"])  # what trained; the frozen weights never left
-    if optimizer is not None and final.get("optimizer") is not None:
-        local.load_optimizer_state(model, optimizer, final["optimizer"])
 
 
 def _start(plan: worker.RankPlan, payload: FitArgs | Couriers, queue, stop):

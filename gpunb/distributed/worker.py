@@ -2,30 +2,24 @@
 
 It joins the process group (the parent's TCPStore is the rendezvous), runs the plan's
 `entry` with this rank's context (the runtime then wraps the model in DDP / FSDP), and
-reports back. Rank 0 also relays its events to
-the parent and brings the parent's stop requests in.
+leaves its report on the queue (relay.py). Rank 0 also relays its events to the parent over
+that queue and brings the parent's stop requests in.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import signal
 import sys
-import time
-import traceback
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from gpunb.distributed.loopback import HOST, keep_sockets_on_loopback
+from gpunb.distributed.relay import QueueChannel, RelayWriter, describe, rank_report, write_weights
 from gpunb.distributed.shipping import FitArgs, receive
-from gpunb.errors import GpunbError
 from gpunb.runtime.placement import Placement
-
-RUN, STOP, INTERRUPT = 0, 1, 2  # values of the shared stop flag
-PROGRESS_EVERY_S = 0.25  # rank 0 sends its progress (on_step_end) at most this often
 
 
 @dataclass
@@ -100,83 +94,19 @@ def _join_group(rank: int, plan: RankPlan) -> None:
 def _fit(rank: int, plan: RankPlan, args: FitArgs, queue, stop) -> dict:
     from gpunb.distributed.context import current_context
     from gpunb.runtime.device import select_device
-    from gpunb.runtime.trainable import trainable_part
 
     model, optimizer = args.model, args.optimizer
     if optimizer is not None and optimizer.state:
         # Shipped from a GPU its state arrived on the CPU: move it next to the parameters.
         model.to(select_device(plan.accelerator, rank))
         optimizer.load_state_dict(optimizer.state_dict())
-    callbacks = [Relay(queue, stop)] if rank == 0 else []
+    callbacks = [RelayWriter(QueueChannel(queue, stop))] if rank == 0 else []
     context = current_context(args.config)  # after the fit it holds the strategy set-up resolved ("auto")
     # The registry is written by the parent, from rank 0's relayed events, not by the ranks.
     placement = Placement(rank=rank, world_size=plan.world_size, local_rank=rank, records=False)
     result = plan.entry(args.config, context, model, args.train_data, args.val_data,
                         optimizer=optimizer, scheduler=args.scheduler, loss_fn=args.loss_fn, step=args.step,
                         metrics=args.metrics, callbacks=callbacks, state_type=args.state_type, placement=placement)
-    # Every rank takes part (FSDP gathers the shards); rank 0 writes the weights.
-    returned_optimizer = optimizer if plan.return_optimizer else None
-    model_state, optimizer_state = context.state_dicts(model, returned_optimizer)
-    if rank == 0:
-        # The weight average travels in the file too: tensors sent over the queue would be shared
-        # through file descriptors that die with this process. Frozen weights stay behind: the
-        # caller's model has them already (a LoRA model's base is not written out and read back).
-        torch.save({"model": trainable_part(model, model_state), "optimizer": optimizer_state, "ema": result.ema_state_dict},
-                   plan.weights_path)
-        result.ema_state_dict = None
-    timings = {"rank": rank, "device": result.device, "steps": result.steps,
-               "wall_time_s": result.wall_time_s, "data_wait_s": result.data_wait_s,
-               "compute_s": result.compute_s, "validation_s": result.validation_s,
-               "peak_memory_mb": result.peak_memory_mb, "energy_j": result.energy_j}
-    return {"result": result if rank == 0 else None, "timings": timings}
-
-
-class Relay:
-    """Rank 0's callback: each event goes to the parent; the parent's stop requests come in.
-
-    Events go as they happen, except on_step_end: a progress update at most every
-    PROGRESS_EVERY_S (the dashboard's progress bar, the registry's heartbeat)."""
-
-    def __init__(self, queue, stop):
-        self.queue, self.stop = queue, stop
-        self.rows_sent = 0
-        self.progress_sent = 0.0
-
-    def on_fit_start(self, state) -> None:
-        self.rows_sent = 0
-        self._send("on_fit_start", state)
-
-    def on_step_end(self, state) -> None:
-        code = self.stop.value  # a read of shared memory: no lock, no sync
-        if code != RUN:
-            state.request_stop("interrupted" if code == INTERRUPT else "stopped")  # voted on at the next log
-        now = time.monotonic()
-        if now - self.progress_sent >= PROGRESS_EVERY_S:
-            self.progress_sent = now
-            self._send("on_step_end", state)
-
-    def on_log(self, state, metrics) -> None:
-        self._send("on_log", state, dict(metrics))
-
-    def on_validation_end(self, state, metrics) -> None:
-        self._send("on_validation_end", state, dict(metrics))
-
-    def on_epoch_end(self, state, metrics) -> None:
-        self._send("on_epoch_end", state, dict(metrics))
-
-    def on_checkpoint(self, state, path) -> None:
-        self._send("on_checkpoint", state, str(path))
-
-    def _send(self, event: str, state, *args) -> None:
-        """The RunState's relayed fields (RunState.relayed) and the log rows not sent yet."""
-        snapshot = {"fields": state.relayed(), "rows": state.history[self.rows_sent:]}
-        self.rows_sent = len(state.history)
-        # A deep copy: the queue pickles on its own thread, later, while training goes on.
-        self.queue.put(("event", 0, (event, copy.deepcopy(snapshot), copy.deepcopy(args))))
-
-
-def describe(error: BaseException) -> dict:
-    info = {"type": type(error).__name__, "message": str(error), "traceback": traceback.format_exc()}
-    if isinstance(error, GpunbError):
-        info.update(what=error.what, hint=error.hint)
-    return info
+    # Every rank takes part (FSDP gathers the shards); rank 0 writes the weights, the parent loads them.
+    write_weights(plan.weights_path, context, model, optimizer if plan.return_optimizer else None, result)
+    return rank_report(rank, result)

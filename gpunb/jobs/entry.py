@@ -9,8 +9,9 @@
 3. The fit: the Trainer's rank entry with the shipped arguments; checkpoints go to the job
    folder; a job that has checkpoints (requeued) resumes from its newest, exactly.
    Each node's first task also writes its GPUs' samples to gpus-<node>.jsonl (gpus.py).
-4. The end: rank 0 writes result.pt (weights, optimizer state) and result.pkl (the
-   TrainResult, timings of every rank, energy summed over them). A run stopped for
+4. The end: every rank leaves its report (distributed/relay.py, as a launched rank does);
+   rank 0 writes result.pt (weights, optimizer state) and result.pkl (the TrainResult,
+   timings of every rank, energy summed over them). A run stopped for
    preemption is requeued instead (Slurm: `scontrol requeue`; local: submitit's requeue exit
    code), and the requeued job goes on from the checkpoint just written.
 """
@@ -54,7 +55,7 @@ class JobEntry:
             outcome = _train(spec, environment)
         except BaseException as error:
             if rank == 0:
-                from gpunb.distributed.worker import describe
+                from gpunb.distributed.relay import describe
 
                 # the row first: a kernel that reads the event and returns finds the run failed
                 _record(spec, {"state": "FAILED"}, "failed", f"{type(error).__name__}: {error}"[:500])
@@ -74,6 +75,7 @@ def _train(spec, environment) -> str:
     import torch
 
     from gpunb.distributed.context import current_context
+    from gpunb.distributed.relay import RelayWriter
     from gpunb.distributed.shipping import unship
 
     tasks = environment.num_tasks
@@ -97,7 +99,7 @@ def _train(spec, environment) -> str:
     rank = context.rank
     callbacks = [control]
     if rank == 0:
-        callbacks += [events.EventsWriter(spec.events_path), *_recorder(spec, config), *_loggers(config)]
+        callbacks += [RelayWriter(events.EventsChannel(spec.events_path)), *_recorder(spec, config), *_loggers(config)]
     if placement.local_rank == 0 and spec.gpus_per_node:
         callbacks.append(NodeGpuWriter(gpus_path(spec.folder, placement.node), node=placement.node,
                                        host=environment.hostname, cuda_indices=range(spec.gpus_per_node)))
@@ -107,14 +109,24 @@ def _train(spec, environment) -> str:
     result = entry(config, context, model, args.train_data, args.val_data, optimizer=optimizer,
                    scheduler=args.scheduler, loss_fn=args.loss_fn, step=args.step, metrics=args.metrics,
                    callbacks=callbacks, state_type=args.state_type, placement=placement)
+    return _leave_report(spec, context, model, optimizer, result, control)
+
+
+def _leave_report(spec, context, model, optimizer, result, control) -> str:
+    """Every rank's report to rank 0 (a collective: preempted or not, every rank takes part), then,
+    unless preempted, the weights and, on rank 0, the result; returns the run's stop reason."""
+    from gpunb.distributed.relay import gather_reports, rank_report, with_ranks, write_weights
+
+    rank = context.rank
     preempted = result.stop_reason == PREEMPTED or (rank == 0 and control.preempted)
-    timings = _all_timings(context, result, rank)
-    if rank == 0 and not preempted:
-        _write_result(spec, context, model, optimizer, result, timings)
+    reports = gather_reports(context, rank_report(rank, result))
+    if preempted:
+        return PREEMPTED
+    write_weights(spec.weights_path, context, model, optimizer, result)  # FSDP: every rank takes part in the gather
+    if rank == 0:
+        _write_result(spec, with_ranks(result, reports))
         _record(spec, {"state": "COMPLETED", "reason": None})  # the row follows the job to its end
-    elif not preempted:
-        _write_result(spec, context, model, optimizer, None, None)  # FSDP: every rank takes part in the gather
-    return PREEMPTED if preempted else (result.stop_reason or "")
+    return result.stop_reason or ""
 
 
 def job_placement(config, spec, environment):
@@ -147,39 +159,8 @@ def _loggers(config) -> list:
     return make_loggers(config)
 
 
-def _all_timings(context, result, rank: int) -> list | None:
-    """Every rank's timings on rank 0 (energy is summed over them: every node's GPUs)."""
-    timings = {"rank": rank, "device": result.device, "steps": result.steps, "wall_time_s": result.wall_time_s,
-               "data_wait_s": result.data_wait_s, "compute_s": result.compute_s,
-               "validation_s": result.validation_s, "peak_memory_mb": result.peak_memory_mb,
-               "energy_j": result.energy_j}
-    if context.world_size == 1:
-        return [timings]
-    import torch.distributed as dist
-
-    gathered = [None] * context.world_size if rank == 0 else None
-    dist.gather_object(timings, gathered, dst=0)
-    return gathered
-
-
-def _write_result(spec, context, model, optimizer, result, timings) -> None:
-    """result.pt (weights) and result.pkl (the TrainResult), each written whole then renamed."""
-    import torch
-
-    from gpunb.runtime.trainable import trainable_part
-
-    model_state, optimizer_state = context.state_dicts(model, optimizer)  # FSDP: every rank gathers
-    if result is None:
-        return
-    temporary = spec.weights_path.with_suffix(".pt.partial")
-    # what trained: the kernel's model holds the frozen weights already (a LoRA job leaves its base out)
-    torch.save({"model": trainable_part(model, model_state), "optimizer": optimizer_state,
-                "ema": result.ema_state_dict}, temporary)
-    os.replace(temporary, spec.weights_path)
-    result.ema_state_dict = None
-    result.per_rank = timings
-    energies = [t["energy_j"] for t in timings if t.get("energy_j") is not None]
-    result.energy_j = sum(energies) if energies else result.energy_j
+def _write_result(spec, result) -> None:
+    """result.pkl (the TrainResult; result.pt, the weights, is written), whole then renamed, and its event."""
     temporary = spec.result_path.with_suffix(".pkl.partial")
     temporary.write_bytes(pickle.dumps(result))
     os.replace(temporary, spec.result_path)

@@ -1,21 +1,21 @@
 """The events file of a job: rank 0 appends, the kernel tails.
 
-One JSON object a line: {"t": time.time(), "event": name, ...}. The run's own events carry
-what the launcher's relay sends over its queue (distributed/worker.py): the log rows since the
-last line and the event's arguments as JSON, and the RunState's relayed fields (`relayed()`:
-counters, newest metrics, the RunPlan, the device), pickled and base64-encoded since some are
-objects; the kernel mirrors rank 0's state with `load_relayed`, as the launcher does. The job
-adds its own events:
+One JSON object a line: {"t": time.time(), "event": name, ...}. The run's own events are the
+relay's messages (distributed/relay.py: rank 0's RelayWriter over an `EventsChannel`, the
+kernel's Mirror), one a line: the log rows since the last line, the event's arguments as
+JSON (`args`), and the RunState's relayed fields pickled and base64-encoded (`relayed`),
+since some are objects. The job adds its own events:
 
     job_started   a task group started (again, after a requeue): host, world size, attempt
     job_done      result.pt and result.pkl are written
     job_failed    the job ended with an error: what, hint, traceback (a version mismatch too)
     requeued      stopped for preemption or the time limit, checkpoint written, back in the queue
 
-Each line is written with one write() at once: at each log, validation, epoch, checkpoint,
-and a progress line at most every PROGRESS_EVERY_S, so the kernel sees a row about as soon
-as the job has it. Nothing is fsynced: a reader on the same machine or on a shared file
-system's client sees written data; only a crash of the node could lose a line.
+Each line is written with one write() at once, as the relay sends it (at each log,
+validation, epoch, checkpoint, and a progress line at most every relay.PROGRESS_EVERY_S), so
+the kernel sees a row about as soon as the job has it. Nothing is fsynced: a reader on the
+same machine or on a shared file system's client sees written data; only a crash of the node
+could lose a line.
 
 The file is a log that survives damage. A write that fails (a full disk) warns once, leaves
 no half line behind, and the run goes on, as it does when a checkpoint cannot be written. A
@@ -38,7 +38,6 @@ import warnings
 from gpunb.runs.registry import json_safe
 
 EVENTS_FILE = "events.jsonl"
-PROGRESS_EVERY_S = 0.25  # progress lines (the dashboard's bar) at most this often
 LINE_START = b'{"t": '  # how every line begins (json.dumps of a dict whose first key is "t")
 
 _warned: set[str] = set()  # files whose failed write was reported: one warning per file and process
@@ -102,6 +101,7 @@ class LineFile:
             except OSError:
                 pass
             self._fd = None
+            self._clean = False  # reopened later, it checks again: another writer may have died mid-line
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -127,60 +127,28 @@ def _warn_once(path: str, error: OSError) -> None:
                   RuntimeWarning, stacklevel=3)
 
 
-class EventsWriter:
-    """Rank 0's callback: the run's events into the events file."""
+class EventsChannel:
+    """The relay's channel for a job (distributed/relay.py): each message one line of the events
+    file. A line that could not be written is lost (its rows go out with the next one); the
+    job's stop requests come in through jobs/control.py, not here."""
 
     def __init__(self, path):
-        self.path = os.fspath(path)
-        self.rows_sent = 0
-        self.progress_sent = 0.0
-        self._file: LineFile | None = None
+        self.file = LineFile(path)
 
-    def on_fit_start(self, state) -> None:
-        self.rows_sent = 0  # a resumed run sends its history again: the reader keeps what is new
-        self._file = LineFile(self.path)
-        self._write("on_fit_start", state)
-
-    def on_step_end(self, state) -> None:
-        now = time.monotonic()  # per step only a clock read: the line goes out at most 4 times a second
-        if now - self.progress_sent >= PROGRESS_EVERY_S:
-            self.progress_sent = now
-            self._write("on_step_end", state)
-
-    def on_log(self, state, metrics) -> None:
-        self._write("on_log", state, args=[dict(metrics)])
-
-    def on_validation_end(self, state, metrics) -> None:
-        self._write("on_validation_end", state, args=[dict(metrics)])
-
-    def on_epoch_end(self, state, metrics) -> None:
-        self._write("on_epoch_end", state, args=[dict(metrics)])
-
-    def on_checkpoint(self, state, path) -> None:
-        self._write("on_checkpoint", state, args=[str(path)])
-
-    def on_fit_end(self, state) -> None:
-        self._write("on_fit_end", state, stop_reason=state.stop_reason)
-        self._close()
-
-    def on_exception(self, state, error) -> None:
-        self._close()
-
-    def _write(self, event: str, state, **fields) -> None:
-        if self._file is None:
-            return
-        relayed = base64.b64encode(pickle.dumps(state.relayed(), protocol=pickle.HIGHEST_PROTOCOL)).decode()
-        line = {"t": time.time(), "event": event, "rows": state.history[self.rows_sent:], "relayed": relayed,
-                **fields}
+    def send(self, message: dict) -> bool:
+        relayed = base64.b64encode(pickle.dumps(message["fields"], protocol=pickle.HIGHEST_PROTOCOL)).decode()
+        extra = {k: v for k, v in message.items() if k not in ("event", "rows", "fields", "args")}
+        line = {"t": time.time(), "event": message["event"], "rows": message["rows"], "relayed": relayed,
+                **({"args": message["args"]} if message["args"] else {}), **extra}
         # The C encoder as it is (json_safe's walk in Python costs more than the rest of the write):
         # NaN stays NaN, which the kernel's json.loads reads; anything else odd becomes its value or text.
-        if self._file.write(json.dumps(line, default=_plain)):
-            self.rows_sent = len(state.history)  # rows of a lost line go out with the next one
+        return self.file.write(json.dumps(line, default=_plain))
 
-    def _close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+    def stop_requested(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self.file.close()
 
 
 def _plain(value):
@@ -192,9 +160,10 @@ def _plain(value):
     return str(value)
 
 
-def relayed_fields(line: dict) -> dict:
-    """The RunState fields an event line carries (for `load_relayed`)."""
-    return pickle.loads(base64.b64decode(line["relayed"]))
+def message(line: dict) -> dict:
+    """The relay's message a line of the run's own events carries (for relay.Mirror.receive)."""
+    return {"event": line["event"], "rows": line["rows"], "fields": pickle.loads(base64.b64decode(line["relayed"])),
+            "args": line.get("args", [])}
 
 
 class EventsReader:

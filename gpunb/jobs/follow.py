@@ -1,8 +1,9 @@
 """The kernel's side of a running job: its events into the dashboard, stop, cancel, weights back.
 
-`Follower.run()` tails the job's events file (every POLL_S) into a FitState that mirrors
-rank 0's, and calls the caller's callbacks (the dashboard, a text line) with it, as the
-launcher does for ranks on this machine. Between the run's events it asks the scheduler
+`Follower.run()` tails the job's events file (every POLL_S) into the relay's Mirror
+(distributed/relay.py), a RunState that mirrors rank 0's and calls the caller's callbacks
+(the dashboard, a text line) with it, as the launcher's does for ranks on this machine; this
+module keeps the job's lifetime. Between the run's events it asks the scheduler
 how the job stands (every SCHEDULER_POLL_S): while it waits, Slurm's state and reason go
 to the run registry (the sidebar) and to callbacks that define `on_job_state(state, job)`.
 Each node's GPU samples (gpus.py) go to callbacks that define `on_gpu_samples(state, samples)`,
@@ -22,13 +23,12 @@ import pickle
 import time
 from dataclasses import dataclass, field
 
+from gpunb.distributed.relay import Mirror
 from gpunb.errors import GpunbError
-from gpunb.jobs import scheduler
-from gpunb.jobs.events import EventsReader, relayed_fields
+from gpunb.jobs import events, scheduler
 from gpunb.jobs.control import SLURM_CANCEL, request_stop
 from gpunb.jobs.gpus import NodeGpuReader
 from gpunb.jobs.interrupts import KernelInterrupts
-from gpunb.runtime.events import Callbacks
 from gpunb.runtime.result import TrainResult
 from gpunb.runtime.run_state import RunState
 
@@ -66,16 +66,15 @@ class Follower:
         self.spec, self.config, self.registry = spec, config, registry
         self.model, self.optimizer = model, optimizer
         self.attached = attached  # found an existing job (not submitted now)
-        self.callbacks = Callbacks([cb for cb in callbacks])
         self.job_hooks = [getattr(cb, "on_job_state") for cb in callbacks if hasattr(cb, "on_job_state")]
         self.gpu_hooks = [getattr(cb, "on_gpu_samples") for cb in callbacks if hasattr(cb, "on_gpu_samples")]
         self.state = RunState(config=config, model=model, module=model, optimizer=optimizer,
                               device=torch.device("cpu"), run_name=spec.name,
                               world_size=spec.nodes * spec.tasks_per_node)
-        self.reader = EventsReader(spec.events_path)
+        self.mirror = Mirror(self.state, callbacks)
+        self.callbacks = self.mirror.callbacks
+        self.reader = events.EventsReader(spec.events_path)
         self.gpus = NodeGpuReader(spec.path)
-        self.started = False  # the run's first on_fit_start was dispatched
-        self.last_logged = -1  # the newest step whose log row the callbacks heard
         self.attempts: list = []  # (start, end) times of each of the job's starts
         self.scheduler_state = ("SUBMITTED" if not attached else "ATTACHED", None)
         self.stop_asked = False
@@ -168,7 +167,7 @@ class Follower:
                 self._end_attempt(line["t"])
                 return line
             else:
-                self._dispatch(kind, line)
+                self.mirror.receive(events.message(line))
         return None
 
     def _read_gpus(self, every_node: bool = False) -> None:
@@ -176,27 +175,6 @@ class Follower:
         if samples:
             for hook in self.gpu_hooks:
                 hook(self.state, samples)
-
-    def _dispatch(self, event: str, line: dict) -> None:
-        state = self.state
-        if event == "on_fit_start":
-            state.history = list(line["rows"])  # a resumed run sends its whole history again
-        else:
-            state.history.extend(line["rows"])
-        state.load_relayed(relayed_fields(line))
-        args = line.get("args", [])
-        if event == "on_fit_start":
-            if self.started:
-                return  # a requeued job going on: the dashboard goes on where it was
-            self.started = True
-        elif event == "on_log":
-            if args[0].get("step", state.step) <= self.last_logged:
-                return  # resumed from a checkpoint before rows already shown
-            self.last_logged = args[0].get("step", state.step)
-        elif event == "on_fit_end":
-            return  # the end is the job's (job_done), with the result and the weights
-        if self.started:
-            self.callbacks.call(event, state, *args)
 
     # ------------------------------------------------------------------ the scheduler
     def _poll_scheduler(self) -> dict | None:
@@ -276,7 +254,7 @@ class Follower:
             raise error
         self.state.result = result
         self._tell(result.status.upper(), result.stop_reason if result.status != "completed" else None)
-        if self.started:
+        if self.mirror.started:
             self.callbacks.call("on_fit_end", self.state)
         return result
 
@@ -299,17 +277,13 @@ class Follower:
         return SLURM_CANCEL if self.spec.cluster == "slurm" else "cancelled: the job's controller was stopped"
 
     def _done(self) -> JobResult:
-        import torch
-
         with open(self.spec.result_path, "rb") as handle:
             trained = pickle.load(handle)
-        final = torch.load(self.spec.weights_path, map_location="cpu", weights_only=True)
         result = self._result(status="stopped" if trained.stop_reason else "completed", base=trained)
         if trained.stop_reason and self._was_cancelled():  # its tasks stopped in time, on the cancel's SIGINT
             result.status, result.stop_reason = "cancelled", self._cancel_reason()
             self._record_cancel(result.stop_reason)  # the tasks' recorder wrote "interrupted"
-        result.ema_state_dict = final.get("ema")
-        self._load(final["model"], final.get("optimizer"))
+        result.ema_state_dict = self.mirror.weights_back(self.spec.weights_path)
         return result
 
     def _record_cancel(self, reason: str) -> None:
@@ -329,7 +303,7 @@ class Follower:
         newest = newest_checkpoint(self.spec.checkpoint_dir)
         if newest is not None:
             path, payload = newest
-            self._load(payload["model"], None)
+            self.mirror.load(payload["model"])
             result.checkpoint_path, result.loaded_step = str(path), payload.get("step")
         return result
 
@@ -361,16 +335,6 @@ class Follower:
         if self.model is not None and status in ("completed", "stopped", "cancelled"):
             result.model = self.model
         return result
-
-    def _load(self, model_state: dict, optimizer_state: dict | None) -> None:
-        if self.model is None:
-            return
-        from gpunb.runtime.context import LocalContext
-
-        local = LocalContext()
-        local.load_model_state(self.model, model_state)  # a checkpoint may hold only what trains
-        if self.optimizer is not None and optimizer_state is not None:
-            local.load_optimizer_state(self.model, self.optimizer, optimizer_state)
 
 
 def newest_checkpoint(directory) -> tuple | None:
