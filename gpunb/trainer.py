@@ -142,7 +142,7 @@ class Trainer:
         size) against free memory. One forward + backward, undone: no optimizer step, no
         checkpoint, no registry run. Returns a RunSummary (in one process: this device's view)."""
         __tracebackhide__ = True  # noqa: F841
-        from gpunb.runtime.probes.summary import dry_run
+        from gpunb.runtime.loop import dry_run
 
         check_kinds(dict(model=model, optimizer=optimizer, loss_fn=loss_fn, step=step))
         return dry_run(self.config, LocalContext(), model, train_data, val_data, optimizer=optimizer,

@@ -69,7 +69,7 @@ class Follower:
         self.attached = attached  # found an existing job (not submitted now)
         self.job_hooks = [getattr(cb, "on_job_state") for cb in callbacks if hasattr(cb, "on_job_state")]
         self.gpu_hooks = [getattr(cb, "on_gpu_samples") for cb in callbacks if hasattr(cb, "on_gpu_samples")]
-        self.state = RunState(config=config, model=model, module=model, optimizer=optimizer,
+        self.state = RunState(config=config, model=model, optimizer=optimizer,
                               device=torch.device("cpu"), run_name=spec.name,
                               world_size=spec.nodes * spec.tasks_per_node)
         self.mirror = Mirror(self.state, callbacks)
