@@ -1,5 +1,7 @@
 """Sweeps in this process: gpunb.suggest, the study's trials, pruning, failures and the best model back."""
 
+import time
+
 import pytest
 import torch
 from conftest import classification_data, mlp
@@ -258,3 +260,88 @@ def test_the_sweeps_live_view_is_one_output_re_sent_as_trials_validate_and_end(i
     final = sent[-1][0]
     assert final["text/plain"].startswith("SweepResult(") and "★" in final["text/html"]
     assert "<svg" not in final["text/html"] and "data:image/svg+xml;base64" in final["text/html"]
+
+
+def _module_build(trial):
+    """A build whose model class pickles by reference (a job's processes import this module)."""
+    return _build(trial)
+
+
+def test_trials_as_jobs_two_at_a_time_give_the_weights_of_a_single_fit_and_leave_no_process(tmp_path):
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    sweep = Trainer(**FIT).sweep(_module_build, trials=4, parallel=2, sampler="random", seed=3, name="jobs2")
+    table = sweep.table
+    assert sorted(table["trial"]) == [0, 1, 2, 3] and set(table["state"]) == {"complete"}, sweep.rows
+    in_kernel = Trainer(**FIT).sweep(_build, trials=4, sampler="random", seed=3, name="kernel4")
+    assert [r.params for r in sorted(sweep.rows, key=lambda r: r.number)] == [r.params for r in in_kernel.rows]
+    by_number = {r.number: r.value for r in in_kernel.rows}
+    for row in sweep.rows:  # a trial as a job trains as the same trial in the kernel
+        assert row.value == pytest.approx(by_number[row.number], rel=1e-5)
+    assert sweep.best_trial == in_kernel.best_trial
+    for mine, theirs in zip(sweep.best_model.state_dict().values(), in_kernel.best_model.state_dict().values()):
+        assert torch.allclose(mine, theirs, atol=1e-6)
+    left = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    assert not [p for p in psutil.Process().children(recursive=True) if p.pid in left and p.is_running()
+                and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _slow_build(trial):
+    x, y = classification_data()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3 * gpunb.suggest("slow", [1.0, 1e-6]))
+    return dict(model=model, train_data=(x[:192], y[:192]), val_data=(x[192:], y[192:]),
+                loss_fn=nn.CrossEntropyLoss(), optimizer=optimizer)
+
+
+def test_a_trial_as_a_job_is_pruned_from_the_kernel_and_stops_at_a_step_boundary():
+    sweep = Trainer(**(FIT | dict(epochs=6, val_every_steps=2))).sweep(_slow_build, trials=6, parallel=2, sampler="random",
+                                                             seed=0, prune="median", name="prunejobs")
+    pruned = [r for r in sweep.rows if r.state == "pruned"]
+    assert pruned, [(r.number, r.params, r.state) for r in sweep.rows]
+    assert all(r.params["slow"] == 1e-6 and r.steps < 36 for r in pruned)  # 6 epochs of 6 steps: stopped early
+    assert all(sweep.study.trials[r.number].state.name == "PRUNED" for r in pruned)
+    assert {r.state for r in sweep.rows if r.params["slow"] == 1.0} == {"complete"}
+
+
+RESTARTED = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import gpunb_test_env  # noqa: F401
+from test_sweeps import FIT, _module_build
+from gpunb import Trainer
+Trainer(**(FIT | dict(epochs=40))).sweep(_module_build, trials=3, parallel=2, sampler="random", seed=5, name="restarted")
+"""
+
+
+def test_a_sweep_whose_kernel_died_is_followed_again_by_running_it_again(gpunb_home):
+    import os
+    import subprocess
+    import sys
+
+    from gpunb.runs import Registry
+    from gpunb.sweeps.parallel import trial_key
+
+    tests = os.path.dirname(__file__)
+    log = open(gpunb_home.parent / "kernel.log", "w")
+    kernel = subprocess.Popen([sys.executable, "-c", RESTARTED.format(tests=tests, home=str(gpunb_home))],
+                              stdout=log, stderr=subprocess.STDOUT)
+    registry = Registry()
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:  # both first trials' jobs train
+        rows = [r for r in registry.list_runs() if r["name"].startswith("restarted-t")]
+        if len(rows) == 2 and all(r["status"] == "running" for r in rows):
+            break
+        time.sleep(0.5)
+    assert time.monotonic() < deadline, (gpunb_home.parent / "kernel.log").read_text()
+    kernel.kill()  # the kernel dies; its trials' jobs go on
+    kernel.wait()
+    sweep = Trainer(**(FIT | dict(epochs=40, track=True))).sweep(_module_build, trials=3, parallel=2,
+                                                                 sampler="random", seed=5, name="restarted")
+    assert sorted(r.number for r in sweep.rows) == [0, 1, 2]
+    assert {r.state for r in sweep.rows} == {"complete"}, sweep.rows
+    runs = [r for r in registry.list_runs() if r["name"].startswith("restarted-t")]
+    assert sorted(r["name"] for r in runs) == ["restarted-t0", "restarted-t1", "restarted-t2"]  # none twice
+    assert len(sweep.study.trials) == 3
+    assert trial_key("restarted", 0) == "sweep:restarted:trial:0"
