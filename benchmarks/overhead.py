@@ -18,14 +18,17 @@ usual way, by a shuffling DataLoader over a TensorDataset of the same tensors.
 
     python benchmarks/overhead.py            # CPU cases (+ the GPU cases when CUDA is there)
     python benchmarks/overhead.py --steps 40 --rounds 1 --warmup 5 --cases mlp   # a quick check
-    python benchmarks/overhead.py --cases lstm-parity-loader --steps 1000 --rounds 15   # the registry
+    python benchmarks/overhead.py --cases lstm-parity-loader --rounds 15   # the registry
 
 `--cases lstm-parity-loader`: the run registry's cost. Lightning's parity LSTM fed by a shuffling
-DataLoader (one process, no workers) to gpunb with the registry on (`track=True`, a user's default),
-to gpunb with `track=False`, and to the plain loop; the three interleaved, each ratio the median of
-the rounds' ratios. Beside the wall-clock ratios, the ratios of the process's CPU time per step
-(all its threads: the registry's writer thread counts), which a shared, loaded machine disturbs
-far less. The registry is a temporary one ($GPUNB_HOME is pointed at a temporary directory).
+DataLoader (one process, no workers, one thread) to gpunb with the registry on (`track=True`, a
+user's default), to gpunb with `track=False`, and to the plain loop; the three interleaved, each
+ratio the median of the rounds' ratios, for fits of 100, 300 and 1,000 steps (`--fit-steps`). The
+registry's cost is mostly once a fit (its row created, its first rows, its final status), so the
+ratio that matters is the whole fit's, from the call to its return; the per-step ratios follow.
+Beside the wall-clock ratios, the ratios of the process's CPU time (all its threads: the registry's
+writer thread counts), which a shared, loaded machine disturbs less. The registry is a temporary
+one ($GPUNB_HOME is pointed at a temporary directory); the load average is printed before and after.
 
 On a GPU it adds GPT-2 124M in nanoGPT's shape (bf16, batch 16 x 1,024), with the MFU of both
 loops (gpunb's FLOP count of a step over the median step time, against the GPU's dense bf16
@@ -270,11 +273,29 @@ def peak_memory(case, label, device) -> float:
     return max(totals) - (totals[0] - events[0]["args"]["Bytes"])
 
 
-def registry_case(device, steps, rounds, warmup):
+def registry_case(device, fit_steps, rounds, warmup):
     """gpunb tracked, gpunb with track=False and the plain loop, on Lightning's parity LSTM fed
-    by a DataLoader: the registry's cost per step (wall and CPU), interleaved rounds."""
+    by a DataLoader, one thread: for each fit length, the registry's cost per fit (the whole call,
+    wall and CPU) and per step (wall and CPU), interleaved rounds."""
     g = torch.Generator().manual_seed(0)
     data = (torch.randn(3000, 16, 10, generator=g), torch.randint(0, 2, (3000,), generator=g))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the registry's thread then has the other core, as a GPU run's host has
+    try:
+        print(f"\nrun registry, lstm-parity fed by a DataLoader, 1 thread, {rounds} rounds, "
+              f"load {_load()} at the start")
+        _registry_rounds(device, data, 20, 1, warmup)  # not counted: a process's first fits load torch's lazy parts
+        for steps in fit_steps:
+            with RegistryClock() as clock:
+                measured = _registry_rounds(device, data, steps, rounds, warmup)
+            _registry_report(measured, steps, rounds, clock)
+        print(f"load {_load()} at the end")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _registry_rounds(device, data, steps, rounds, warmup) -> dict:
+    """{measure: {label: one value per round}} for the tracked, untracked and plain runs, interleaved."""
     loss_fn = nn.CrossEntropyLoss()
 
     def gpunb_run(track):
@@ -282,51 +303,82 @@ def registry_case(device, steps, rounds, warmup):
         timer = StepTimer(device)
         loader = DataLoader(TensorDataset(*data), batch_size=30, shuffle=True, drop_last=True,
                             pin_memory=device.type == "cuda")
-        Trainer(max_steps=steps, epochs=10**6, log_every=50, track=track, accelerator=device.type,
-                precision="32", compile=False).fit(LSTMParity(), loader, loss_fn=loss_fn, callbacks=[timer])
+        with FitClock(timer):  # the whole call: the Trainer's construction, set-up, steps and end
+            Trainer(max_steps=steps, epochs=10**6, log_every=50, track=track, accelerator=device.type,
+                    precision="32", compile=False).fit(LSTMParity(), loader, loss_fn=loss_fn, callbacks=[timer])
         return timer
 
     def plain_run():
         timer = StepTimer(device)
-        plain_loop(LSTMParity, data, 30, loss_fn, "32", device, steps, loader=True, timer=timer)
+        with FitClock(timer):
+            plain_loop(LSTMParity, data, 30, loss_fn, "32", device, steps, loader=True, timer=timer)
         return timer
 
     runs = {"tracked": lambda: gpunb_run(True), "untracked": lambda: gpunb_run(False), "plain": plain_run}
-    wall, cpu = {label: [] for label in runs}, {label: [] for label in runs}
-    with RegistryClock() as clock:  # what the recorder's hooks and its writer's thread cost, per step
-        for round_ in range(rounds):
-            for label, run in (list(runs.items()) if round_ % 2 == 0 else reversed(runs.items())):
-                timer = run()
-                wall[label].append(statistics.median(timer.times[warmup:]))
-                cpu[label].append(timer.cpu_per_step(warmup))
+    measured = {measure: {label: [] for label in runs} for measure in ("fit", "fit cpu", "step", "step cpu")}
+    for round_ in range(rounds):  # every other round backwards, so that drift hits all alike
+        for label, run in (list(runs.items()) if round_ % 2 == 0 else reversed(runs.items())):
+            timer = run()
+            measured["fit"][label].append(timer.fit_s)
+            measured["fit cpu"][label].append(timer.fit_cpu_s)
+            measured["step"][label].append(statistics.median(timer.times[min(warmup, steps // 2):]))
+            measured["step cpu"][label].append(timer.cpu_per_step(min(warmup, steps // 2)))
+    return measured
 
+
+def _registry_report(measured: dict, steps: int, rounds: int, clock) -> None:
     def ratio(values, a, b):
         ratios = [x / y for x, y in zip(values[a], values[b])]
         low, high = _middle_half(ratios)
         return f"{statistics.median(ratios):.3f} ({low:.3f}-{high:.3f})"
 
-    print(f"\nrun registry, lstm-parity fed by a DataLoader ({steps} steps, {rounds} rounds):")
-    print(f"{'':<12}{'wall ms':>9}{'cpu ms':>9}")
-    for label in runs:
-        print(f"{label:<12}{1000 * statistics.median(wall[label]):>9.3f}{1000 * statistics.median(cpu[label]):>9.3f}")
-    for a, b in (("tracked", "plain"), ("untracked", "plain"), ("tracked", "untracked")):
-        print(f"  {a} / {b}: wall {ratio(wall, a, b)}, cpu {ratio(cpu, a, b)}")
-    extra = statistics.median(t - u for t, u in zip(cpu["tracked"], cpu["untracked"]))
-    print(f"  the registry's CPU per step (tracked - untracked, median of rounds): {1e6 * extra:.1f} us")
-    tracked_steps = rounds * steps
-    print("  measured inside the tracked runs, per step: "
-          + ", ".join(f"{name} {1e6 * seconds / tracked_steps:.2f} us" for name, seconds in clock.totals.items()))
+    fit, step = measured["fit"], measured["step"]
+    print(f"{steps} steps a fit:{'fit ms':>12}{'fit cpu ms':>12}{'step ms':>10}{'step cpu ms':>13}")
+    for label in fit:
+        print(f"  {label:<16}" + "".join(f"{1000 * statistics.median(measured[m][label]):>{w}.3f}" for m, w in
+                                         (("fit", 10), ("fit cpu", 12), ("step", 10), ("step cpu", 13))))
+    extra = statistics.median(t - u for t, u in zip(fit["tracked"], fit["untracked"]))
+    print(f"  tracked / untracked, whole fits: wall {ratio(fit, 'tracked', 'untracked')}, "
+          f"cpu {ratio(measured['fit cpu'], 'tracked', 'untracked')}; {1000 * extra:+.2f} ms a fit")
+    for a, b in (("tracked", "untracked"), ("tracked", "plain"), ("untracked", "plain")):
+        print(f"  {a} / {b}, per step: wall {ratio(step, a, b)}, cpu {ratio(measured['step cpu'], a, b)}")
+    print("  measured inside the tracked fits, per fit: "
+          + ", ".join(f"{name} {1000 * seconds / rounds:.2f} ms" for name, seconds in clock.totals.items())
+          + "; medians: " + ", ".join(f"{name} {1000 * seconds:.2f} ms" for name, seconds in clock.medians().items()))
+
+
+class FitClock:
+    """Sets `timer.fit_s` and `timer.fit_cpu_s` to the wall and process CPU time (all threads) of
+    the `with` block: one whole fit."""
+
+    def __init__(self, timer):
+        self.timer = timer
+
+    def __enter__(self):
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def __exit__(self, *exc):
+        self.timer.fit_s = time.perf_counter() - self.wall
+        self.timer.fit_cpu_s = time.process_time() - self.cpu
+
+
+def _load() -> str:
+    return "{:.1f} / {:.1f} / {:.1f}".format(*os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
 
 
 class RegistryClock:
     """Times the run recorder's hooks on the training thread (wall) and its writer thread's CPU,
     by wrapping them for the duration of a `with` block."""
 
-    # the hooks a run calls as it trains (on_fit_start and on_fit_end are once a run, not a step)
-    HOOKS = ("on_step_end", "on_log", "on_validation_end", "on_epoch_end")
+    # the hooks a run calls once a fit, and those it calls as it trains
+    HOOKS = {"on_fit_start": "fit start and end hooks", "on_fit_end": "fit start and end hooks",
+             "on_exception": "fit start and end hooks", "on_step_end": "step and log hooks",
+             "on_log": "step and log hooks", "on_validation_end": "step and log hooks",
+             "on_epoch_end": "step and log hooks"}
 
     def __init__(self):
-        self.totals = {"recorder hooks": 0.0, "writer thread (cpu)": 0.0}
+        self.totals = {"fit start and end hooks": 0.0, "step and log hooks": 0.0, "writer thread (cpu)": 0.0}
+        self.fits: list[dict] = []  # each fit's own hook times: their medians shrug off a loaded machine's stalls
 
     def __enter__(self):
         from gpunb.runs import recorder, writer
@@ -334,7 +386,7 @@ class RegistryClock:
         self.saved = [(recorder.RunRecorder, name, getattr(recorder.RunRecorder, name)) for name in self.HOOKS]
         self.saved.append((writer.RunWriter, "_loop", writer.RunWriter._loop))
         for owner, name, hook in self.saved[:-1]:
-            setattr(owner, name, self._timed(hook))
+            setattr(owner, name, self._timed(hook, self.HOOKS[name]))
         loop = writer.RunWriter._loop
 
         def timed_loop(writer_self):
@@ -347,14 +399,22 @@ class RegistryClock:
         writer.RunWriter._loop = timed_loop
         return self
 
-    def _timed(self, hook):
+    def _timed(self, hook, total):
         def timed(*args):
+            if hook.__name__ == "on_fit_start":
+                self.fits.append({"fit start and end hooks": 0.0, "step and log hooks": 0.0})
             start = time.perf_counter()
             try:
                 return hook(*args)
             finally:
-                self.totals["recorder hooks"] += time.perf_counter() - start
+                took = time.perf_counter() - start
+                self.totals[total] += took
+                if self.fits:
+                    self.fits[-1][total] += took
         return timed
+
+    def medians(self) -> dict:
+        return {name: statistics.median(fit[name] for fit in self.fits) for name in self.fits[0]} if self.fits else {}
 
     def __exit__(self, *exc):
         for owner, name, hook in self.saved:
@@ -412,6 +472,8 @@ def main():
     parser = argparse.ArgumentParser(description="gpunb vs a hand-written PyTorch loop: step time, peak memory "
                                      "and, on a GPU, MFU.")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (GPT-2: 60)")
+    parser.add_argument("--fit-steps", type=int, nargs="+", default=(100, 300, 1000), metavar="STEPS",
+                        help="lstm-parity-loader: the fit lengths whose tracked / untracked ratio is measured")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median is reported")
     parser.add_argument("--warmup", type=int, default=30, help="steps left out of each run's median")
     parser.add_argument("--cases", nargs="+", metavar="CASE",
@@ -464,7 +526,7 @@ def main():
             previous = os.environ.get("GPUNB_HOME")
             os.environ["GPUNB_HOME"] = home
             try:
-                registry_case(device, args.steps, args.rounds, args.warmup)
+                registry_case(device, args.fit_steps, args.rounds, args.warmup)
             finally:
                 if previous is None:
                     del os.environ["GPUNB_HOME"]

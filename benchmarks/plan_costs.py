@@ -1,5 +1,5 @@
 """What each memory-plan measure costs in step time, alone and in the plans gpunb takes: the
-priors of gpunb/runtime/memory/plan.py (SLOWDOWNS) come from here.
+priors of gpunb/runtime/memory/measures.py (each measure's `slowdowns`) come from here.
 
     python benchmarks/plan_costs.py              # on the CPU (or the GPU when there is one)
     python benchmarks/plan_costs.py --steps 12   # timed steps per arm
@@ -73,14 +73,16 @@ def residual():
 def seconds(model, optimizer, objective, batch, device, steps, names=(), blocks=0) -> float:
     """Median seconds of `steps` steps after 2 untimed, with `names` in place; all put back after."""
     from gpunb.config import TrainConfig
-    from gpunb.runtime.memory.measures import apply_plan
-    from gpunb.runtime.memory.plan import Measure, MemoryPlan
+    from gpunb.runtime.memory.measures import measures_of
+    from gpunb.runtime.memory.plan import MemoryPlan, Taken
+    from gpunb.runtime.memory.planning import apply_plan
     from gpunb.runtime.state import rewind
     from gpunb.runtime.step.precision import Precision
     from gpunb.runtime.step.stepper import Stepper
 
     saved = rewind.capture(model, optimizer, device)
-    plan = MemoryPlan(0, 0, 0, True, tuple(Measure(n, n, 0, 0.0) for n in names), checkpointed_blocks=blocks)
+    plan = MemoryPlan(0, 0, 0, True, tuple(Taken(m, m.name, 0, 0.0) for m in measures_of(names)),
+                      checkpointed_blocks=blocks)
     trained, undo = apply_plan(plan, model, optimizer, objective)
     stepper = Stepper(model, trained, objective, Precision("32", device), None, TrainConfig())
     times = []

@@ -124,8 +124,9 @@ class TrainConfig:
                                         "~/.config/gpunb/clusters.toml and `slurm`)", section="where the run executes")
     nodes: int = setting(1, "a job's nodes (Slurm)")
     gpus_per_node: int | None = setting(None, "a job's GPUs, one process each, per node; None: `devices` processes")
-    slurm: dict = setting(help="Slurm settings: partition, time, account, qos, constraint, any sbatch key "
-                               "(on a command line: --partition, --time, ..., --slurm KEY=VALUE)", factory=dict)
+    slurm: dict = setting(help="the job's settings for its cluster, over the cluster file's; Slurm's: partition, "
+                               "time, account, qos, constraint, any sbatch key (on a command line: --partition, "
+                               "--time, ..., --slurm KEY=VALUE)", factory=dict)
     gpu_hour_price: float | None = setting(None, "a GPU-hour's price, for the job's cost; None: the cluster file's")
     resubmit: bool = setting(False, "submit anew even when this run's job exists (else its job is attached to)")
     seed: int | None = setting(0, "seeds python, numpy and torch; None leaves RNGs alone",
@@ -229,14 +230,12 @@ class TrainConfig:
 
     def _check_job(self) -> None:
         """cluster / nodes / gpus_per_node / slurm / gpu_hour_price, before anything is submitted."""
-        self.cluster = _choice("cluster", self.cluster, {"none": None, "local": "local", "slurm": "slurm",
-                                                         "detach": "local"},
-                               "use `cluster='local'` (a detached job on this machine) or `cluster='slurm'`")
+        self.cluster = _cluster_name(self.cluster)  # which names exist is the jobs' table's (jobs/backends)
         self.nodes = _positive_int("nodes", self.nodes)
         if self.gpus_per_node is not None:
             self.gpus_per_node = _positive_int("gpus_per_node", self.gpus_per_node)
-        if self.nodes > 1 and self.cluster != "slurm":
-            raise GpunbError(f"nodes={self.nodes} needs a cluster, and cluster={self.cluster!r}.",
+        if self.nodes > 1 and self.cluster is None:
+            raise GpunbError(f"nodes={self.nodes} needs a cluster, and cluster=None.",
                              "pass `cluster='slurm'` too (`--cluster slurm`), or drop `nodes`.")
         if not isinstance(self.slurm, dict):
             raise GpunbError(f"slurm must be a dict of Slurm settings, got {self.slurm!r}.",
@@ -325,6 +324,16 @@ def _choice(name: str, value: Any, aliases: dict, hint: str) -> str:
     if key not in aliases:
         raise GpunbError(f"Unknown {name} {value!r}.", hint + ".")
     return aliases[key]
+
+
+def _cluster_name(value: Any) -> str | None:
+    """None ("none": in this process) or a backend's name, as written (gpunb.jobs knows the names)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+        return None
+    if not isinstance(value, str):
+        raise GpunbError(f"cluster must be a cluster's name, got {value!r}.",
+                         "pass e.g. `cluster='local'` (a detached job on this machine) or `cluster='slurm'`.")
+    return value.strip().lower()
 
 
 def _positive_int(name: str, value: Any) -> int:

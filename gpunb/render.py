@@ -59,8 +59,9 @@ def result_text(result) -> str:
     lines = [head, f"  {metrics}" if metrics else "  no metrics"]
     if result.frozen_params:  # a model with a frozen part (LoRA adapters on a base): what trained
         lines.append(f"  parameters: {parameters_text(result)}")
-    if auto_sharded(result):
-        lines.append(f"  strategy: fsdp — {result.strategy_reason}")
+    strategy = strategy_line(getattr(result, "strategy", None), getattr(result, "strategy_reason", ASKED_FOR))
+    if strategy:
+        lines.append(f"  {strategy}")
     plan = getattr(result, "memory_plan", "")
     if plan:  # the measures the memory plan took, and any an OOM added
         lines.append(f"  {plan if plan.startswith('plan: ') else 'plan: ' + plan}")
@@ -74,9 +75,15 @@ def result_text(result) -> str:
     return "\n".join(lines)
 
 
-def auto_sharded(r) -> bool:
-    """strategy="auto" chose FSDP (the memory estimate fits only sharded): the result says why."""
-    return getattr(r, "strategy", None) == "fsdp" and getattr(r, "strategy_reason", "asked for") != "asked for"
+ASKED_FOR = "asked for"  # the reason of a strategy the user set
+
+
+def strategy_line(strategy: str | None, reason: str) -> str:
+    """`strategy: fsdp — DDP needs 4.2 MiB per device of 3.0 MiB; sharded: 2.1 MiB` where
+    strategy="auto" chose FSDP (the memory estimate fits only sharded); "" otherwise."""
+    if strategy != "fsdp" or reason == ASKED_FOR:
+        return ""
+    return f"strategy: fsdp — {reason}"
 
 
 def parameters_text(r) -> str:
@@ -129,8 +136,9 @@ def summary_rows(r) -> list[tuple[str, str]]:
         rows.append(("peak memory", f"{r.peak_memory_mb:,.0f} MiB"))
     if r.energy_j is not None:
         rows.append(("energy", f"{r.energy_wh:.3f} Wh ({r.joules_per_sample:.4f} J/sample)"))
-    if auto_sharded(r):
-        rows.append(("strategy", f"fsdp — {r.strategy_reason}"))
+    strategy = strategy_line(getattr(r, "strategy", None), getattr(r, "strategy_reason", ASKED_FOR))
+    if strategy:
+        rows.append(("strategy", strategy.removeprefix("strategy: ")))
     if getattr(r, "memory_plan", ""):
         rows.append(("memory plan", r.memory_plan))
     if r.oom_recoveries:

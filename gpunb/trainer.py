@@ -3,7 +3,7 @@
     one process          runtime.loop.run with the runtime's LocalContext
     devices > 1          distributed.launch starts one process per device; each runs `_rank_entry`
     inside a group       (torchrun, or a rank the launcher started) distributed.context joins it
-    cluster="local"|...  jobs.submit runs it as a job (detached, or Slurm) and follows it from here
+    cluster="local"|...  jobs.submit runs it as a job through the cluster's backend and follows it from here
 
 It also composes the default callbacks (telemetry, the run registry). A one-process
 run imports nothing from gpunb.distributed, so nothing of the launcher or cloudpickle.
@@ -49,6 +49,10 @@ class Trainer:
 
     def __init__(self, config: TrainConfig | None = None, **overrides):
         self.config = make_config(config, **overrides)
+        if self.config.cluster is not None:
+            from gpunb.jobs.backends import chosen
+
+            chosen(self.config)  # an unknown cluster, or nodes it cannot give, is refused before any work
 
     def fit(self, model, train_data, val_data=None, *, optimizer=None, scheduler=None, loss_fn=None, step=None,
             metrics=None, callbacks=(), continue_from=None, state_type=None, job_key=None) -> TrainResult:
@@ -138,7 +142,7 @@ class Trainer:
         size) against free memory. One forward + backward, undone: no optimizer step, no
         checkpoint, no registry run. Returns a RunSummary (in one process: this device's view)."""
         __tracebackhide__ = True  # noqa: F841
-        from gpunb.runtime.probes.summary import dry_run
+        from gpunb.runtime.loop import dry_run
 
         check_kinds(dict(model=model, optimizer=optimizer, loss_fn=loss_fn, step=step))
         return dry_run(self.config, LocalContext(), model, train_data, val_data, optimizer=optimizer,

@@ -23,7 +23,7 @@ class States:
     """The optimizer's state as the run ends: the measures' optimizer, not the one given."""
 
     def on_fit_end(self, state):
-        self.by_name = {name: state.optimizer.state[p] for name, p in state.module.named_parameters()
+        self.by_name = {name: state.optimizer.state[p] for name, p in state.model.named_parameters()
                         if p in state.optimizer.state}
 
 
@@ -68,7 +68,7 @@ def test_the_plan_prices_the_embeddings_32_bit_states_under_8_bit_states():
 def test_the_footprint_counts_the_embeddings_share_of_the_states():
     from types import SimpleNamespace
 
-    from gpunb.runtime.memory.measures import footprint_of
+    from gpunb.runtime.memory.planning import footprint_of
     from gpunb.runtime.step.objective import Objective
 
     model = torch.nn.Sequential(torch.nn.Embedding(300, 8), torch.nn.Linear(8, 100))  # 2,400 of 3,300 values

@@ -106,9 +106,9 @@ def sbatch_script(tmp_path, monkeypatch):
     """The sbatch script gpunb's executor writes for legitimate settings from the run and the
     cluster file, and the directives it must hold (option -> value)."""
     from gpunb.config import TrainConfig
-    from gpunb.jobs import scheduler
+    from gpunb.jobs.backends import get
     from gpunb.jobs.spec import JobSpec
-    from gpunb.jobs.submit import job_settings, timeout_minutes
+    from gpunb.jobs.submit import job_settings
 
     clusters = tmp_path / "clusters.toml"
     clusters.write_text('[slurm]\naccount = "team"\nqos = "normal"\n[slurm.sbatch]\nmail-type = "END"\n'
@@ -123,7 +123,8 @@ def sbatch_script(tmp_path, monkeypatch):
     spec = JobSpec(run_id=uuid.uuid4().hex, name="my run", key=None, cluster="slurm", folder=str(folder), nodes=1,
                    tasks_per_node=1, gpus_per_node=0, accelerator="cpu", entry="m:f", registry=None,
                    job_name=folder.name)
-    executor = scheduler.executor(spec, settings, timeout_minutes("slurm", settings))
+    slurm = get("slurm")
+    executor = slurm.executor(spec, settings, slurm.time_limit_min(settings))
     script = executor._make_submission_file_text("true", "test")
     expected = {"job-name": folder.name, "partition": "debug", "account": "team", "qos": "normal",
                 "constraint": "a|b", "time": "90", "comment": comment, "mail-type": "END", "nodes": "1",
@@ -307,7 +308,7 @@ def test_the_sidebars_stop_cancels_gpunbs_own_slurm_job(slurm_cluster):
 ])
 def test_a_job_asks_for_the_gpus_it_will_train_on(cluster, settings, asked, monkeypatch):
     from gpunb.config import TrainConfig
-    from gpunb.jobs.submit import processes_and_gpus
+    from gpunb.jobs.backends import get
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert processes_and_gpus(TrainConfig(cluster=cluster, **settings)) == asked
+    assert get(cluster).tasks_and_gpus(TrainConfig(cluster=cluster, **settings)) == asked

@@ -227,14 +227,14 @@ def test_submit_returns_at_once_and_attach_brings_the_weights_back():
 def test_a_cancelled_job_is_reported_cancelled(submitter):
     """In the background (`python submit.py &`, `nohup`) the submitting process ignores SIGINT and
     its children inherit that; the detached job's controller must still answer cancel's SIGINT."""
-    from gpunb.jobs import scheduler, spec as job_spec
+    from gpunb.jobs import spec as job_spec
 
     if submitter == "background":
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the autouse fixture puts the handler back
     submitted = Trainer(**SETTINGS, cluster="local", max_steps=1_000_000, name="cancelled").submit(
         mlp(), data(), loss_fn=nn.CrossEntropyLoss())
     spec = job_spec.load(submitted.job["folder"])
-    scheduler.cancel(spec)
+    spec.backend.cancel(spec)
     result = gpunb.attach("cancelled")
     assert result.status == "cancelled" and result.stop_reason == "cancelled from gpunb"
     row = Registry().get_run(spec.run_id)
@@ -251,7 +251,7 @@ def test_a_local_cancel_reaches_a_controller_that_ignored_sigint_while_starting(
     import subprocess
     from types import SimpleNamespace
 
-    from gpunb.jobs import scheduler
+    from gpunb.jobs.backends.local import end_controller
 
     handler = "signal.SIG_IGN" if ignores_for_s is None else "signal.default_int_handler"
     code = f"import signal, time; time.sleep({ignores_for_s or 0}); signal.signal(signal.SIGINT, {handler}); time.sleep(120)"
@@ -259,7 +259,7 @@ def test_a_local_cancel_reaches_a_controller_that_ignored_sigint_while_starting(
     process = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stderr=subprocess.DEVNULL)
     try:
         spec = SimpleNamespace(job_id=str(process.pid), job_started=psutil.Process(process.pid).create_time())
-        scheduler._end_local(spec, tries=3, wait_s=1.5)
+        end_controller(spec, tries=3, wait_s=1.5)
         code = process.wait(timeout=10)
         assert code == -getattr(signal, ends_by)  # Python ends on an uncaught KeyboardInterrupt by SIGINT
     finally:
@@ -317,7 +317,8 @@ def test_a_slurm_job_folder_must_be_on_a_shared_file_system(tmp_path, monkeypatc
 
 def test_the_cluster_file_gives_defaults_and_refuses_unknown_keys(tmp_path, monkeypatch):
     from gpunb.config import TrainConfig
-    from gpunb.jobs.submit import job_settings, timeout_minutes
+    from gpunb.jobs.backends import get
+    from gpunb.jobs.submit import job_settings
 
     clusters = tmp_path / "clusters.toml"
     clusters.write_text('[slurm]\npartition = "gpu"\naccount = "team"\ntime = "2:00:00"\n[slurm.sbatch]\nmem = "8G"\n')
@@ -325,7 +326,8 @@ def test_the_cluster_file_gives_defaults_and_refuses_unknown_keys(tmp_path, monk
     settings = job_settings(TrainConfig(cluster="slurm", slurm={"partition": "debug", "exclusive": ""}))
     assert settings["partition"] == "debug" and settings["account"] == "team"
     assert settings["sbatch"] == {"mem": "8G", "exclusive": ""}
-    assert timeout_minutes("slurm", settings) == 120 and timeout_minutes("slurm", {"time": "1-00:30:00"}) == 1470
+    slurm = get("slurm")
+    assert slurm.time_limit_min(settings) == 120 and slurm.time_limit_min({"time": "1-00:30:00"}) == 1470
     clusters.write_text('[slurm]\npartiton = "gpu"\n')
     with pytest.raises(GpunbError, match="unknown key"):
         job_settings(TrainConfig(cluster="slurm"))
@@ -610,7 +612,8 @@ def test_a_cancelled_two_task_job_says_cancelled_not_what_killed_its_ranks():
 
 
 def test_a_job_cancelled_with_no_kernel_following_stays_cancelled():
-    from gpunb.jobs import scheduler, spec as job_spec
+    from gpunb.jobs import spec as job_spec
+    from gpunb.jobs.backends.base import ENDED
     from gpunb.jobs.lookup import stop_job
 
     submitted = Trainer(**SETTINGS, cluster="local", devices=2, max_steps=100_000, name="cancel-alone").submit(
@@ -623,7 +626,7 @@ def test_a_job_cancelled_with_no_kernel_following_stays_cancelled():
     # The Cancel of a job asked to stop before (so that the cancel meets a running job, not one stopping)
     assert stop_job(Registry(), {**Registry().get_run(run_id), "stop_requested": True}, by="gpunb.stop")
     spec = job_spec.load(submitted.job["folder"])
-    while scheduler.job_state(spec)[0] not in scheduler.ENDED:  # its ranks end, and say what they say
+    while spec.backend.state(spec)[0] not in ENDED:  # its ranks end, and say what they say
         assert time.monotonic() < deadline
         time.sleep(0.1)
     row = Registry().get_run(run_id, with_history=False)

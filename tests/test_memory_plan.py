@@ -13,6 +13,7 @@ from gpunb import Trainer
 from gpunb.errors import GpunbError
 from gpunb.runtime.memory.blocks import checkpoint_blocks, repeated_blocks
 from gpunb.runtime.memory.in_backward import OptimizerInBackward
+from gpunb.runtime.memory.measures import Measure
 from gpunb.runtime.memory.plan import Footprint, estimate, plan_memory, split_micro_batch
 
 MiB = 2**20
@@ -306,9 +307,10 @@ def test_a_run_that_fits_gets_no_measure():
 def gpu_prices(monkeypatch):
     """Measures priced as on a GPU, where the step in backward is cheaper than checkpointing 2 of
     Net's 6 blocks (on a CPU it is the other way round)."""
-    from gpunb.runtime.memory import plan
+    from gpunb.runtime.memory.measures import MEASURES
 
-    monkeypatch.setitem(plan.SLOWDOWNS, "cpu", plan.SLOWDOWNS["cuda"])
+    for measure in MEASURES:
+        monkeypatch.setattr(measure, "slowdowns", {**measure.slowdowns, "cpu": measure.slowdowns["cuda"]})
 
 
 def test_a_tight_budget_fuses_the_step_into_backward_with_the_same_training(gpu_prices):
@@ -351,7 +353,7 @@ class WrappedBlocks:
     """At the fit's start: which blocks the plan wrapped in a checkpoint, and how many it planned."""
 
     def on_fit_start(self, state):
-        self.wrapped = [i for i, block in enumerate(state.module.blocks) if "forward" in block.__dict__]
+        self.wrapped = [i for i, block in enumerate(state.model.blocks) if "forward" in block.__dict__]
         self.planned = state.stepper.memory_fallback.plan.checkpointed_blocks
 
 
@@ -417,7 +419,7 @@ def test_the_magic_takes_the_memory_options():
 def test_a_step_in_backward_is_dropped_when_the_activations_need_smaller_micro_batches():
     from gpunb.config import TrainConfig
     from gpunb.runtime.context import LocalContext
-    from gpunb.runtime.memory.measures import plan_run
+    from gpunb.runtime.memory.planning import plan_run
     from gpunb.runtime.probes.summary import RunSummary
     from gpunb.runtime.step.objective import Objective
     from gpunb.runtime.step.precision import Precision
@@ -436,7 +438,7 @@ def test_a_step_in_backward_is_dropped_when_the_activations_need_smaller_micro_b
 
 def test_a_ddp_run_that_fits_only_sharded_is_told_to_shard():
     from gpunb.config import TrainConfig
-    from gpunb.runtime.memory.measures import plan_run
+    from gpunb.runtime.memory.planning import plan_run
     from gpunb.runtime.probes.summary import RunSummary
     from gpunb.runtime.step.objective import Objective
     from gpunb.runtime.step.precision import Precision
@@ -477,7 +479,8 @@ def planned(budget, ranks=None, **options):
     """plan_run on 4 ranks, each with 100 MiB of weights, 100 of gradients, 200 of AdamW states and
     10 of activations (no repeated blocks, no other measure: torchao and the rest are one-device)."""
     from gpunb.config import TrainConfig
-    from gpunb.runtime.memory.measures import plan_run, run_strategy
+    from gpunb.runtime.memory.planning import plan_run
+    from gpunb.runtime.memory.strategy import run_strategy
     from gpunb.runtime.probes.summary import RunSummary
     from gpunb.runtime.step.objective import Objective
     from gpunb.runtime.step.precision import Precision
@@ -523,7 +526,7 @@ def test_auto_with_no_fit_even_sharded_says_so_and_explicit_ddp_keeps_its_messag
 
 def test_auto_keeps_ddp_without_a_plan_or_where_fsdp_cannot_train():
     from gpunb.config import TrainConfig
-    from gpunb.runtime.memory.measures import run_strategy
+    from gpunb.runtime.memory.strategy import run_strategy
 
     with pytest.raises(GpunbError, match="under DDP"):  # memory_plan=False: DDP, the old message
         planned(200 * MiB, memory_plan=False, activation_checkpointing=True)
@@ -591,3 +594,57 @@ def test_a_run_auto_shards_tells_its_context_and_takes_fsdps_loss_scaler():
     plan, precision = _strategy(RunPlan(cpu, "16-mixed", "", 8), TrainConfig(), dist, kept, RunSummary(
         "M", 64, 0, 8, "cpu", "16-mixed"), before)
     assert (dist.strategy, plan.strategy, precision) == ("ddp", "ddp", before)
+
+
+# ---------------------------------------------------------------- measures as objects
+class HalvedActivations(Measure):
+    """A measure the planner has never seen: halves the activations at 1% of a step."""
+
+    name = "halved_activations"
+    slowdowns = {"cuda": 0.01, "cpu": 0.01}
+
+    def text(self, footprint, blocks):
+        return "activations halved"
+
+    def activations(self, total, footprint, blocks):
+        return total // 2
+
+
+def test_a_new_measure_is_one_object_that_the_planner_prices_with_no_other_edit(monkeypatch):
+    from gpunb.runtime.memory import plan as planner
+    from gpunb.runtime.memory.measures import MEASURES, measures_of
+
+    halved = HalvedActivations()
+    monkeypatch.setattr(planner, "MEASURES", (*MEASURES, halved))
+    # 580 MiB; halved activations leave 490 <= 0.9 x 600 at 1%, cheaper than the step in backward (2%)
+    plan = plan_memory(PARTS, 600 * MiB)
+    assert plan.names == ("halved_activations",) and plan.has(halved) and plan.after == 490 * MiB
+    assert plan.text() == "plan: activations halved: 490.0 MiB of 600.0 MiB; expected step time +1%"
+    assert estimate(PARTS, [halved, *measures_of(["states_8bit"])]) == estimate(PARTS, ["states_8bit"]) - 90 * MiB
+
+
+def test_each_measure_says_what_it_saves_costs_and_needs():
+    from gpunb.runtime.memory.measures import MEASURES, Parts
+
+    by_name = {m.name: m for m in MEASURES}
+    assert list(by_name) == ["chunked_loss", "checkpointing", "optimizer_in_backward", "states_8bit", "states_cpu",
+                             "bf16_weights", "fsdp"]
+    # the host holds the states and all gradients but the one being applied (the largest: 10 MiB)
+    assert by_name["states_cpu"].shrink(Parts(100 * MiB, 100 * MiB, 200 * MiB), PARTS) == Parts(100 * MiB, 10 * MiB, 0)
+    assert by_name["bf16_weights"].price("cpu") == 1.0 and by_name["bf16_weights"].price("mps") == 1.0
+    assert by_name["states_8bit"].slowdown("cpu") == 1.0 and by_name["states_8bit"].slowdown("xpu") == 0.05
+    assert by_name["fsdp"].idle(PARTS) == "one device" and by_name["fsdp"].idle(replace(PARTS, world_size=2)) is None
+    assert not by_name["optimizer_in_backward"].micro_batches
+    assert set(by_name["states_cpu"].excludes) == {"states_8bit", "optimizer_in_backward"}
+    # kept 8-bit states are never joined by states on the host, though that would save more
+    assert "states_cpu" not in plan_memory(PARTS, 100 * MiB, kept=("states_8bit",)).names
+
+
+def test_the_strategy_is_said_in_one_line_only_where_auto_chose_to_shard():
+    from gpunb.render import strategy_line
+    from gpunb.runtime.memory.strategy import Strategy
+
+    reason = "DDP needs 410.0 MiB per device of 200.0 MiB; sharded: 110.0 MiB"
+    assert Strategy("fsdp", reason).line() == f"strategy: fsdp — {reason}" == strategy_line("fsdp", reason)
+    assert Strategy("fsdp", "asked for").line() == Strategy("ddp", "auto: no memory budget known").line() == ""
+    assert Strategy(None).line() == ""

@@ -180,7 +180,8 @@ def _ended(run_id: str, timeout: float = 240.0) -> dict:
 
 def test_a_detached_two_task_job_records_the_config_as_given_and_its_state_to_the_end(tmp_path):
     pytest.importorskip("submitit")
-    from gpunb.jobs import scheduler, spec as job_spec
+    from gpunb.jobs import spec as job_spec
+    from gpunb.jobs.backends.base import ENDED
 
     config = TrainConfig(cluster="local", devices=2, accelerator="cpu", batch_size=16, log_every=4, max_steps=8,
                          seed=0, name="detached", loggers=("csv",))
@@ -188,7 +189,7 @@ def test_a_detached_two_task_job_records_the_config_as_given_and_its_state_to_th
     spec = job_spec.load(submitted.job["folder"])
     run = _ended(spec.run_id)
     deadline = time.monotonic() + 60
-    while scheduler.job_state(spec)[0] not in scheduler.ENDED and time.monotonic() < deadline:
+    while spec.backend.state(spec)[0] not in ENDED and time.monotonic() < deadline:
         time.sleep(0.2)  # the job's processes leave: nobody follows it now
     run = Registry().get_run(spec.run_id, with_history=False)
     assert run["status"] == "completed" and run["job"]["state"] == "COMPLETED"  # written by the job itself

@@ -114,7 +114,7 @@ class Heard:
 
 def rank0_state(**fields):
     model = mlp()
-    return RunState(config=TrainConfig(), module=model, model=model, device=torch.device("cpu"), **fields)
+    return RunState(config=TrainConfig(), model=model, device=torch.device("cpu"), **fields)
 
 
 def test_the_writer_sends_progress_at_most_every_quarter_second_and_nothing_outside_the_fit(monkeypatch):
@@ -184,7 +184,7 @@ def test_weights_come_back_into_the_callers_model_and_optimizer(tmp_path):
     assert result.ema_state_dict is None and not (tmp_path / "weights.pt.partial").exists()
     kernel_model = mlp(seed=2)
     optimizer = torch.optim.Adam(kernel_model.parameters())
-    mirror = Mirror(RunState(module=kernel_model, optimizer=optimizer), [])
+    mirror = Mirror(RunState(model=kernel_model, optimizer=optimizer), [])
     ema = mirror.weights_back(tmp_path / "weights.pt")
     assert torch.equal(ema["w"], torch.ones(2))
     assert all(torch.equal(a, b) for a, b in zip(kernel_model.state_dict().values(), trained.state_dict().values()))

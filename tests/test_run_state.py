@@ -16,6 +16,9 @@ from data.make_checkpoint_v1 import options as v1_options
 from torch import nn
 
 from gpunb import Trainer
+from gpunb.config import TrainConfig
+from gpunb.runtime.context import LocalContext
+from gpunb.runtime.loop import run
 from gpunb.runtime.run_state import RunState
 from gpunb.runtime.state.checkpoint_files import list_checkpoints, load_checkpoint
 
@@ -79,23 +82,23 @@ def test_a_field_of_a_subclass_comes_back_from_the_ranks_and_resumes_there(tmp_p
 def test_the_checkpoint_lists_every_carried_field_and_a_state_dict_round_trips():
     model = mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    state = CountingState(module=model, optimizer=optimizer, step=3, samples_seen=48, odd_steps=2,
+    state = CountingState(model=model, optimizer=optimizer, step=3, samples_seen=48, odd_steps=2,
                           history=[{"step": 2, "loss": 1.0}], epoch=1, batch_in_epoch=2)
     saved = state.state_dict()
     assert {"model", "optimizer", "scheduler", "ema", "precision", "best", "rng", "epoch", "batch_in_epoch",
             "step", "samples_seen", "splits", "history", "epochs", "validations", "odd_steps",
             "made_in"} <= set(saved)
-    fresh = CountingState(module=mlp(seed=1), optimizer=None)
+    fresh = CountingState(model=mlp(seed=1), optimizer=None)
     fresh.load_state_dict(saved)
     assert (fresh.step, fresh.samples_seen, fresh.odd_steps, fresh.epoch, fresh.batch_in_epoch) == (3, 48, 2, 1, 2)
     assert fresh.history == state.history and fresh.history is not state.history
     for name, value in model.state_dict().items():
-        assert torch.equal(fresh.module.state_dict()[name], value), name
+        assert torch.equal(fresh.model.state_dict()[name], value), name
 
 
 class LoadedAtStart:
     def on_fit_start(self, state):
-        self.weights = {k: v.clone() for k, v in state.module.state_dict().items()}
+        self.weights = {k: v.clone() for k, v in state.model.state_dict().items()}
         self.moments = {k: {f: t.clone() for f, t in v.items()} for k, v in state.optimizer.state_dict()["state"].items()}
         self.position = (state.step, state.epoch, state.batch_in_epoch, state.samples_seen)
         self.lr = state.optimizer.param_groups[0]["lr"]
@@ -134,7 +137,7 @@ def test_a_checkpoint_written_before_run_state_resumes_exactly(tmp_path):
 
 def test_the_relay_sends_plain_fields_and_merges_the_notes_into_the_kernels():
     model = mlp()
-    rank0 = CountingState(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), step=5,
+    rank0 = CountingState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), step=5,
                           odd_steps=3, history=[{"step": 1}], latest={"loss": 0.5}, extras={"gpu": {"index": 0}})
     rank0.extras["handle"] = object()  # not plain: stays on the rank
     sent = rank0.relayed()
@@ -145,3 +148,41 @@ def test_the_relay_sends_plain_fields_and_merges_the_notes_into_the_kernels():
     assert (kernel.step, kernel.odd_steps, kernel.made_in) == (5, 3, rank0.made_in)
     assert kernel.latest == {"seen_here": 1, "loss": 0.5}
     assert kernel.extras == {"log_dir": "/tmp/x", "gpu": {"index": 0}}
+
+
+class Wrapper(nn.Module):
+    """What a process group's context wraps the model in (DDP's shape: the model as `.module`)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+class TwoRanksAlone(LocalContext):
+    """A context of two ranks whose collectives are this process's own, and whose wrap is Wrapper."""
+
+    world_size = 2
+    strategy = "ddp"
+
+    def wrap(self, model, device):
+        return Wrapper(model)
+
+    def use_strategy(self, strategy):
+        self.strategy = strategy
+
+
+class Models:
+    def on_fit_start(self, state):
+        self.model, self.train_model, self.stepped = state.model, state.train_model, state.stepper.model
+
+
+def test_model_is_the_users_module_and_train_model_what_the_loop_calls_in_run_and_state():
+    model, seen = mlp(), Models()
+    run(TrainConfig(max_steps=1, batch_size=16, accelerator="cpu", compile=False), TwoRanksAlone(), model,
+        classification_data(n=64), loss_fn=nn.CrossEntropyLoss(), callbacks=[seen])
+    assert seen.model is model
+    assert isinstance(seen.train_model, Wrapper) and seen.train_model.module is model
+    assert seen.stepped is seen.train_model  # the stepper trains what the loop calls

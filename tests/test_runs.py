@@ -356,9 +356,10 @@ def test_recorder_creates_the_row_at_fit_start(registry, clock):
 
 
 def test_recorder_writes_at_most_once_a_second(registry, clock, monkeypatch):
-    writes = []
-    real_update = registry.update
-    monkeypatch.setattr(registry, "update", lambda *a, **k: (writes.append(k), real_update(*a, **k)))
+    writes = []  # the fields of each write
+    real_record = registry.record
+    monkeypatch.setattr(registry, "record", lambda run_id, fields, *a: (writes.append(fields),
+                                                                        real_record(run_id, fields, *a))[1])
     state, rec = _state(), RunRecorder(registry)
     rec.on_fit_start(state)
     for step in range(1, 51):  # fifty logs within the same second

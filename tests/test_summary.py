@@ -188,6 +188,33 @@ def test_a_dry_run_leaves_model_optimizer_and_rng_as_they_were_and_records_nothi
     assert summary.train_flops > 0 and (batch_size == "auto" or summary.batch_size == 16)
 
 
+def test_a_dry_run_is_fit_stopped_before_it_puts_anything_in_place(tmp_path):
+    from gpunb.errors import GpunbError
+
+    def trainer(**options):
+        return Trainer(max_steps=3, batch_size=64, track=False, optimizer_states="full", memory_budget="700KiB",
+                       **options)
+
+    def data():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 3)), (torch.randn(256, 64),
+                                                                                  torch.randint(0, 3, (256,)))
+
+    model, xy = data()
+    said = trainer().dry_run(model, xy, loss_fn=nn.CrossEntropyLoss())
+    model, xy = data()
+    result = trainer().fit(model, xy, loss_fn=nn.CrossEntropyLoss())
+    # the plan fit takes, said before its cost is measured (that needs steps)
+    assert said.plan == ("plan: micro-batches of 32 (2 a step of 64, the gradients accumulated): 616.7 KiB of "
+                         "700.0 KiB; expected step time +0%")
+    assert result.summary.plan.startswith(said.plan + ", measured ")
+    # fit's checks before any work: a monitor that validation never produces
+    with pytest.raises(GpunbError, match="monitors 'val_acc', a validation metric, and the run has no validation"):
+        trainer(save_top_k=2, monitor="val_acc", checkpoint_dir=str(tmp_path)).dry_run(
+            model, xy, loss_fn=nn.CrossEntropyLoss())
+    assert not any(tmp_path.iterdir())
+
+
 # --------------------------------------------------------------------------- %%gputrain --dry-run
 
 

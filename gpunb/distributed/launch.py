@@ -132,7 +132,7 @@ class _Launch:
         self.config, self.args, self.entry = config, args, entry
         self.accelerator, self.count, self.backend = devices  # plan_devices: "auto" and "all" resolved
         self.state = (args.state_type or RunState)(
-            config=config, model=args.model, module=args.model, optimizer=args.optimizer,
+            config=config, model=args.model, optimizer=args.optimizer,
             device=torch.device("cpu"), run_name=config.name or type(args.model).__name__, world_size=self.count)
         self.mirror = relay.Mirror(self.state, callbacks)
         self.callbacks = self.mirror.callbacks

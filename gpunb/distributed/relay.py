@@ -165,7 +165,7 @@ class Mirror:
         """Weights into the caller's model (wherever its parameters live), and its optimizer's state."""
         from gpunb.runtime.context import LocalContext
 
-        model, optimizer = self.state.module, self.state.optimizer
+        model, optimizer = self.state.model, self.state.optimizer
         if model is None:
             return
         local = LocalContext()

@@ -1,14 +1,15 @@
 """A run as a job: the same fit, in processes of its own, on this machine or on a Slurm cluster.
 
-    clusters.py   the cluster file (~/.config/gpunb/clusters.toml): a team's Slurm defaults
+    backends/     the engines (local, slurm), one class each, chosen from one table: submit, state,
+                  cancel, the task's place and group, requeue, the settings each accepts
+    clusters.py   the cluster file (~/.config/gpunb/clusters.toml): a team's defaults per backend
     spec.py       a job's folder: job.json (what, where, which versions) and the shipped arguments
     checks.py     before submitting: what would break remotely, one message each
     events.py     the events file: the relay's channel for a job (rank 0 appends, the kernel reads)
     gpus.py       the GPU samples file of each node: its first task appends, the kernel reads them back
     control.py    in the job: stop requests (a file, the registry) and preemption signals
     entry.py      in the job: each task's body (versions, the group, the fit, result or requeue)
-    scheduler.py  submitit executors (local, Slurm), scheduler states, cancel
-    submit.py     the kernel's side of a submission: folder, checks, executor, registry row
+    submit.py     the kernel's side of a submission: folder, checks, backend, registry row
     follow.py     the kernel's side of a running job: its lifetime (events into the relay's mirror,
                   scheduler states, stop, cancel, the end)
     lookup.py     gpunb.attach(name_or_run_id), gpunb.stop(...), and the job of a cell run again

@@ -4,8 +4,8 @@
   kernel's interrupt button, `gpunb.stop`, the sidebar's Stop); the sidebar's Stop also goes
   through the run registry, which the job's RunRecorder reads. Either way the run stops at the
   next step, writes a checkpoint and sends its weights back.
-- preemption or the time limit: Slurm's warning signal (`--signal=USR2@90`, or a
-  `scancel --signal=USR1`) reaches every task. The handler only sets a flag (a signal
+- preemption or the time limit: the scheduler's warning signal (its backend's `requeue_signals`:
+  Slurm's `--signal=USR2@90`, or a `scancel --signal=USR1`) reaches every task. The handler only sets a flag (a signal
   handler must not write checkpoints in the middle of a collective); the next step stops
   the run with reason "preempted", the checkpoint is written, and entry.py requeues the job.
 
@@ -22,8 +22,6 @@ import time
 STOP_POLL_S = 0.5  # the stop file is looked for this often (a stat on a shared file system is not free)
 PREEMPTED = "preempted"
 DEFAULT_STOP = "stopped from the notebook"
-SLURM_CANCEL = "cancelled by Slurm (scancel, or an administrator)"  # a cancel that did not come from gpunb
-PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 
 class JobControl:
@@ -34,9 +32,10 @@ class JobControl:
         self.preempted = False
         self._checked = 0.0
 
-    def install_signal_handlers(self) -> None:
-        """Replace submitit's handlers (which would requeue at once, mid-step) with a flag."""
-        for number in PREEMPT_SIGNALS:
+    def install_signal_handlers(self, signals) -> None:
+        """Replace the scheduler's handlers for `signals` (submitit's would requeue at once, mid-step)
+        with a flag."""
+        for number in signals:
             signal.signal(number, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:

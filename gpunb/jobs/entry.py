@@ -1,19 +1,19 @@
-"""Each task of a job runs `JobEntry` (submitit calls it; one task per GPU or CPU process).
+"""Each task of a job runs `JobEntry` (its backend calls it; one task per GPU or CPU process).
 
 1. Versions: job.json records the kernel's Python, torch, CUDA and gpunb; a job whose
    environment differs stops here, before unpickling anything, and rank 0 writes why into
    the events file, which the notebook shows within a second.
-2. The group: submitit's task environment (Slurm's, or its local executor's) becomes
-   torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR ...), and the runtime joins the group
-   as it does under torchrun: NCCL between GPUs, gloo between CPU processes.
+2. The group: the job's backend says where the task stands (backends/: Slurm's variables, or
+   submitit's local executor's) and sets torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR ...);
+   the runtime joins the group as it does under torchrun: NCCL between GPUs, gloo between CPU processes.
 3. The fit: the Trainer's rank entry with the shipped arguments; checkpoints go to the job
    folder; a job that has checkpoints (requeued) resumes from its newest, exactly.
    Each node's first task also writes its GPUs' samples to gpus-<node>.jsonl (gpus.py).
 4. The end: every rank leaves its report (distributed/relay.py, as a launched rank does);
    rank 0 writes result.pt (weights, optimizer state) and result.pkl (the TrainResult,
-   timings of every rank, energy summed over them). A run stopped for
-   preemption is requeued instead (Slurm: `scontrol requeue`; local: submitit's requeue exit
-   code), and the requeued job goes on from the checkpoint just written.
+   timings of every rank, energy summed over them). A run stopped for preemption is requeued
+   instead, by its backend (Slurm: `scontrol requeue`; local: submitit's requeue exit code),
+   and the requeued job goes on from the checkpoint just written.
 """
 
 from __future__ import annotations
@@ -33,26 +33,25 @@ TAG = "job-entry"
 
 
 class JobEntry:
-    """What submitit runs in every task: only the folder travels in submitit's own pickle."""
+    """What every task of a job calls: only the folder travels in the backend's own pickle."""
 
     def __init__(self, folder: str):
         self.folder = str(folder)
 
     def __call__(self) -> str:
-        import submitit
-
         spec = job_spec.load(self.folder)
-        environment = submitit.JobEnvironment()
-        rank = environment.global_rank
+        backend = spec.backend
+        task = backend.task()
+        rank = task.rank
         events_path = spec.events_path
         try:
             mismatch = job_spec.version_mismatch(spec.versions, job_spec.current_versions())
             if mismatch is not None:
                 raise mismatch
             if rank == 0:
-                events.append(events_path, "job_started", host=environment.hostname, pid=os.getpid(),
-                              world_size=environment.num_tasks, job_id=environment.job_id)
-            outcome = _train(spec, environment)
+                events.append(events_path, "job_started", host=task.host, pid=os.getpid(),
+                              world_size=task.world_size, job_id=task.job_id)
+            outcome = _train(spec, backend, task)
         except BaseException as error:
             if rank == 0:
                 from gpunb.distributed.relay import describe
@@ -62,15 +61,15 @@ class JobEntry:
                 events.append(events_path, "job_failed", **describe(error))
             raise
         if outcome == PREEMPTED:
-            _requeue(spec, environment, rank)
-        if environment.num_tasks > 1:
+            _requeue(spec, backend, task)
+        if task.world_size > 1:
             # The result is written. Returning would tear the gloo group down at interpreter exit,
             # which can abort: the task's exit code, and Slurm's verdict on the job, would be FAILED.
             _leave(0)
         return outcome
 
 
-def _train(spec, environment) -> str:
+def _train(spec, backend, task) -> str:
     """Join the group, fit, and on rank 0 write the result; returns the run's stop reason ('' if none)."""
     import torch
 
@@ -78,23 +77,16 @@ def _train(spec, environment) -> str:
     from gpunb.distributed.relay import RelayWriter
     from gpunb.distributed.shipping import unship
 
-    tasks = environment.num_tasks
-    if tasks > 1:
-        import submitit
-
-        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+    if task.world_size > 1:
+        backend.join_group(task)
         # The launcher's share of the cores per process: the same arithmetic, the same weights.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // spec.tasks_per_node))
-        if spec.cluster == "local":
-            from gpunb.distributed.loopback import keep_sockets_on_loopback
-
-            keep_sockets_on_loopback()
     control = JobControl(spec.stop_path)
-    control.install_signal_handlers()
+    control.install_signal_handlers(backend.requeue_signals)
     args = unship(spec.args_path.read_bytes())
     config = args.config  # as the user gave it: the registry, checkpoints and loggers record it so
-    placement = job_placement(config, spec, environment)
+    placement = job_placement(config, spec, task)
     context = current_context(config)
     rank = context.rank
     callbacks = [control]
@@ -102,7 +94,7 @@ def _train(spec, environment) -> str:
         callbacks += [RelayWriter(events.EventsChannel(spec.events_path)), *_recorder(spec, config), *_loggers(config)]
     if placement.local_rank == 0 and spec.gpus_per_node:
         callbacks.append(NodeGpuWriter(gpus_path(spec.folder, placement.node), node=placement.node,
-                                       host=environment.hostname, cuda_indices=range(spec.gpus_per_node)))
+                                       host=task.host, cuda_indices=range(spec.gpus_per_node)))
     module, _, name = spec.entry.partition(":")
     entry = getattr(importlib.import_module(module), name)
     model, optimizer = args.model, args.optimizer
@@ -129,16 +121,15 @@ def _leave_report(spec, context, model, optimizer, result, control) -> str:
     return result.stop_reason or ""
 
 
-def job_placement(config, spec, environment):
+def job_placement(config, spec, task):
     """How this task is placed: its rank and node; checkpoints in the job's folder unless the config
     names a checkpoint_dir, resumed from when there are some (requeued); the registry is written by
     the recorder with the job's run id, so the task adds none of its own."""
     from gpunb.runtime.placement import Placement
     from gpunb.runtime.state.checkpoint_files import list_checkpoints
 
-    placement = Placement(rank=environment.global_rank, world_size=environment.num_tasks,
-                          local_rank=environment.local_rank, node=environment.node, records=False,
-                          checkpoint_dir=str(spec.checkpoint_dir))
+    placement = Placement(rank=task.rank, world_size=task.world_size, local_rank=task.local_rank, node=task.node,
+                          records=False, checkpoint_dir=str(spec.checkpoint_dir))
     requeued = bool(list_checkpoints(placement.checkpoints(config)))  # go on exactly from the newest
     return replace(placement, resume="last") if requeued else placement
 
@@ -167,15 +158,15 @@ def _write_result(spec, result) -> None:
     events.append(spec.events_path, "job_done", stop_reason=result.stop_reason, step=result.steps)
 
 
-def _requeue(spec, environment, rank: int) -> None:
+def _requeue(spec, backend, task) -> None:
     """Preempted: rank 0 puts the job back in the queue; every task leaves without a result
     (submitit would take one for the job's end)."""
-    if rank == 0:
+    if task.rank == 0:
         events.append(spec.events_path, "requeued")
         _record(spec, {"state": "REQUEUED", "reason": "preempted"}, "queued")
         sys.stdout.flush()
         try:
-            environment._requeue(0)  # Slurm: scontrol requeue; local: exits with submitit's requeue code
+            backend.requeue(task)  # Slurm: scontrol requeue; local: exits with submitit's requeue code
         except SystemExit as leaving:
             _leave(leaving.code)
     _leave(1)

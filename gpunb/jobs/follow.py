@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 
 from gpunb.distributed.relay import Mirror
 from gpunb.errors import GpunbError
-from gpunb.jobs import events, scheduler
-from gpunb.jobs.control import SLURM_CANCEL, request_stop
+from gpunb.jobs import events
+from gpunb.jobs.backends.base import CANCELLED_MARK, ENDED
+from gpunb.jobs.control import request_stop
 from gpunb.jobs.gpus import NodeGpuReader
 from gpunb.jobs.interrupts import KernelInterrupts
 from gpunb.runtime.result import TrainResult
@@ -68,7 +69,7 @@ class Follower:
         self.attached = attached  # found an existing job (not submitted now)
         self.job_hooks = [getattr(cb, "on_job_state") for cb in callbacks if hasattr(cb, "on_job_state")]
         self.gpu_hooks = [getattr(cb, "on_gpu_samples") for cb in callbacks if hasattr(cb, "on_gpu_samples")]
-        self.state = RunState(config=config, model=model, module=model, optimizer=optimizer,
+        self.state = RunState(config=config, model=model, optimizer=optimizer,
                               device=torch.device("cpu"), run_name=spec.name,
                               world_size=spec.nodes * spec.tasks_per_node)
         self.mirror = Mirror(self.state, callbacks)
@@ -141,7 +142,7 @@ class Follower:
             outcome = self._read() or {"event": "job_done"}  # the end, even when its event is lost
         if outcome is not None and outcome["event"] in ("job_done", "job_failed"):
             return self._finish(outcome)
-        state, reason = scheduler.job_state(self.spec)
+        state, reason = self.spec.backend.state(self.spec)
         self._job_state(state, reason)  # the registry (the sidebar) hears it too
         return self._result(status="running" if self.attempts else "queued", scheduler_state=state)
 
@@ -153,10 +154,10 @@ class Follower:
         self.callbacks.call("on_step_end", self.state)  # the dashboard shows "stopping" at once
 
     def cancel(self, reason: str = "cancelled from the notebook") -> None:
-        scheduler.cancel(self.spec)
+        self.spec.backend.cancel(self.spec)
         self.cancel_reason = reason
         deadline = time.monotonic() + CANCEL_WAIT_S
-        while time.monotonic() < deadline and scheduler.job_state(self.spec)[0] not in scheduler.ENDED:
+        while time.monotonic() < deadline and self.spec.backend.state(self.spec)[0] not in ENDED:
             time.sleep(0.2)
 
     # ------------------------------------------------------------------ events
@@ -193,16 +194,16 @@ class Follower:
     # ------------------------------------------------------------------ the scheduler
     def _poll_scheduler(self) -> dict | None:
         finished = self.spec.result_path.exists()  # the end, even when its event is lost or damaged
-        state, reason = scheduler.job_state(self.spec)
+        state, reason = self.spec.backend.state(self.spec)
         self._job_state(state, reason)
-        if state not in scheduler.ENDED and not finished:
+        if state not in ENDED and not finished:
             return None
         outcome = self._read()  # the last lines may have come just before the end
         if outcome is not None:
             return outcome
         if finished:
             return {"event": "job_done"}
-        if state.startswith("CANCELLED") or (self.spec.path / scheduler.CANCELLED_MARK).exists():
+        if state.startswith("CANCELLED") or (self.spec.path / CANCELLED_MARK).exists():
             return {"event": "cancelled", "reason": self._cancel_reason()}
         return {"event": "gone", "state": state}
 
@@ -273,7 +274,7 @@ class Follower:
         return result
 
     def _was_cancelled(self) -> bool:
-        return self.cancel_reason is not None or (self.spec.path / scheduler.CANCELLED_MARK).exists()
+        return self.cancel_reason is not None or (self.spec.path / CANCELLED_MARK).exists()
 
     def _cancel_reason(self) -> str:
         """Who cancelled the job, in words: this kernel, the sidebar or gpunb.stop (their words are in
@@ -286,9 +287,9 @@ class Follower:
             row = None
         if row and (row.get("stop_reason") or "").startswith("cancelled"):
             return row["stop_reason"]
-        if (self.spec.path / scheduler.CANCELLED_MARK).exists():
+        if (self.spec.path / CANCELLED_MARK).exists():
             return "cancelled from gpunb"
-        return SLURM_CANCEL if self.spec.cluster == "slurm" else "cancelled: the job's controller was stopped"
+        return self.spec.backend.cancelled_elsewhere
 
     def _done(self) -> JobResult:
         with open(self.spec.result_path, "rb") as handle:

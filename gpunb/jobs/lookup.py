@@ -46,11 +46,11 @@ def find_job(key: str, registry) -> job_spec.JobSpec | None:
 
 def ended_without_result(spec) -> bool:
     """The job is over (its scheduler says so) and left no weights: killed, cancelled or failed."""
-    from gpunb.jobs import scheduler
+    from gpunb.jobs.backends.base import ENDED
 
     if spec.weights_path.exists() or spec.job_id is None:
         return False
-    return scheduler.job_state(spec)[0] in scheduler.ENDED
+    return spec.backend.state(spec)[0] in ENDED
 
 
 def attach(name_or_run_id: str, *, wait: bool = True, callbacks=()):
@@ -93,8 +93,8 @@ def refresh_waiting(registry, runs: list[dict]) -> list[dict]:
     following it still shows why it waits), at most every REFRESH_EVERY_S; `runs` as read again."""
     import time
 
-    from gpunb.jobs import scheduler
-    from gpunb.jobs.control import SLURM_CANCEL
+    from gpunb.jobs.backends import find
+    from gpunb.jobs.backends.base import ended_status
 
     if time.monotonic() - _refreshed["at"] < REFRESH_EVERY_S:
         return runs
@@ -102,15 +102,16 @@ def refresh_waiting(registry, runs: list[dict]) -> list[dict]:
     changed = False
     for run in runs:
         job = run.get("job")
-        if not job or run["status"] != "queued" or job.get("cluster") != "slurm" or not job.get("id"):
+        backend = find(job.get("cluster")) if job else None
+        if backend is None or run["status"] != "queued" or not backend.reports_waiting or not job.get("id"):
             continue
         if not os.path.exists(os.path.join(job["folder"], "job.json")):
             continue  # its folder is gone: nothing to follow or stop
-        state, reason = scheduler.job_state(job_spec.load(job["folder"]))
+        state, reason = backend.state(job_spec.load(job["folder"]))
         if (state, reason) != (job.get("state"), job.get("reason")) and state != "UNKNOWN":
-            ended = scheduler.ended_status(state)
+            ended = ended_status(state)
             registry.set_job(run["id"], {"state": state, "reason": reason}, status=ended or None,
-                             stop_reason=SLURM_CANCEL if ended == "cancelled" else None)
+                             stop_reason=backend.cancelled_elsewhere if ended == "cancelled" else None)
             changed = True
     return registry.list_runs(series=True) if changed else runs
 
@@ -119,16 +120,16 @@ def stop_job(registry, run: dict, by: str = "the sidebar") -> bool:
     """The sidebar's Stop (or gpunb.stop) for a job: the first asks it to stop at its next step
     (checkpoint, weights kept); a second, or one for a job still waiting in the queue, cancels it.
     `by` says who, in the job's result and row. False if it has ended."""
-    from gpunb.jobs import scheduler
+    from gpunb.jobs.backends.base import LOST
     from gpunb.jobs.control import request_stop
 
     if run["status"] not in ("queued", "running"):
         return False
     spec = job_spec.load(run["job"]["folder"])
     if run["status"] == "queued" or run.get("stop_requested") or spec.stop_path.exists():
-        lost = scheduler.cancel(spec)  # sent only while the Slurm id still names this job
+        lost = spec.backend.cancel(spec)  # sent only while the scheduler's id still names this job
         if lost:
-            registry.set_job(run["id"], {"state": scheduler.LOST, "reason": lost}, status="lost", error=lost)
+            registry.set_job(run["id"], {"state": LOST, "reason": lost}, status="lost", error=lost)
         else:
             registry.set_job(run["id"], {"state": "CANCELLED", "reason": None}, status="cancelled",
                              stop_reason=f"cancelled from {by}")

@@ -34,7 +34,7 @@ class JobSpec:
     run_id: str  # the run registry's id of the run (the job's row)
     name: str  # the run's name
     key: str | None  # what re-running the same cell finds the job by (None: never attached to by key)
-    cluster: str  # "local" or "slurm"
+    cluster: str  # its backend's name (backends/: "local", "slurm" ...)
     folder: str  # this job's folder
     nodes: int
     tasks_per_node: int  # processes per node, one per GPU (or CPU process)
@@ -48,6 +48,13 @@ class JobSpec:
     job_id: str | None = None  # the scheduler's (Slurm job id; local: the controller's pid)
     job_started: float | None = None  # local: the controller's start time (its pid alone may be reused)
     job_name: str | None = None  # the scheduler's name of the job: the folder's (Slurm ids are reused)
+
+    @property
+    def backend(self):
+        """The JobBackend that runs this job: it submits, asks, cancels and requeues it."""
+        from gpunb.jobs.backends import get
+
+        return get(self.cluster)
 
     @property
     def path(self) -> Path:

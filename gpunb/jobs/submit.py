@@ -1,24 +1,20 @@
 """The kernel's side of a submission: the job folder, the checks, the executor, the registry row.
 
-`run_job` is what gpunb.Trainer calls for `cluster="local"|"slurm"`: it finds the job of
-this run when there is one (the same cell run again: its key, unless `resubmit`), else
-submits a new one, then follows it (follow.py) until it ends.
+`run_job` is what gpunb.Trainer calls for a run with a `cluster`: it finds the job of this run
+when there is one (the same cell run again: its key, unless `resubmit`), else submits a new one
+through the cluster's backend (backends/), then follows it (follow.py) until it ends.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import re
-import sys
 import time
 import uuid
 
 from gpunb.errors import GpunbError
-from gpunb.jobs import checks, clusters, scheduler
+from gpunb.jobs import backends, checks, clusters
+from gpunb.jobs.backends.base import CANCELLED_MARK
 from gpunb.jobs.spec import JobSpec, current_versions
-
-DEFAULT_SLURM_TIME_MIN = 24 * 60  # a Slurm job's time limit when neither the run nor the cluster file sets one
 
 
 def run_job(config, entry, model, train_data, val_data=None, *, callbacks=(), key=None, wait=True, **arguments):
@@ -54,20 +50,18 @@ def job_follower(config, entry, model, train_data, val_data=None, *, callbacks=(
 
 
 def submit(config, entry, args, *, key: str | None, registry) -> JobSpec:
-    """Check, write the job folder, submit through submitit, record the queued run; returns the spec."""
-    cluster = config.cluster
+    """Check, write the job folder, submit through the backend, record the queued run; returns the spec."""
+    backend = backends.chosen(config)
     settings = job_settings(config)
-    root = clusters.job_dir(cluster, settings)
-    if cluster == "slurm":
-        checks.check_slurm()  # first: an unreachable Slurm explains every later failure
-        checks.check_shared(root, settings)
-    tasks, gpus = processes_and_gpus(config)
+    root = clusters.job_dir(settings)
+    backend.check(root, settings)
+    tasks, gpus = backend.tasks_and_gpus(config)
     payload = checks.shipped(args, float(settings.get("max_ship_mb", checks.DEFAULT_MAX_SHIP_MB)))
     run_id = uuid.uuid4().hex
     name = config.name or type(args.model).__name__
     folder = root / f"{_slug(name)}-{run_id[:8]}"
     folder.mkdir(parents=True)
-    spec = JobSpec(run_id=run_id, name=name, key=key, cluster=cluster, folder=str(folder), nodes=config.nodes,
+    spec = JobSpec(run_id=run_id, name=name, key=key, cluster=backend.name, folder=str(folder), nodes=config.nodes,
                    tasks_per_node=tasks, gpus_per_node=gpus, accelerator=config.accelerator,
                    entry=f"{entry.__module__}:{entry.__qualname__}",
                    registry=str(registry.path) if registry is not None else None, versions=current_versions(),
@@ -76,30 +70,22 @@ def submit(config, entry, args, *, key: str | None, registry) -> JobSpec:
     spec.save()
     if registry is not None:
         registry.start_run(name, config=config.to_dict(), run_id=run_id, status="queued",
-                           device=f"{cluster}: {spec.nodes} x {tasks}", job=_job_row(spec, "SUBMITTING"))
+                           device=f"{backend.name}: {spec.nodes} x {tasks}", job=_job_row(spec, "SUBMITTING"))
     _send(spec, settings, registry)
     return spec
 
 
 def _send(spec: JobSpec, settings: dict, registry) -> None:
-    """Submit the job of `spec` through submitit; its id into job.json and the registry row."""
+    """Submit the job of `spec` through its backend; its id into job.json and the registry row."""
     from gpunb.jobs.entry import JobEntry
 
-    executor = scheduler.executor(spec, settings, timeout_minutes(spec.cluster, settings))
-    printed = io.StringIO()
+    backend = spec.backend
     try:
-        with contextlib.redirect_stderr(printed):  # submitit prints sbatch's error, then raises it: once is enough
-            job = executor.submit(JobEntry(spec.folder))
-    except Exception as error:
+        backend.submit(spec, settings, backend.time_limit_min(settings), JobEntry(spec.folder))
+    except GpunbError as error:
         if registry is not None:
-            registry.set_job(spec.run_id, {"state": "NOT SUBMITTED"}, status="failed", error=str(error)[:500])
-        raise _not_submitted(error) from error
-    sys.stderr.write(printed.getvalue())  # anything else it said (a warning) is not lost
-    spec.job_id, spec.job_started = str(job.job_id), None
-    if spec.cluster == "local":
-        import psutil
-
-        spec.job_started = psutil.Process(int(job.job_id)).create_time()
+            registry.set_job(spec.run_id, {"state": "NOT SUBMITTED"}, status="failed", error=error.what[:500])
+        raise
     spec.save()
     if registry is not None:
         registry.set_job(spec.run_id, {"id": spec.job_id, "state": "PENDING"})
@@ -115,7 +101,7 @@ def resume_in_folder(spec: JobSpec, config, registry) -> JobSpec | None:
     found = newest_checkpoint(config.checkpoint_dir or spec.checkpoint_dir)
     if found is None:
         return None
-    for leftover in (spec.stop_path, spec.path / scheduler.CANCELLED_MARK):
+    for leftover in (spec.stop_path, spec.path / CANCELLED_MARK):
         leftover.unlink(missing_ok=True)  # the old job's stop or cancel is not the new one's
     events.append(spec.events_path, "resubmitted")
     step = found[1].get("step")
@@ -127,81 +113,26 @@ def resume_in_folder(spec: JobSpec, config, registry) -> JobSpec | None:
     return spec
 
 
-UNREACHABLE = ("configuration source", "Unable to contact", "Zero Bytes were transmitted", "Connection refused")
-
-
-def processes_and_gpus(config) -> tuple[int, int]:
-    """(tasks per node, GPUs asked per node) of a job.
-
-    A local job runs on this machine, so `accelerator="auto"` is decided here as a run in the
-    kernel would decide it: with GPUs visible, each task gets one (submitit's local executor hides
-    the GPUs it was not asked for). A Slurm job runs on nodes this machine cannot see: there only
-    `gpus_per_node` or `accelerator="cuda"` asks for GPUs.
-    """
-    if config.gpus_per_node:
-        return config.gpus_per_node, config.gpus_per_node
-    if config.cluster == "local":
-        import torch
-
-        from gpunb.distributed.launch import plan_devices
-
-        accelerator, tasks, _ = plan_devices(config)
-        # gloo may put more tasks than GPUs on this machine: they share the visible ones
-        return tasks, (min(tasks, torch.cuda.device_count()) if accelerator == "cuda" else 0)
-    tasks = config.devices if isinstance(config.devices, int) else 1
-    return tasks, (tasks if config.accelerator == "cuda" else 0)
-
-
-def _not_submitted(error: Exception) -> GpunbError:
-    """sbatch's refusal, each of its lines once, under the hint that fits it."""
-    said = []
-    for line in str(error).splitlines():
-        line = checks.slurm_error(line)
-        if line and line not in said:
-            said.append(line)
-    text = "; ".join(said) or type(error).__name__
-    if any(sign in text for sign in UNREACHABLE):
-        return GpunbError(f"The job could not be submitted: Slurm does not answer here (`sbatch`: {text}).",
-                          checks.NO_SLURM_HINT)
-    return GpunbError(f"The job could not be submitted: {text}",
-                      "check the Slurm settings (partition, account, time) in the run's options and in "
-                      f"{clusters.path()}; `sbatch --test-only` with them says what Slurm refuses.")
-
-
 def job_settings(config) -> dict:
-    """The cluster file's section with the run's own Slurm settings on top."""
-    chosen = dict(clusters.settings(config.cluster))
-    clusters.check_settings(config.slurm, "slurm={...} (`--slurm KEY=VALUE`)")
-    given = dict(config.slurm)
-    sbatch = {**dict(chosen.get("sbatch") or {}), **dict(given.pop("sbatch", None) or {})}
+    """The cluster file's section with the run's own settings (`slurm={...}`) on top: a setting the
+    backend knows by name at the top, any other in its table of other settings (Slurm's sbatch)."""
+    backend = backends.chosen(config)
+    chosen = dict(clusters.settings(backend))
+    backend.check_settings(config.slurm, "slurm={...} (`--slurm KEY=VALUE`)")
+    given, table = dict(config.slurm), backend.extra_table
+    extra = {**dict(chosen.get(table) or {}), **dict(given.pop(table, None) or {})} if table else {}
+    known = {s.name for s in backend.settings}
     for key, value in given.items():
-        if key.replace("-", "_") in clusters.KEYS:
+        if key.replace("-", "_") in known:
             chosen[key.replace("-", "_")] = value
+        elif table:
+            extra[key] = value
         else:
-            sbatch[key] = value
-    if sbatch:
-        chosen["sbatch"] = sbatch
+            raise GpunbError(f"The setting {key!r} means nothing to cluster={config.cluster!r} ({backend.what}).",
+                             f"drop it; the settings of {backend.name!r} are {', '.join(sorted(known))}.")
+    if extra:
+        chosen[table] = extra
     return chosen
-
-
-def timeout_minutes(cluster: str, settings: dict) -> float:
-    """Slurm's time format ("90", "2:00:00", "1-12:00:00") as minutes."""
-    given = settings.get("time")
-    if given is None:
-        return DEFAULT_SLURM_TIME_MIN if cluster == "slurm" else scheduler.DEFAULT_TIMEOUT_MIN
-    text = str(given).strip()
-    match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text)
-    if not match:
-        raise GpunbError(f"time={given!r} is not a Slurm time limit.",
-                         "write minutes (`90`), `hours:minutes:seconds` (`2:00:00`) or `days-hours:minutes:seconds`.")
-    days, first, second, third = match.groups()
-    if days is not None:  # d-hh[:mm[:ss]]
-        return int(days) * 1440 + int(first) * 60 + int(second or 0) + int(third or 0) / 60
-    if third is not None:  # hh:mm:ss
-        return int(first) * 60 + int(second) + int(third) / 60
-    if second is not None:  # mm:ss
-        return int(first) + int(second) / 60
-    return float(first)
 
 
 def _price(config, settings: dict) -> float | None:

@@ -7,15 +7,15 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from gpunb.notebook.collect import collect, named_options
-from gpunb.notebook.options import config_options, make_strict, role_options, usage_errors
+from gpunb.notebook.options import cluster_options, config_options, make_strict, role_options, usage_errors
 from gpunb.notebook.session import continue_state as session_continue_state
 from gpunb.runtime.roles import NAMES, REQUIRED, SETUP
 
 
 @magics_class
 class GpuMagics(Magics):
-    # Every TrainConfig field is an option (config_options), then the magic's own options, then
-    # the variable holding each of fit's objects (role_options).
+    # Every TrainConfig field is an option (config_options), then the magic's own options, the job
+    # backends' settings (cluster_options), then the variable holding each of fit's objects (role_options).
     @magic_arguments()
     @config_options()
     @argument("--continue", dest="continue_fit", action="store_true",
@@ -26,18 +26,12 @@ class GpuMagics(Magics):
     @argument("--export", metavar="PATH", help="write a standalone torchrun script instead of training")
     @argument("--eval", action="store_true", help="evaluate the model on val_data (or train_data) instead of training")
     @argument("--dry-run", action="store_true", help="show the run's summary (parameters, FLOPs, memory) without training")
-    @argument("--detach", action="store_true", help="train in a job of its own on this machine, which outlives the kernel")
-    @argument("--partition", help="Slurm partition")
-    @argument("--time", help="a job's time limit: minutes or h:mm:ss")
-    @argument("--account", help="Slurm account")
-    @argument("--qos", help="Slurm QOS")
-    @argument("--constraint", help="Slurm node features (--constraint)")
-    @argument("--slurm", action="append", metavar="KEY=VALUE", help="any other sbatch setting (repeatable)")
     @argument("--no-wait", action="store_true", help="with a job: submit and return; gpunb.attach(name) follows it")
     @argument("--trials", type=int, help="run the cell as a sweep of N trials (gpunb.suggest gives each its values)")
     @argument("--sampler", default="tpe", help="a sweep's sampler: tpe | random | grid (seeded by --seed)")
     @argument("--prune", default="none", help="stop poor trials at a validation: asha | median | none")
     @argument("--direction", help="minimize | maximize the monitored value (default: by --monitor's name)")
+    @cluster_options()
     @role_options()
     @line_cell_magic
     def gputrain(self, line, cell=None):
@@ -175,31 +169,19 @@ make_strict(GpuMagics.gpustatus)
 
 
 def _config(args):
-    """A TrainConfig from the options given (unset options keep TrainConfig's defaults)."""
+    """A TrainConfig from the options given (unset options keep TrainConfig's defaults); a cluster
+    is checked against the backends' table before the cell runs."""
     from gpunb.config import TrainConfig
     from gpunb.config_flags import config_values
+    from gpunb.jobs.backends.flags import cluster_values
 
     with usage_errors(args):  # also when called alone
-        return TrainConfig(**config_values(args), **_job_options(args))
+        config = TrainConfig(**config_values(args), **cluster_values(args))
+        if config.cluster is not None:
+            from gpunb.jobs.backends import chosen
 
-
-def _job_options(args) -> dict:
-    """The job options that are not TrainConfig fields: --detach (cluster="local") and the Slurm
-    settings (--partition, --time, ..., --slurm KEY=VALUE), gathered into `slurm`."""
-    if args.detach and args.cluster:
-        raise UsageError("--detach runs the job on this machine and --cluster on a cluster: pick one.\n"
-                         "HINT: drop `--detach` to submit to the cluster.")
-    chosen = {"cluster": "local"} if args.detach else {}
-    slurm = {key: value for key in ("partition", "time", "account", "qos", "constraint")
-             if (value := getattr(args, key)) is not None}
-    for item in args.slurm or ():
-        key, equals, value = item.partition("=")
-        if not equals or not key.strip():
-            raise UsageError(f"--slurm {item!r} is not KEY=VALUE.\nHINT: e.g. `--slurm mem=64G --slurm exclusive=`.")
-        slurm[key.strip().lstrip("-")] = value.strip()
-    if slurm:
-        chosen["slurm"] = slurm
-    return chosen
+            chosen(config)
+        return config
 
 
 def _cell_key(cell: str, line: str) -> str:

@@ -1,5 +1,6 @@
-"""The magics' options: TrainConfig's fields and fit's variables as options, strict parsing with
-"did you mean" for typos, and the one place a GpunbError becomes a UsageError."""
+"""The magics' options: TrainConfig's fields, the job backends' settings and fit's variables as
+options, strict parsing with "did you mean" for typos, and the one place a GpunbError becomes a
+UsageError."""
 
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ class config_options(ArgDecorator):
         from gpunb.config_flags import add_config_flags
 
         add_config_flags(parser)
+
+
+class cluster_options(ArgDecorator):
+    """Decorator: every job backend's settings a command line can hold (`--detach`, `--partition`,
+    `--slurm KEY=VALUE` ...), made from the backends' table (gpunb.jobs.backends.flags)."""
+
+    def add_to_parser(self, parser, group):
+        from gpunb.jobs.backends.flags import add_cluster_flags
+
+        add_cluster_flags(parser)
 
 
 class role_options(ArgDecorator):

@@ -8,8 +8,10 @@ between logs the writer's thread reads it (writer.STOP_POLL_S) and each step loo
 answer, an attribute. A locked, full or damaged registry can neither slow nor break the
 training loop.
 The first problem is logged once; a locked registry is written once it is free.
-Fit start waits START_WAIT_S at most for the run's row, fit end FINISH_WAIT_S at
-most for the final status; what is not written by then is left to the thread.
+Fit start does not wait for the run's row: the thread creates it while the first steps
+run (what the run logs meanwhile waits for it). Fit end waits FINISH_WAIT_S at most for
+the final status, so that a finished fit's record is on disk when `fit` returns; what a
+locked registry keeps out by then is left to the thread, and waited for at exit.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ log = logging.getLogger(__name__)
 WRITE_EVERY_S = 1.0  # the registry's promise: at most one write per second per run
 POINTS_PER_WRITE = 25  # log rows kept per write (evenly thinned): curves survive short runs
 HEARTBEAT_S = 30.0  # without logs, still send step and progress this often (liveness: the writer's own stamp)
-START_WAIT_S = 0.05  # at fit start, give the writer this long at most to create the run's row
 FINISH_WAIT_S = 2.0  # at fit end, wait this long at most for the final status to be written
 RESULT_FIGURES = ("achieved_tflops", "mfu", "tokens_per_s")  # TrainResult properties kept in `latest`
 _now = time.monotonic  # the clock for throttling (tests replace it)
@@ -70,8 +71,6 @@ class RunRecorder:
                  "total_steps": state.total_steps, "started_at": time.time(), "reopen": continues is not None}
         self.writer = RunWriter(self.registry, self.run_id, start, self._warn_once, owner=self)
         self._reader = Registry(self.registry.path, timeout=0.0)
-        # Usually a few ms: then the run is listed, and can be stopped, from its first step on.
-        self.writer.recorded.wait(START_WAIT_S)
         state.registry_run = self.run_id
         self._last_write = _now()
 
@@ -166,9 +165,11 @@ class RunRecorder:
 
     def _finish(self, state, status: str, **fields) -> None:
         fields.update(step=state.step, epoch=state.epoch, progress=state.progress, latest=dict(self._latest))
-        self.writer.submit(rows=self._take_rows(10 * POINTS_PER_WRITE),
-                           finish={"status": status, **fields})
-        if not self.writer.flush(FINISH_WAIT_S) and not self._warned:
+        # Written here, on the training thread, while the writer's thread is idle (as it is at the
+        # end of most fits): the record is on disk when `fit` returns, without a wait for that thread.
+        rows = self._take_rows(10 * POINTS_PER_WRITE)
+        written = self.writer.end(self._reader, {"status": status, **fields}, rows)
+        if not (written or self.writer.flush(FINISH_WAIT_S)) and not self._warned:
             self._warned = True
             log.warning("gpunb: the end of this run is not in the run registry %s yet; it is written "
                         "in the background as soon as the registry is free.", self.registry.path)

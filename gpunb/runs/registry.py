@@ -76,6 +76,21 @@ _AFTER_CANCEL = "('failed', 'interrupted')"  # what a cancelled job's dying rank
 _ADDED_COLUMNS = {"best": "TEXT", "heartbeat_at": "REAL", "job": "TEXT", "stop_reason": "TEXT"}  # columns newer than the first registries
 
 
+# The registry files this process has made or checked, by path, with each file's identity then: a
+# run's recorder opens two Registry objects a fit, and neither checks the schema again, while a file
+# removed or replaced since (a new identity) is checked again.
+_checked: dict[Path, tuple[int, int] | None] = {}
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """The file's (device, inode), or None when there is none."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
+
+
 def json_safe(value: Any, _depth: int = 0) -> Any:
     """`value` as plain JSON: NaN/inf become None, tensors and numpy scalars their
     Python value, unknown objects their str(); browsers reject NaN in JSON."""
@@ -143,17 +158,9 @@ class Registry:
 
     def update(self, run_id: str, **fields: Any) -> None:
         """Set any of progress, step, total_steps, epoch, eta_s, latest (dict), device, energy_j."""
-        unknown = set(fields) - set(_UPDATABLE)
-        if unknown:
-            raise TypeError(f"Registry.update() got unknown fields {sorted(unknown)}; "
-                            f"expected some of {list(_UPDATABLE)}")
-        values = {key: (_dumps(value) if key == "latest" else json_safe(value))
-                  for key, value in fields.items()}
-        values["updated_at"] = time.time()
-        assignments = ", ".join(f"{key} = ?" for key in values)
+        values = _field_values(fields)
         with self._write() as db:
-            db.execute(f"UPDATE runs SET {assignments} WHERE id = ?", (*values.values(), run_id))
-            _revive(db, run_id)
+            _set_fields(db, run_id, values)
 
     def set_job(self, run_id: str, job: dict, status: str | None = None, error: str | None = None,
                 stop_reason: str | None = None) -> None:
@@ -192,44 +199,34 @@ class Registry:
         """Append (step, metrics) points in one transaction (a recorder's second of logs in one
         write), thinned as `add_metrics` thins them."""
         with self._write() as db:
-            row = db.execute("SELECT metric_seq, metric_stride FROM runs WHERE id = ?", (run_id,)).fetchone()
-            if row is None:
-                raise KeyError(f"no run {run_id!r} in {self.path}")
-            seq, stride = row
-            (count,) = db.execute("SELECT COUNT(*) FROM metrics WHERE run_id = ?", (run_id,)).fetchone()
-            now = time.time()
-            for step, metrics in points:
-                # The previous point was kept only as "the newest"; drop it unless on the stride.
-                if seq > 0 and (seq - 1) % stride:
-                    count -= db.execute("DELETE FROM metrics WHERE run_id = ? AND seq = ?",
-                                        (run_id, seq - 1)).rowcount
-                db.execute("INSERT INTO metrics (run_id, seq, t, step, data) VALUES (?, ?, ?, ?, ?)",
-                           (run_id, seq, now, json_safe(step), _dumps(metrics)))
-                count += 1
-                if count > MAX_POINTS:
-                    stride *= 2
-                    count -= db.execute("DELETE FROM metrics WHERE run_id = ? AND seq % ? != 0 AND seq != ?",
-                                        (run_id, stride, seq)).rowcount
-                seq += 1
-            db.execute("UPDATE runs SET metric_seq = ?, metric_stride = ? WHERE id = ?", (seq, stride, run_id))
+            _add_points(db, run_id, points, self.path)
 
     def finish(self, run_id: str, status: str, *, error: str | None = None, stop_reason: str | None = None,
                **fields: Any) -> None:
         """End a run with `status` (not "running"), `stop_reason` saying why in words when it stopped;
         `fields` as in `update` (e.g. energy_j)."""
-        ends = [s for s in STATUSES if s not in ("queued", "running")]
-        if status not in ends:
-            raise GpunbError(f"Cannot finish a run with status {status!r}.",
-                             "use one of " + ", ".join(f"`{s}`" for s in ends) + ".")
-        self.update(run_id, eta_s=None, **fields)
+        self.record(run_id, finish={"status": status, "error": error, "stop_reason": stop_reason, **fields})
+
+    def record(self, run_id: str, fields: dict | None = None, points: list = (), finish: dict | None = None) -> bool:
+        """A run's news in one transaction, so that a run's end lands whole or not at all: `fields`
+        as in `update`, `points` as in `add_points`, and `finish` (`finish`'s arguments: `status`,
+        and `error`, `stop_reason` and fields) to end the run. Returns whether a stop is requested
+        for the run (never, once it has ended)."""
+        ending = dict(finish or {})
+        status = ending.pop("status", None)
+        error, stop_reason = ending.pop("error", None), ending.pop("stop_reason", None)
+        if finish is not None:
+            _check_end(status)
+            fields = {**(fields or {}), "eta_s": None, **ending}
+        values = _field_values(fields) if fields else None
         with self._write() as db:
-            points = db.execute("SELECT data FROM metrics WHERE run_id = ?", (run_id,)).fetchall()
-            best = best_values(json.loads(data) for (data,) in points)
-            # A cancelled job's ranks die of their peers' end: what they say must not undo the cancel.
-            db.execute("UPDATE runs SET status = ?, error = ?, ended_at = ?, best = ?, stop_reason = ? WHERE id = ? "
-                       f"AND NOT (status = 'cancelled' AND ? IN {_AFTER_CANCEL})",
-                       (status, error, time.time(), _dumps(best), stop_reason, run_id, status))
-            db.execute("DELETE FROM stop_requests WHERE run_id = ?", (run_id,))
+            if values:
+                _set_fields(db, run_id, values)
+            if points:
+                _add_points(db, run_id, points, self.path)
+            if finish is not None:
+                _end(db, run_id, status, error, stop_reason)
+            return bool(db.execute("SELECT 1 FROM stop_requests WHERE run_id = ?", (run_id,)).fetchall())
 
     def request_stop(self, run_id: str) -> bool:
         """Ask a running (or queued) run to stop at its next log; False when it is neither."""
@@ -370,11 +367,13 @@ class Registry:
                     db.execute(f"PRAGMA busy_timeout = {int(self.timeout * 1000)}")
         except sqlite3.DatabaseError as error:
             translated = registry_error(error, self.path, self.timeout)
+            if not isinstance(translated, RegistryLocked):  # e.g. a table gone: check the file again next time
+                self._ready = False
+                _checked.pop(self.path, None)
             if translated is None:
                 raise
             if isinstance(translated, RegistryDamaged):
                 self.close()  # reopen (maybe a fresh file) next time
-                self._ready = False
             raise translated from error
 
     def _connection(self) -> sqlite3.Connection:
@@ -399,6 +398,10 @@ class Registry:
             owner[1].close()
 
     def _create(self) -> None:
+        identity = _identity(self.path)
+        if identity is not None and _checked.get(self.path) == identity:
+            self._ready = True  # this process made or checked this very file: its tables are there
+            return
         if self.path.is_dir():  # SQLite would only say "unable to open database file"
             raise RegistryDamaged(self.path, "is a directory, not an SQLite file")
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -413,6 +416,63 @@ class Registry:
         finally:
             db.close()
         self._ready = True
+        _checked[self.path] = _identity(self.path)
+
+
+def _field_values(fields: dict) -> dict:
+    """`update`'s fields as the runs table stores them (validated), stamped with the time."""
+    unknown = set(fields) - set(_UPDATABLE)
+    if unknown:
+        raise TypeError(f"Registry.update() got unknown fields {sorted(unknown)}; "
+                        f"expected some of {list(_UPDATABLE)}")
+    values = {key: (_dumps(value) if key == "latest" else json_safe(value)) for key, value in fields.items()}
+    values["updated_at"] = time.time()
+    return values
+
+
+def _set_fields(db: sqlite3.Connection, run_id: str, values: dict) -> None:
+    assignments = ", ".join(f"{key} = ?" for key in values)
+    db.execute(f"UPDATE runs SET {assignments} WHERE id = ?", (*values.values(), run_id))
+    _revive(db, run_id)
+
+
+def _add_points(db: sqlite3.Connection, run_id: str, points: list, path: Path) -> None:
+    row = db.execute("SELECT metric_seq, metric_stride FROM runs WHERE id = ?", (run_id,)).fetchone()
+    if row is None:
+        raise KeyError(f"no run {run_id!r} in {path}")
+    seq, stride = row
+    (count,) = db.execute("SELECT COUNT(*) FROM metrics WHERE run_id = ?", (run_id,)).fetchone()
+    now = time.time()
+    for step, metrics in points:
+        # The previous point was kept only as "the newest"; drop it unless on the stride.
+        if seq > 0 and (seq - 1) % stride:
+            count -= db.execute("DELETE FROM metrics WHERE run_id = ? AND seq = ?", (run_id, seq - 1)).rowcount
+        db.execute("INSERT INTO metrics (run_id, seq, t, step, data) VALUES (?, ?, ?, ?, ?)",
+                   (run_id, seq, now, json_safe(step), _dumps(metrics)))
+        count += 1
+        if count > MAX_POINTS:
+            stride *= 2
+            count -= db.execute("DELETE FROM metrics WHERE run_id = ? AND seq % ? != 0 AND seq != ?",
+                                (run_id, stride, seq)).rowcount
+        seq += 1
+    db.execute("UPDATE runs SET metric_seq = ?, metric_stride = ? WHERE id = ?", (seq, stride, run_id))
+
+
+def _check_end(status: str | None) -> None:
+    ends = [s for s in STATUSES if s not in ("queued", "running")]
+    if status not in ends:
+        raise GpunbError(f"Cannot finish a run with status {status!r}.",
+                         "use one of " + ", ".join(f"`{s}`" for s in ends) + ".")
+
+
+def _end(db: sqlite3.Connection, run_id: str, status: str, error: str | None, stop_reason: str | None) -> None:
+    points = db.execute("SELECT data FROM metrics WHERE run_id = ?", (run_id,)).fetchall()
+    best = best_values(json.loads(data) for (data,) in points)
+    # A cancelled job's ranks die of their peers' end: what they say must not undo the cancel.
+    db.execute("UPDATE runs SET status = ?, error = ?, ended_at = ?, best = ?, stop_reason = ? WHERE id = ? "
+               f"AND NOT (status = 'cancelled' AND ? IN {_AFTER_CANCEL})",
+               (status, error, time.time(), _dumps(best), stop_reason, run_id, status))
+    db.execute("DELETE FROM stop_requests WHERE run_id = ?", (run_id,))
 
 
 def _revive(db: sqlite3.Connection, run_id: str) -> None:

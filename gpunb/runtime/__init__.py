@@ -1,7 +1,8 @@
 """The managed training runtime: pure PyTorch, no IPython, no Jupyter.
 
-`run(config, context, model, ...)` trains in this process; gpunb.Trainer (the front
-door, one layer up) picks the context and the default callbacks and calls it.
+`run(config, dist, model, ...)` trains in this process; gpunb.Trainer (the front door, one
+layer up) picks the context (`dist`: runtime/context.py, or one rank's, distributed/context.py)
+and the default callbacks and calls it.
 
 Rooms along the path of one step, each importing only those above it in this list
 (docs/architecture.md maps every module):
@@ -12,11 +13,12 @@ Rooms along the path of one step, each importing only those above it in this lis
     step/         one optimizer step: stepper, objective, precision, optimizer, schedule, EMA, compile
     validation/   when and how the weights are scored on held-out data; early stopping
     state/        checkpoints, resume, continue, rewind, the NaN guard, the run lock
-    memory/       the memory plan: measures under which a run fits, and the next one after an OOM
+    memory/       the memory plan: measures (one class each) under which a run fits, the strategy
+                  (DDP or FSDP), and the next measure after an OOM
     setup.py      what every run needs before its first batch
     probes/       before the first step: preflight, batch size, LR finder, summary, peak FLOPS
-    prepare.py    everything a fit needs before its first batch, in the order it is decided
-    loop.py       run(): the training loop, top to bottom, with epoch.py, eta.py, interrupt.py,
+    prepare.py    everything a fit needs before its first batch: decided, then put in place
+    loop.py       run(): the training loop, top to bottom; dry_run(): run stopped before the loop; with epoch.py, eta.py, interrupt.py,
                   teardown.py, result.py (TrainResult), predict.py (predict, evaluate) and
                   adapters.py (peft models at a fit's ends)
 """

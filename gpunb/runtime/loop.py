@@ -1,5 +1,7 @@
 """run(): a one-process run (or one rank's): prepared (prepare.py), then trained, top to bottom.
 
+dry_run(): the same run stopped before it puts anything in place: the summary fit would show.
+
 Logging, checkpointing, telemetry and the run registry hang off events (see
 events.py); the loop itself only steps, counts and emits. The loss stays on the
 device and is read once per `log_every` steps: the loop has no other host syncs.
@@ -17,7 +19,8 @@ from gpunb.runtime.epoch import EpochSteps, Timer
 from gpunb.runtime.feed.feeds import closing
 from gpunb.runtime.interrupt import InterruptFlag
 from gpunb.runtime.placement import ALONE
-from gpunb.runtime.prepare import Run, answer_compilation, prepare
+from gpunb.runtime.prepare import Run, answer_compilation, decide, prepare
+from gpunb.runtime.probes.summary import RunSummary
 from gpunb.runtime.result import TrainResult, epoch_mean_loss
 from gpunb.runtime.roles import check_model
 from gpunb.runtime.run_state import RunState
@@ -27,7 +30,7 @@ from gpunb.runtime.teardown import Teardown
 from gpunb.runtime.validation import passes as validation
 
 
-def run(config: TrainConfig, context, model, train_data, val_data=None, *, optimizer=None, scheduler=None,
+def run(config: TrainConfig, dist, model, train_data, val_data=None, *, optimizer=None, scheduler=None,
         loss_fn=None, step=None, metrics=None, callbacks=(), continue_from=None, state_type=None,
         placement=ALONE) -> TrainResult:
     """Train `model` in this process; returns a TrainResult. The model is trained in place.
@@ -36,8 +39,8 @@ def run(config: TrainConfig, context, model, train_data, val_data=None, *, optim
     (runtime/state/continuing.py); `state_type`: a RunState subclass whose own fields the run
     carries too (runtime/run_state.py; None: RunState).
 
-    `context` says where this process stands: `LocalContext()` alone, or one rank of a
-    process group (gpunb.distributed.context). `callbacks` are all the callbacks the run
+    `dist`, the context, says where this process stands: `LocalContext()` alone, or one rank of
+    a process group (gpunb.distributed.context). `callbacks` are all the callbacks the run
     hears; gpunb.Trainer adds its defaults (telemetry, the run registry) to the user's.
     `placement` says how whoever started this process placed it (runtime/placement.py: a job's
     checkpoints folder, a requeue's resume); `config` stays as the user gave it.
@@ -49,7 +52,7 @@ def run(config: TrainConfig, context, model, train_data, val_data=None, *, optim
     try:
         with InterruptFlag() as setting_up:  # a Ctrl-C in set-up: stop before the first step
             teardown.saved_globals = devices.seed_everything(config.seed, config.deterministic)
-            prepared = prepare(config, context, model, train_data, val_data, optimizer, scheduler,
+            prepared = prepare(config, dist, model, train_data, val_data, optimizer, scheduler,
                                 Objective(loss_fn, step, metrics, config.batch_size_fn), callbacks, teardown,
                                 continue_from, state_type or RunState, placement)
         if setting_up.raised:
@@ -62,6 +65,26 @@ def run(config: TrainConfig, context, model, train_data, val_data=None, *, optim
         raise  # the teardown never replaces this error (or KeyboardInterrupt)
     teardown(failed=False)
     return result
+
+
+def dry_run(config: TrainConfig, dist, model, train_data, val_data=None, *, optimizer=None, loss_fn=None,
+            step=None, metrics=None) -> RunSummary:
+    """The summary fit would show, without training: `run` stopped where prepare has decided and
+    has put nothing in place yet (prepare.decide): fit's set-up and checks, the batch size (an
+    "auto" probe restores everything it touches), one forward + backward, undone, and the memory
+    plan and strategy fit would take (raising, as fit does, when nothing can fit). No optimizer
+    step, no checkpoint, no run in the registry; the model is moved to the device."""
+    __tracebackhide__ = True  # noqa: F841
+    check_model(model)
+    teardown = Teardown(model)
+    try:
+        decided = decide(config, dist, model, train_data, val_data, optimizer, None,
+                         Objective(loss_fn, step, metrics, config.batch_size_fn), teardown)
+    except BaseException:
+        teardown(failed=True, trained=False)
+        raise
+    teardown(failed=False)
+    return decided.summary
 
 
 def _train(run: Run) -> TrainResult:

@@ -1,9 +1,11 @@
 """prepare(): everything one fit needs before its first batch, built in the order it is decided.
 
-The continuation it goes on from, the device and precision (setup.py), one batch checked
-(preflight), the batch size, the feeds, the RunPlan, the summary's forward + backward, the
-memory plan, the schedule, the wrapped model, the RunState and its stepper, the checkpointer,
-the step's engine, and what a continued or resumed fit loads. loop.py then trains the Run.
+First what it decides (`decide`, where a dry run stops): the continuation it goes on from, the
+device and precision (setup.py), one batch checked (preflight), the batch size, the feeds, the
+RunPlan, the summary's forward + backward, the memory plan and the strategy. Then what it puts
+in place: the memory plan's measures, the schedule, the wrapped model, the RunState and its
+stepper, the checkpointer, the step's engine, and what a continued or resumed fit loads.
+loop.py then trains the Run.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from gpunb.runtime.events import Callbacks
 from gpunb.runtime.feed.epoch_start import warn_unresumable
 from gpunb.runtime.feed.feeds import build_feed, with_batch_size
 from gpunb.runtime.memory.blocks import checkpoint_every_block
-from gpunb.runtime.memory.measures import MemoryFallback, apply_plan, plan_run, run_strategy
+from gpunb.runtime.memory.plan import MemoryPlan
+from gpunb.runtime.memory.planning import MemoryFallback, apply_plan, plan_run
+from gpunb.runtime.memory.strategy import run_strategy
 from gpunb.runtime.placement import ALONE
 from gpunb.runtime.plan import RunPlan
 from gpunb.runtime.plan import length as plan_length
@@ -27,7 +31,7 @@ from gpunb.runtime.probes.batch_size import BatchChoice, find_batch_size
 from gpunb.runtime.probes.peak_flops import device_peak_tflops
 from gpunb.runtime.probes.plan_cost import measure_plan_cost
 from gpunb.runtime.probes.preflight import preflight
-from gpunb.runtime.probes.summary import summarize
+from gpunb.runtime.probes.summary import RunSummary, summarize
 from gpunb.runtime.run_state import RunState
 from gpunb.runtime.setup import setup
 from gpunb.runtime.state import continuing
@@ -51,11 +55,11 @@ class Run:
 
     config: TrainConfig  # as the user gave it
     plan: RunPlan  # what set-up decided
-    dist: object
+    dist: object  # the context: alone (runtime/context.py) or one rank of a group (distributed/context.py)
     state: RunState
     callbacks: Callbacks
-    model: torch.nn.Module  # the user's module
-    train_model: torch.nn.Module  # what the loop trains (DDP-wrapped); compiled forms: the stepper's engine
+    model: torch.nn.Module  # the user's module, as everywhere in the runtime
+    train_model: torch.nn.Module  # what the loop calls (DDP-wrapped); compiled forms: the stepper's engine
     objective: Objective
     precision: Precision
     feed: object
@@ -74,8 +78,75 @@ class Run:
         return self.plan.batch_size
 
 
+@dataclass
+class Decisions:
+    """What fit decides before it puts anything in place (`decide`): what a dry run shows."""
+
+    carried: object  # the ContinueState a continued fit goes on from, or None
+    device: torch.device
+    precision: Precision  # FSDP's fp16: rebuilt with its sharded loss scaler
+    optimizer: torch.optim.Optimizer  # the user's, or the default (a continued fit: the previous one's)
+    train: object  # the training data as the feed takes it (preflight checked one batch of it)
+    val_names: tuple | None
+    monitor: object  # save_top_k's monitor, or None
+    feed: object
+    val_feed: object
+    plan: RunPlan  # with the strategy
+    summary: RunSummary  # with the memory plan and the strategy, as decided
+    memory: MemoryPlan | None
+
+
 def prepare(config, dist, model, train_data, val_data, optimizer, scheduler, objective, user_callbacks, teardown,
              continue_from, state_type, placement=ALONE) -> Run:
+    __tracebackhide__ = True  # noqa: F841
+    decided = decide(config, dist, model, train_data, val_data, optimizer, scheduler, objective, teardown,
+                     continue_from, placement)
+    plan, carried, summary, device = decided.plan, decided.carried, decided.summary, decided.device
+    precision, feed, monitor, val_names = decided.precision, decided.feed, decided.monitor, decided.val_names
+    # the measures in place before the schedule binds the optimizer
+    optimizer = _memory_in_place(decided, model, objective, config, dist, teardown)
+    schedule = _schedule(scheduler, optimizer, config, plan.total_steps, val_names, carried)
+    # a continued fit goes on under the name of the fit it continues; the class: before FSDP renames it
+    run_name = config.name or (carried.run_name if carried is not None else None) or type(model).__name__
+    summary.run = run_name  # the summary and the result name the run alike
+    checkpointing = checkpoint_every_block if config.activation_checkpointing else None
+    train_model, teardown.unwrap = wrap_model(model, config, dist, device, checkpointing)  # undone whatever happens
+    dist.adopt_shards(optimizer)  # FSDP replaced the parameters with sharded ones
+    ema = _weight_ema(model, config, carried)
+    state = state_type(model=model, optimizer=optimizer, schedule=schedule, ema=ema, precision=precision,
+                       best=BestCheckpoints(monitor, config.save_top_k) if monitor is not None else None,
+                       data_start=getattr(feed, "start", None),
+                       run_name=run_name, config=config, plan=plan, train_model=train_model, device=device,
+                       batches_per_epoch=feed.num_batches, steps_per_epoch=plan.steps_per_epoch,
+                       total_steps=plan.total_steps, summary=summary.as_plain(),  # plain: ranks send it on
+                       peak_tflops=device_peak_tflops(device, precision.name),  # live MFU in the progress line
+                       rank=dist.rank, world_size=dist.world_size, val_names=val_names,
+                       stops_by_vote=dist.stops_by_vote)
+    # the state's marks: a profiler asks for the step's phases by name
+    state.stepper = Stepper(train_model, optimizer, objective, precision, schedule, config, state.marks,
+                            getattr(train_model, "no_sync", None), ema=ema)
+    if decided.memory is not None:
+        _memory_on_stepper(state.stepper, decided.memory, model, objective, config, teardown)
+    run = Run(config, plan, dist, state, Callbacks(list(user_callbacks)), model, train_model, objective,
+              precision, feed, decided.val_feed, state.stepper, best=state.best)
+    _add_checkpointer_and_schedule(run, schedule)
+    _choose_engine(run)  # now, or under "auto" once timing says it pays
+    if carried is not None:
+        run.continued = carried
+        continuing.restore(run, carried)
+    if plan.resume:
+        resume(run)
+    state.start_step, state.start_samples = state.step, state.samples_seen  # a resumed or continued fit counts on
+    run.samples_at_log = state.samples_seen  # the first interval's samples/s counts from here
+    return run
+
+
+def decide(config, dist, model, train_data, val_data, optimizer, scheduler, objective, teardown,
+           continue_from=None, placement=ALONE) -> Decisions:
+    """Everything fit decides before it puts anything in place, in the order it is decided: the
+    continuation, device and precision (setup.py), one batch checked (preflight), the batch size,
+    the feeds, the RunPlan, the summary's forward + backward, the memory plan and the strategy
+    (the context told, before anything wraps the model). A dry run stops here."""
     __tracebackhide__ = True  # noqa: F841
     optimizer, carried = _continuation(config, dist, model, optimizer, teardown, continue_from)
     ready = setup(config, dist, model, train_data, val_data, optimizer)
@@ -94,73 +165,43 @@ def prepare(config, dist, model, train_data, val_data, optimizer, scheduler, obj
     # one forward + backward, undone; FSDP: the whole model's step may not fit on one device
     summary = summarize(model, optimizer, objective, precision, train, device, plan.batch_size, config,
                         measure=not (dist.world_size > 1 and config.strategy == "fsdp"))
-    # measures chosen from the summary's estimate, before the schedule binds the optimizer
-    memory, optimizer = _memory_plan(summary, model, optimizer, objective, precision, config, dist, device,
-                                     scheduler, teardown, train, continuing=carried is not None or bool(plan.resume))
-    plan, precision = _strategy(plan, config, dist, memory, summary, precision)  # before anything wraps the model
-    schedule = _schedule(scheduler, optimizer, config, plan.total_steps, val_names, carried)
-    # a continued fit goes on under the name of the fit it continues; the class: before FSDP renames it
-    run_name = config.name or (carried.run_name if carried is not None else None) or type(model).__name__
-    summary.run = run_name  # the summary and the result name the run alike
-    checkpointing = checkpoint_every_block if config.activation_checkpointing else None
-    train_model, teardown.unwrap = wrap_model(model, config, dist, device, checkpointing)  # undone whatever happens
-    dist.adopt_shards(optimizer)  # FSDP replaced the parameters with sharded ones
-    ema = _weight_ema(model, config, carried)
-    state = state_type(module=model, optimizer=optimizer, schedule=schedule, ema=ema, precision=precision,
-                       best=BestCheckpoints(monitor, config.save_top_k) if monitor is not None else None,
-                       data_start=getattr(feed, "start", None),
-                       run_name=run_name, config=config, plan=plan, model=train_model, device=device,
-                       batches_per_epoch=feed.num_batches, steps_per_epoch=plan.steps_per_epoch,
-                       total_steps=plan.total_steps, summary=summary.as_plain(),  # plain: ranks send it on
-                       peak_tflops=device_peak_tflops(device, precision.name),  # live MFU in the progress line
-                       rank=dist.rank, world_size=dist.world_size, val_names=val_names,
-                       stops_by_vote=dist.stops_by_vote)
-    # the state's marks: a profiler asks for the step's phases by name
-    state.stepper = Stepper(train_model, optimizer, objective, precision, schedule, config, state.marks,
-                            getattr(train_model, "no_sync", None), ema=ema)
-    if memory is not None:
-        _memory_on_stepper(state.stepper, memory, model, objective, config, teardown)
-    run = Run(config, plan, dist, state, Callbacks(list(user_callbacks)), model, train_model, objective,
-               precision, feed, val_feed, state.stepper, best=state.best)
-    _add_checkpointer_and_schedule(run, schedule)
-    _choose_engine(run)  # now, or under "auto" once timing says it pays
-    if carried is not None:
-        run.continued = carried
-        continuing.restore(run, carried)
-    if plan.resume:
-        resume(run)
-    state.start_step, state.start_samples = state.step, state.samples_seen  # a resumed or continued fit counts on
-    run.samples_at_log = state.samples_seen  # the first interval's samples/s counts from here
-    return run
-
-
-def _memory_plan(summary, model, optimizer, objective, precision, config, dist, device, scheduler, teardown,
-                 data, continuing: bool):
-    """The memory plan (None: none made) and the optimizer to train with; what it costs measured
-    on `data`'s first batch (before anything is in place, which the measuring would disturb), its
-    measures in place, undone by the teardown, and said in the summary."""
+    # measures chosen from the summary's estimate
     memory = plan_run(summary, model, optimizer, objective, precision, config, dist, device, scheduler=scheduler,
-                      continuing=continuing)
+                      continuing=carried is not None or bool(plan.resume))
     if memory is not None and memory.acts:
-        measure_plan_cost(memory, summary, model, optimizer, objective, precision, data, device, config,
-                          dist.world_size)
-        optimizer, teardown.memory = apply_plan(memory, model, optimizer, objective)
-        summary.plan = memory.text()
-    return memory, optimizer
+        summary.plan = memory.text()  # said again once what it costs is measured
+    plan, precision = _strategy(plan, config, dist, memory, summary, precision)  # before anything wraps the model
+    return Decisions(carried, device, precision, optimizer, train, val_names, monitor, feed, val_feed, plan,
+                     summary, memory)
+
+
+def _memory_in_place(decided: Decisions, model, objective, config, dist, teardown):
+    """The optimizer to train with: the memory plan's cost measured on the first batch (before
+    anything is in place, which the measuring would disturb), its measures in place, undone by the
+    teardown, and said in the summary."""
+    memory, summary, optimizer = decided.memory, decided.summary, decided.optimizer
+    if memory is None or not memory.acts:
+        return optimizer
+    measure_plan_cost(memory, summary, model, optimizer, objective, decided.precision, decided.train,
+                      decided.device, config, dist.world_size)
+    optimizer, teardown.memory = apply_plan(memory, model, optimizer, objective)
+    summary.plan = memory.text()
+    return optimizer
 
 
 def _strategy(plan, config, dist, memory, summary, precision):
     """The plan with the strategy the run trains under (strategy="auto": FSDP when the memory plan
-    shards), the context told, and the precision rebuilt where FSDP's fp16 needs its own scaler."""
-    strategy, reason = run_strategy(config, dist.world_size, memory)
-    if strategy is None:
+    shards), the context told, the summary said, and the precision rebuilt where FSDP's fp16 needs
+    its own scaler."""
+    strategy = run_strategy(config, dist.world_size, memory)
+    if strategy.name is None:  # one process: nothing to say (and render stays unimported)
         return plan, precision
-    dist.use_strategy(strategy)
-    if strategy == "fsdp" and config.strategy == "auto":
-        summary.strategy = f"strategy: fsdp — {reason}"
-        if precision.scaler is not None:  # built for DDP: FSDP skips a step on every rank together
-            precision = Precision(precision.name, precision.device, scaler_type=dist.grad_scaler)
-    return replace(plan, strategy=strategy, strategy_reason=reason), precision
+    summary.strategy = strategy.line()
+    dist.use_strategy(strategy.name)
+    if strategy.name == "fsdp" and precision.scaler is not None and config.strategy == "auto":
+        # built for DDP: FSDP skips a step on every rank together
+        precision = Precision(precision.name, precision.device, scaler_type=dist.grad_scaler)
+    return replace(plan, strategy=strategy.name, strategy_reason=strategy.reason), precision
 
 
 def _memory_on_stepper(stepper, memory, model, objective, config, teardown) -> None:

@@ -3,7 +3,7 @@
 A checkpoint is `state.state_dict()`, a resume `load_state_dict(payload)`; a continued fit
 loads `state_dict(live=True)` of the fit it goes on from (its objects taken over, not
 copied); the probes save and put back the weights, optimizer and RNGs through it
-(snapshot.py); rank 0 sends `relayed()` to the kernel, whose mirror takes it with
+(state/rewind.py); rank 0 sends `relayed()` to the kernel, whose mirror takes it with
 `load_relayed`; TrainResult.from_state reads it. Callbacks receive it at every event.
 
 A field added here travels all those ways with no other edit: a plain value (numbers,
@@ -69,14 +69,14 @@ class RunState:
     """What a run carries (saved, continued, relayed) and what a callback may read during `fit`."""
 
     # --- what trains: saved in their own ways (see state_dict); a continued fit takes them over
-    module: Any = own()  # the user's module (its weights are what a checkpoint holds)
+    model: Any = own()  # the user's module (its weights are what a checkpoint holds)
     optimizer: Any = own()
-    schedule: Any = own()  # runtime.schedule.Schedule or None
-    ema: Any = own()  # runtime.ema.WeightEma or None
-    precision: Any = field(default=None, metadata=_OBJECT)  # runtime.precision.Precision: the loss scaler
-    # runtime.best.BestCheckpoints (save_top_k) or None; not continued (see CONTINUE_SKIPS)
+    schedule: Any = own()  # step/schedule.py Schedule, or None
+    ema: Any = own()  # step/ema.py WeightEma, or None
+    precision: Any = field(default=None, metadata=_OBJECT)  # step/precision.py Precision: the loss scaler
+    # state/best_k.py BestCheckpoints (save_top_k), or None; not continued (see CONTINUE_SKIPS)
     best: Any = field(default=None, metadata=_OBJECT)
-    # feed.epoch_start.EpochStart: the RNG states a user's own DataLoader began its epoch from (None: data
+    # feed/epoch_start.py EpochStart: the RNG states a user's own DataLoader began its epoch from (None: data
     # gpunb batches itself, whose order depends on the seed and epoch alone)
     data_start: Any = field(default=None, metadata=_OBJECT)
     # --- where the run is
@@ -90,10 +90,10 @@ class RunState:
     run_name: str = own("run", relayed=True)
     # --- this fit: what it was asked and decided, and what callbacks may read
     config: Any = moment()  # the TrainConfig as the user gave it (the decisions are in `plan`)
-    plan: Any = moment(relayed=True)  # runtime.plan.RunPlan: device, precision, batch size, length, and why
-    model: Any = moment()  # what the loop calls: `module`, possibly compiled or DDP-wrapped
+    plan: Any = moment(relayed=True)  # plan.py RunPlan: device, precision, batch size, length, and why
+    train_model: Any = moment()  # what the loop calls: `model`, or its DDP wrapper (compiled: the stepper's engine)
     device: Any = moment(relayed=True)  # torch.device
-    stepper: Any = moment()  # runtime.step.Stepper (its OOM splits are saved)
+    stepper: Any = moment()  # step/stepper.py Stepper (its OOM splits are saved)
     batches_per_epoch: int | None = moment()  # loaded batches an epoch (None: unknown)
     steps_per_epoch: int | None = moment(relayed=True)
     total_steps: int | None = moment(relayed=True)  # optimizer steps the run will take, when known
@@ -105,7 +105,7 @@ class RunState:
     world_size: int = moment(1)
     started_at: float = moment(factory=time.time)
     latest: dict = moment(factory=dict, relayed=True, merged=True)  # newest host-side metrics of any kind
-    eta: tuple | None = moment(relayed=True)  # (seconds left, time.time() of the estimate): runtime/eta.py
+    eta: tuple | None = moment(relayed=True)  # (seconds left, time.time() of the estimate): eta.py
     stop_reason: str | None = moment()
     result: Any = moment()  # the TrainResult, set before on_fit_end
     val_names: tuple | None = moment(relayed=True)  # the metrics validation produces (None: no validation data)
@@ -172,7 +172,7 @@ class RunState:
         progress is over (None: when all its batches were used); the saved position is then the next."""
         saved = {f.name: _saved(getattr(self, f.name)) for f in _generic(type(self))}
         if live:
-            saved.update(model=Live(self.module), optimizer=Live(self.optimizer), scheduler=Live(self.schedule),
+            saved.update(model=Live(self.model), optimizer=Live(self.optimizer), scheduler=Live(self.schedule),
                          ema=Live(self.ema))
         else:
             saved.update(self._objects(dist))
@@ -191,13 +191,13 @@ class RunState:
         takes part: FSDP gathers its shards; a model with frozen parameters keeps what trains,
         trainable.py), the schedule, the weight average (what trains) with its count."""
         model = optimizer = frozen = None
-        if self.module is not None and self.optimizer is not None:
-            model, optimizer = dist.state_dicts(self.module, self.optimizer)
-        elif self.module is not None:
-            model = self.module.state_dict()
+        if self.model is not None and self.optimizer is not None:
+            model, optimizer = dist.state_dicts(self.model, self.optimizer)
+        elif self.model is not None:
+            model = self.model.state_dict()
         if model is not None and getattr(dist, "strategy", None) != "fsdp":  # FSDP's sharded state stays whole
             # frozen weights: their fingerprint only
-            model, frozen = trainable.split_state(self.module, model, self.frozen_fingerprint)
+            model, frozen = trainable.split_state(self.model, model, self.frozen_fingerprint)
             self.frozen_fingerprint = frozen
         schedule, ema = self.schedule, self.ema
         return {"model": model, "optimizer": optimizer,
@@ -210,8 +210,8 @@ class RunState:
 
     def load_state_dict(self, saved: dict, dist=_LOCAL, *, where: str = "the checkpoint") -> None:
         """Put what `saved` holds back in place. The schedule is left to the caller (a resume may
-        stretch or fast-forward it: resume_check.load_schedule); a continued fit's objects (Live)
-        were taken over at set-up. Checked before (resume_check): a mismatch here is not expected."""
+        stretch or fast-forward it: state/resume_check.py load_schedule); a continued fit's objects (Live)
+        were taken over at set-up. Checked before (state/resume_check.py): a mismatch here is not expected."""
         for f in _generic(type(self)):
             if f.name in saved and not (f.name in CONTINUE_SKIPS and _is_live(saved)):
                 setattr(self, f.name, _loaded(getattr(self, f.name), saved[f.name]))
@@ -227,9 +227,9 @@ class RunState:
         devices.set_rng_state(saved["rng"], self.device or _CPU)
 
     def _load_objects(self, saved: dict, dist, where: str) -> None:
-        if self.module is not None and not isinstance(saved["model"], Live):
+        if self.model is not None and not isinstance(saved["model"], Live):
             try:
-                dist.load_model_state(self.module, saved["model"])
+                dist.load_model_state(self.model, saved["model"])
             except RuntimeError as error:  # FSDP: its own check; keep torch's whole message
                 raise GpunbError(f"{where} does not fit this model: {error}",
                                  "resume with the model definition it was trained with, or start fresh "
@@ -237,7 +237,7 @@ class RunState:
         if self.optimizer is not None and not isinstance(saved["optimizer"], Live):
             self.optimizer.zero_grad(set_to_none=True)
             try:
-                dist.load_optimizer_state(self.module, self.optimizer, saved["optimizer"])
+                dist.load_optimizer_state(self.model, self.optimizer, saved["optimizer"])
             except (ValueError, KeyError) as error:
                 raise GpunbError(f"The optimizer state in {where} does not fit this optimizer: {error}",
                                  "resume with the same optimizer type and parameter groups.") from error

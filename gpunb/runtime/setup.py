@@ -27,13 +27,13 @@ class Setup:
     optimizer: torch.optim.Optimizer
 
 
-def setup(config, context, model, train_data, val_data=None, optimizer=None) -> Setup:
+def setup(config, dist, model, train_data, val_data=None, optimizer=None) -> Setup:
     """Select the device, resolve the precision, adapt the data, move `model` and build
-    (or check) its optimizer. `context` gives the local rank and the strategy's loss scaler."""
+    (or check) its optimizer. `dist`, the context, gives the local rank and the strategy's loss scaler."""
     __tracebackhide__ = True  # noqa: F841
-    device = devices.select_device(config.accelerator, context.local_rank)
+    device = devices.select_device(config.accelerator, dist.local_rank)
     name, reason = resolve_precision(config.precision, device)
-    precision = Precision(name, device, scaler_type=context.grad_scaler)
+    precision = Precision(name, device, scaler_type=dist.grad_scaler)
     train = adapt_data(train_data, "train_data")
     val = adapt_data(val_data, "val_data") if val_data is not None else None
     model.to(device)

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import statistics
 
-from gpunb.runtime.memory.measures import apply_plan, device_room
+from gpunb.runtime.memory.measures import BF16_WEIGHTS
 from gpunb.runtime.memory.plan import SAFETY
+from gpunb.runtime.memory.planning import apply_plan, device_room
 from gpunb.runtime.probes.batch_size import StepProbe
 from gpunb.runtime.state import rewind
 from gpunb.runtime.step.precision import Precision
@@ -73,7 +74,7 @@ def _why_not(memory, summary, device, world_size: int) -> str:
         return "nothing to measure"
     if world_size > 1:
         return "several processes"
-    if memory.has("bf16_weights"):
+    if memory.has(BF16_WEIGHTS):
         return "bf16 weights cannot be undone after timing"
     if "checkpointing" in memory.kept:
         return "activation checkpointing was set by hand"

@@ -21,10 +21,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 import torch
-from torch.utils.data import DataLoader
 
 from gpunb.runtime.feed.augmenter import apply_transforms
-from gpunb.runtime.feed.inputs import batch_size_of, first_batch, is_mapping, loader_batch_size, map_tensors
+from gpunb.runtime.feed.inputs import batch_size_of, first_batch, is_mapping, map_tensors
 from gpunb.runtime.memory.blocks import repeated_blocks
 from gpunb.runtime.probes.batch_size import count_flops
 from gpunb.runtime.probes.preflight import Untouched, small_sample
@@ -134,39 +133,6 @@ def summarize(model, optimizer, objective, precision, data, device, batch_size: 
                 torch.cuda.empty_cache()
         except Exception as error:  # noqa: BLE001 - the loop's first step reports it, to the callbacks
             summary.activations_note = f"not measured: {type(error).__name__} in the model or loss"
-    return summary
-
-
-def dry_run(config, context, model, train_data, val_data=None, *, optimizer=None, loss_fn=None, step=None,
-            metrics=None) -> RunSummary:
-    """The summary fit would show, without training: fit's set-up and checks, the batch size
-    (an "auto" probe restores everything it touches), one forward + backward, undone, and the
-    memory plan fit would take (raising, as fit does, when nothing can fit).
-    No optimizer step, no checkpoint, no run in the registry; the model is moved to the device."""
-    __tracebackhide__ = True  # noqa: F841 (IPython and pytest hide gpunb frames)
-    from gpunb.runtime.probes.batch_size import find_batch_size
-    from gpunb.runtime.probes.preflight import preflight
-    from gpunb.runtime.setup import setup
-    from gpunb.runtime.step.objective import Objective
-
-    objective = Objective(loss_fn, step, metrics)
-    ready = setup(config, context, model, train_data, val_data, optimizer)
-    train, _ = preflight(model, ready.train, ready.val, objective, ready.precision, ready.device, config)
-    batch_size = config.batch_size
-    if batch_size == "auto":
-        batch_size = find_batch_size(model, ready.optimizer, objective, ready.precision, train, ready.device,
-                                     config).size
-    elif isinstance(train, DataLoader):  # a user's DataLoader batches by its own size, as fit's does
-        batch_size = loader_batch_size(train) or batch_size
-    summary = summarize(model, ready.optimizer, objective, ready.precision, train, ready.device, batch_size, config)
-    from gpunb.runtime.memory.measures import plan_run
-
-    plan = plan_run(summary, model, ready.optimizer, objective, ready.precision, config, context, ready.device,
-                    continuing=bool(config.resume))
-    if plan is not None and plan.acts:
-        summary.plan = plan.text()  # what fit would take, not taken here
-    if plan is not None and plan.strategy_reason:  # strategy="auto" would shard
-        summary.strategy = f"strategy: fsdp — {plan.strategy_reason}"
     return summary
 
 

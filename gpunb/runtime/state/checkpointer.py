@@ -30,7 +30,7 @@ class Checkpointer:
         self.config, self.dist, self.losses, self.events = config, dist, losses, events
         self.checkpoint_dir = state.plan.checkpoint_dir  # the config's, else the placement's (a job's folder)
         self.best = state.best  # a BestCheckpoints when save_top_k is set
-        self.model = state.module
+        self.model = state.model
         self.saved_step = None
         self.failed = False
         self.lock: RunLock | None = None  # on the run's own directory (rank 0)
@@ -125,8 +125,8 @@ class Checkpointer:
         writes it; the other ranks only take part in gathering the weights (FSDP gathers its
         shards to rank 0), building nothing they would throw away, and get None."""
         if state.rank != 0:
-            if state.module is not None and state.optimizer is not None:
-                self.dist.state_dicts(state.module, state.optimizer)
+            if state.model is not None and state.optimizer is not None:
+                self.dist.state_dicts(state.model, state.optimizer)
             return None
         return {**state.state_dict(self.dist),
                 "total_steps": state.total_steps,

@@ -17,12 +17,12 @@ _CPU = torch.device("cpu")
 
 
 def capture(model, optimizer=None, device: torch.device | None = None) -> dict:
-    return _cpu_copy(RunState(module=model, optimizer=optimizer, device=device or _CPU).state_dict())
+    return _cpu_copy(RunState(model=model, optimizer=optimizer, device=device or _CPU).state_dict())
 
 
 def restore(saved: dict, model, optimizer=None, device: torch.device | None = None) -> None:
     # casts the optimizer's state back to each parameter's device
-    RunState(module=model, optimizer=optimizer, device=device or _CPU).load_state_dict(saved)
+    RunState(model=model, optimizer=optimizer, device=device or _CPU).load_state_dict(saved)
     if device is not None and device.type == "cuda":
         torch.cuda.empty_cache()
 
