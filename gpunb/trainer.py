@@ -165,8 +165,7 @@ class Trainer:
         `trial` attribute is set to the running trial's row before it starts.
 
         With `parallel=K` (or a `cluster`) each trial is a job (`cluster="local"` unless the config
-        names one), K at a time, followed and pruned from here; running the same named sweep again
-        (after a kernel restart) follows its running trials' jobs instead of starting new ones.
+        names one), K at a time, followed and pruned from here.
         """
         __tracebackhide__ = True  # noqa: F841
         from gpunb.sweeps import SweepSettings, run_sweep
