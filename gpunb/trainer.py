@@ -152,7 +152,7 @@ class Trainer:
 
     def sweep(self, build, trials: int, *, monitor: str | None = None, direction: str | None = None,
               sampler: str = "tpe", prune: str = "none", seed: int | None = None, name: str | None = None,
-              on_trial=None, callbacks=()):
+              on_trial=None, callbacks=(), parallel: int = 1):
         """Run `trials` fits with hyperparameters an Optuna study samples; returns a SweepResult.
 
         `build(trial)` returns fit's arguments (`model`, `train_data`, `val_data`, `loss_fn`, ...),
@@ -163,14 +163,36 @@ class Trainer:
         `result.best_model` is the best trial's trained model, `result.table` has one row per trial;
         `on_trial(row)` is called as each trial ends; `callbacks` hear every trial's fit, and their
         `trial` attribute is set to the running trial's row before it starts.
+
+        With `parallel=K` (or a `cluster`) each trial is a job (`cluster="local"` unless the config
+        names one), K at a time, followed and pruned from here.
         """
         __tracebackhide__ = True  # noqa: F841
         from gpunb.sweeps import SweepSettings, run_sweep
 
         settings = SweepSettings(trials, sampler=sampler, prune=prune, direction=direction, seed=seed,
                                  monitor=monitor or self.config.monitor or "val_loss").check()
+        if not isinstance(parallel, int) or parallel < 1:
+            from gpunb.errors import GpunbError
+
+            raise GpunbError(f"parallel is how many trials run at once, at least 1; got {parallel!r}.",
+                             "e.g. `parallel=2` (`--parallel 2`).")
+        as_jobs = parallel > 1 or self.config.cluster is not None
         return run_sweep(build, self._trial_fit, settings, name=name or self.config.name, on_trial=on_trial,
-                         watch=callbacks)
+                         watch=callbacks, parallel=parallel, start=self._trial_job if as_jobs else None)
+
+    def _trial_job(self, arguments: dict, callbacks: list, trial_name: str, key: str):
+        """One trial of a sweep as a job (this machine's unless the config names a cluster): its Follower."""
+        from gpunb.jobs.submit import job_follower
+
+        config = Trainer(self.config, name=trial_name, cluster=self.config.cluster or "local").config
+        arguments = dict(arguments)
+        model, train_data = arguments.pop("model"), arguments.pop("train_data")
+        callbacks = [*arguments.pop("callbacks", ()), *callbacks]
+        check_kinds(dict(model=model, optimizer=arguments.get("optimizer"), loss_fn=arguments.get("loss_fn"),
+                         step=arguments.get("step")))
+        _loggers(config)  # a missing package fails here, before the job is submitted
+        return job_follower(config, _rank_entry, model, train_data, callbacks=callbacks, key=key, **arguments)
 
     def _trial_fit(self, arguments: dict, callbacks: list, trial_name: str) -> TrainResult:
         """One trial of a sweep: an ordinary fit under the trial's name, with the sweep's callbacks."""

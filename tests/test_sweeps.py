@@ -216,9 +216,22 @@ def test_the_cell_runs_as_a_sweep_and_model_holds_the_best_trials_weights(ip, ca
     assert ip.user_ns["width"] == 8 and ip.user_ns["gputrain_result"].sweep is None
 
 
+def test_trials_two_at_a_time_as_jobs_from_the_cell_put_the_best_trials_weights_in_model(ip):
+    ip.run_cell_magic("gputrain", "--trials 4 --parallel 2 --monitor val_loss --sampler random --seed 0 --epochs 2 "
+                                  "--batch-size 20 --no-track --quiet", SWEEP_CELL)
+    result = ip.user_ns["gputrain_result"]
+    table = result.sweep.table
+    assert sorted(table["trial"]) == [0, 1, 2, 3] and table["value"].notna().all()
+    model, x, y = ip.user_ns["model"], ip.user_ns["x"], ip.user_ns["y"]
+    with torch.no_grad():
+        loss = nn.functional.cross_entropy(model(x[200:]), y[200:]).item()
+    assert loss == pytest.approx(table["value"].min(), rel=1e-5)
+
+
 @pytest.mark.parametrize("line, cell, message", [
     ("--trials 2 --find-lr", SWEEP_CELL, "drop `--find-lr`"),
     ("--trials 2 --detach", SWEEP_CELL, "not offered yet"),
+    ("--trials 2 --parallel 0", SWEEP_CELL, "at least 1"),
     ("--trials 2 --sampler bayes", SWEEP_CELL, "tpe | random | grid"),
     ("--trials 2", None, "a line magic has no cell"),
 ])
@@ -258,3 +271,49 @@ def test_the_sweeps_live_view_is_one_output_re_sent_as_trials_validate_and_end(i
     final = sent[-1][0]
     assert final["text/plain"].startswith("SweepResult(") and "★" in final["text/html"]
     assert "<svg" not in final["text/html"] and "data:image/svg+xml;base64" in final["text/html"]
+
+
+def _module_build(trial):
+    """A build whose model class pickles by reference (a job's processes import this module)."""
+    return _build(trial)
+
+
+def test_trials_as_jobs_two_at_a_time_give_the_weights_of_a_single_fit_and_leave_no_process(tmp_path):
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    sweep = Trainer(**FIT).sweep(_module_build, trials=4, parallel=2, sampler="random", seed=3, name="jobs2")
+    table = sweep.table
+    assert sorted(table["trial"]) == [0, 1, 2, 3] and set(table["state"]) == {"complete"}, sweep.rows
+    in_kernel = Trainer(**FIT).sweep(_build, trials=4, sampler="random", seed=3, name="kernel4")
+    assert [r.params for r in sorted(sweep.rows, key=lambda r: r.number)] == [r.params for r in in_kernel.rows]
+    by_number = {r.number: r.value for r in in_kernel.rows}
+    for row in sweep.rows:  # a trial as a job trains as the same trial in the kernel
+        assert row.value == pytest.approx(by_number[row.number], rel=1e-5)
+    assert sweep.best_trial == in_kernel.best_trial
+    for mine, theirs in zip(sweep.best_model.state_dict().values(), in_kernel.best_model.state_dict().values()):
+        assert torch.allclose(mine, theirs, atol=1e-6)
+    left = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    assert not [p for p in psutil.Process().children(recursive=True) if p.pid in left and p.is_running()
+                and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _slow_build(trial):
+    x, y = classification_data()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3 * gpunb.suggest("slow", [1.0, 1e-6]))
+    return dict(model=model, train_data=(x[:192], y[:192]), val_data=(x[192:], y[192:]),
+                loss_fn=nn.CrossEntropyLoss(), optimizer=optimizer)
+
+
+def test_a_trial_as_a_job_is_pruned_from_the_kernel_and_stops_at_a_step_boundary():
+    # Seed 2 draws slow=1.0 for trials 0, 1 and 2, and 1e-6 for trial 3: trial 3 starts only once two
+    # trials have ended (two slots), so the median pruner has two finished trials to judge it by.
+    sweep = Trainer(**(FIT | dict(epochs=6, val_every_steps=2))).sweep(
+        _slow_build, trials=5, parallel=2, sampler="random", seed=2, prune="median", name="prunejobs")
+    assert [r.params["slow"] for r in sorted(sweep.rows, key=lambda r: r.number)] == [1.0, 1.0, 1.0, 1e-6, 1.0]
+    pruned = [r for r in sweep.rows if r.state == "pruned"]
+    assert [r.number for r in pruned] == [3], [(r.number, r.params, r.state) for r in sweep.rows]
+    assert all(r.params["slow"] == 1e-6 and r.steps < 36 for r in pruned)  # 6 epochs of 6 steps: stopped early
+    assert all(sweep.study.trials[r.number].state.name == "PRUNED" for r in pruned)
+    assert {r.state for r in sweep.rows if r.params["slow"] == 1.0} == {"complete"}

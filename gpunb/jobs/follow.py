@@ -80,6 +80,7 @@ class Follower:
         self.scheduler_state = ("SUBMITTED" if not attached else "ATTACHED", None)
         self.stop_asked = False
         self.cancel_reason: str | None = None  # who cancelled the job, in words, when this kernel did
+        self.next_poll: float | None = None  # poll(): when the scheduler is asked next (None: not polled yet)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> JobResult:
@@ -107,6 +108,19 @@ class Follower:
         if outcome["event"] == "detached":
             return self._result(status="running" if self.attempts else "queued")
         return self._finish(outcome)
+
+    def poll(self) -> JobResult | None:
+        """One look at the job, without waiting (a sweep follows several jobs): its result once it
+        has ended (the weights loaded), else None. The kernel's interrupts are the caller's to read."""
+        if self.next_poll is None:
+            self._announce()
+            self.next_poll = 0.0
+        outcome = self._read()
+        now = time.monotonic()
+        if outcome is None and now >= self.next_poll:
+            self.next_poll = now + SCHEDULER_POLL_S
+            outcome = self._poll_scheduler()
+        return None if outcome is None else self._finish(outcome)
 
     def _interrupted(self, interrupts) -> dict | None:
         """The kernel's interrupts that stand (not a restart's or a shutdown's): the first asks the job

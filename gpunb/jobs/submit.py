@@ -19,6 +19,13 @@ from gpunb.jobs.spec import JobSpec, current_versions
 
 def run_job(config, entry, model, train_data, val_data=None, *, callbacks=(), key=None, wait=True, **arguments):
     """Submit (or find) the job of this run and follow it; returns its JobResult (the weights in `model`)."""
+    follower = job_follower(config, entry, model, train_data, val_data, callbacks=callbacks, key=key, **arguments)
+    return follower.run() if wait else follower.now()
+
+
+def job_follower(config, entry, model, train_data, val_data=None, *, callbacks=(), key=None, **arguments):
+    """Submit (or find) the job of this run; returns its Follower, not yet following (a sweep
+    follows several at once through `Follower.poll`)."""
     from gpunb.jobs.follow import Follower
     from gpunb.jobs.lookup import ended_without_result, find_job
 
@@ -38,9 +45,8 @@ def run_job(config, entry, model, train_data, val_data=None, *, callbacks=(), ke
                                                                ("optimizer", "scheduler", "loss_fn", "step", "metrics",
                                                                 "state_type")})
         spec = submit(config, entry, args, key=key, registry=registry)
-    follower = Follower(spec, config, callbacks, model=model, optimizer=arguments.get("optimizer"),
-                        registry=registry, attached=attached)
-    return follower.run() if wait else follower.now()
+    return Follower(spec, config, callbacks, model=model, optimizer=arguments.get("optimizer"),
+                    registry=registry, attached=attached)
 
 
 def submit(config, entry, args, *, key: str | None, registry) -> JobSpec:

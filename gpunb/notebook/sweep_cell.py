@@ -30,8 +30,9 @@ def check_sweep_line(args, cell, config):
             raise UsageError(f"--trials runs a sweep of fresh fits, and {flag} does not.\n"
                              f"HINT: drop `{flag}` (or `--trials`).")
     if config.cluster is not None:
-        raise UsageError("--trials runs its trials in this kernel, one after another; a sweep's trials as "
-                         "jobs are not offered yet.\nHINT: drop `--detach` / `--cluster` to sweep here.")
+        raise UsageError("--trials runs its trials in this kernel, or with --parallel K as jobs on this machine; "
+                         "a sweep on a cluster is not offered yet.\nHINT: drop `--detach` / `--cluster` "
+                         "(and add `--parallel 2` for trials as jobs).")
     return SweepSettings(args.trials, sampler=args.sampler, prune=args.prune, direction=args.direction,
                          seed=config.seed, monitor=config.monitor or "val_loss").check()
 
@@ -59,7 +60,8 @@ def run_sweep_cell(shell, args, line, cell, config, settings, view=None):
 
     sweep = Trainer(config).sweep(build, settings.trials, monitor=settings.monitor, direction=settings.direction,
                                   sampler=settings.sampler, prune=settings.prune, seed=settings.seed,
-                                  on_trial=ended, callbacks=[view] if view is not None else [])
+                                  on_trial=ended, callbacks=[view] if view is not None else [],
+                                  parallel=args.parallel)
     if sweep.best_model is not None:
         shell.user_ns[args.model_name] = sweep.best_model
         sweep.best_result.sweep = sweep

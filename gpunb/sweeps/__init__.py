@@ -3,6 +3,7 @@
     space.py    gpunb.suggest: the search space declared where the cell uses it
     study.py    the study (a journal file in the sweep's folder), its sampler, pruner and direction
     trials.py   trials one after another in this process: ask, build, fit, tell; the best model kept
+    parallel.py trials as jobs, K at a time, followed and pruned from the kernel; re-attached by key
     result.py   SweepResult: the trials as a table, overlaid curves, the objective per parameter
 
 Sits below the Trainer: the Trainer and the magic hand it how to build and fit one trial.
@@ -19,8 +20,10 @@ __all__ = ["suggest", "SweepSettings", "run_sweep"]
 
 
 def run_sweep(build, fit, settings: SweepSettings, *, name: str | None = None, space: dict | None = None,
-              on_trial=None, watch=()):
-    """Run the sweep's trials in this process; returns a SweepResult (the best trial's model trained)."""
+              on_trial=None, watch=(), parallel: int = 1, start=None):
+    """Run the sweep's trials; returns a SweepResult (the best trial's model trained). In this process
+    one after another, or with `start` (a trial's job: `start(arguments, callbacks, trial_name, key)`
+    -> its Follower) as jobs, `parallel` at a time."""
     from gpunb.runs.paths import data_dir
     from gpunb.sweeps.result import SweepResult
     from gpunb.sweeps.trials import run_trials
@@ -29,8 +32,14 @@ def run_sweep(build, fit, settings: SweepSettings, *, name: str | None = None, s
     folder = data_dir() / "sweeps" / name
     if settings.sampler == "grid" and space is None:
         space = _recorded_space(build)
-    rows, study, best = run_trials(build, fit, settings.check(), folder, name, space=space, on_trial=on_trial,
-                                   watch=watch)
+    if start is not None:
+        from gpunb.sweeps.parallel import run_trial_jobs
+
+        rows, study, best = run_trial_jobs(build, start, settings.check(), folder, name, parallel, space=space,
+                                           on_trial=on_trial)
+    else:
+        rows, study, best = run_trials(build, fit, settings.check(), folder, name, space=space,
+                                       on_trial=on_trial, watch=watch)
     result = SweepResult(name, str(folder), settings.monitor, settings.resolved_direction(), rows, study)
     if best is not None:
         result.best_trial, result.best_result = best[0].number, best[2]

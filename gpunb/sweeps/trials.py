@@ -27,6 +27,7 @@ class Pruning:
     def __init__(self, trial, monitor: str):
         self.trial, self.monitor = trial, monitor
         self.pruned_at: int | None = None
+        self.stop = None  # how the trial is asked to stop (None: the run's own state; a job: its stop file)
 
     def on_validation_end(self, state, metrics) -> None:
         value = metrics.get(self.monitor)
@@ -35,7 +36,7 @@ class Pruning:
         self.trial.report(float(value), state.step)
         if self.trial.should_prune():
             self.pruned_at = state.step
-            state.request_stop(f"pruned by the sweep at step {state.step} ({self.monitor}={value:.4g})")
+            (self.stop or state.request_stop)(f"pruned by the sweep at step {state.step} ({self.monitor}={value:.4g})")
 
 
 @dataclass

@@ -1,0 +1,139 @@
+"""A sweep's trials as jobs, K at a time, followed from the kernel (`--parallel K`).
+
+Each trial is an ordinary job of gpunb (jobs/): built in the kernel from the cell with the
+trial's values, shipped, trained in processes of its own, its events relayed into a mirror
+here. The kernel alone holds the study: the trials report their monitored value through
+their events, the kernel asks the pruner, and a pruned trial is asked to stop at its next
+step (its checkpoint kept), so a trial of several ranks prunes like a single one. A freed
+slot takes the next trial at once.
+
+A trial's job has a key made of the sweep's name and the trial's number. The kernel's
+interrupt stops the running trials at their next step and asks no more; a second one cancels
+them; a kernel shutting down leaves them running.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from gpunb.sweeps.space import trial_values
+from gpunb.sweeps.study import SweepSettings, open_study
+from gpunb.sweeps.trials import Pruning, TrialRow, _Curve, _tell, _better, trial_value
+
+POLL_S = 0.1  # how often the running trials' events are read
+
+
+@dataclass
+class _Running:
+    trial: object  # the Optuna trial (a FrozenTrial when re-attached)
+    row: TrialRow
+    follower: object  # jobs.follow.Follower
+    pruning: Pruning
+    arguments: dict
+    started: float
+
+
+def trial_key(name: str, number: int) -> str:
+    return f"sweep:{name}:trial:{number}"
+
+
+def run_trial_jobs(build, start, settings: SweepSettings, folder, name: str, parallel: int, *,
+                   space: dict | None = None, on_trial=None):
+    """Run the sweep's trials as jobs, `parallel` at a time; returns (rows, study, best) as run_trials.
+
+    `start(arguments, callbacks, trial_name, key)` submits (or finds) one trial's job and returns
+    its Follower."""
+    from gpunb.jobs.interrupts import KernelInterrupts
+
+    study = open_study(folder, name, settings.check(), space)
+    running, to_ask = [], settings.trials
+    rows, best, stopping = [], None, False
+    with KernelInterrupts() as interrupts:
+        while running or (to_ask and not stopping):
+            while to_ask and not stopping and len(running) < parallel:
+                running.append(_start(study.ask(), build, start, settings, name))
+                to_ask -= 1
+            stopping = _interrupts(interrupts, running) or stopping
+            if stopping is None:  # the kernel shuts down: the jobs go on, a re-run follows them
+                return rows, study, None
+            for entry in list(running):
+                ended = _poll(entry, settings)
+                if ended is not None:
+                    running.remove(entry)
+                    _tell(study, entry.trial, entry.row)
+                    rows.append(entry.row)
+                    if on_trial is not None:
+                        on_trial(entry.row)
+                    if ended is not True and (best is None or _better(entry.row, best[0], settings)):
+                        best = (entry.row, entry.arguments["model"], ended)
+            time.sleep(POLL_S)
+    return rows, study, best
+
+
+def _start(trial, build, start, settings: SweepSettings, name: str) -> _Running:
+    row = TrialRow(trial.number, {}, "running", run_name=f"{name}-t{trial.number}")
+    try:
+        with trial_values(trial=trial):
+            arguments = build(trial)
+        row.params = dict(trial.params)
+        if arguments.get("val_data") is None:
+            from gpunb.runtime.validation.monitor import Monitor
+
+            Monitor(settings.monitor).check_produced(None, "The sweep")
+        return _submitted(trial, row, arguments, start, settings, name)
+    except BaseException:
+        from optuna.trial import TrialState
+
+        trial.study.tell(trial, state=TrialState.FAIL)  # no trial is left "running" in the study
+        raise
+
+
+def _submitted(trial, row, arguments, start, settings, name: str) -> _Running:
+    pruning = Pruning(trial, settings.monitor)
+    follower = start(arguments, [pruning, _Curve(row, settings.monitor)], row.run_name, trial_key(name, row.number))
+    pruning.stop = follower.stop  # a job stops at its next step through its stop file
+    return _Running(trial, row, follower, pruning, arguments, time.perf_counter())
+
+
+def _poll(entry: _Running, settings: SweepSettings):
+    """None while the trial's job runs; at its end: its result when it completed, else True."""
+    row = entry.row
+    try:
+        result = entry.follower.poll()
+    except Exception as error:  # noqa: BLE001 - a failed trial is recorded and the sweep goes on
+        row.state, row.error = "failed", f"{type(error).__name__}: {error}"
+        return True
+    if result is None:
+        return None
+    row.steps, row.seconds = result.steps, time.perf_counter() - entry.started
+    if entry.pruning.pruned_at is not None:
+        row.state, row.pruned_at = "pruned", entry.pruning.pruned_at
+        return True
+    if result.status != "completed":
+        row.state, row.error = "stopped", result.stop_reason or result.status
+        return True
+    row.value = trial_value(result, entry.arguments, settings.monitor)
+    if row.value is None:
+        row.state, row.error = "failed", f"the run measured no {settings.monitor}"
+        return True
+    row.state = "complete"
+    return result
+
+
+def _interrupts(interrupts, running) -> bool | None:
+    """The kernel's interrupts that stand: the first stops the running trials, a second cancels them;
+    None when the kernel shuts down."""
+    if interrupts.shutting_down():
+        return None
+    pressed = interrupts.due()
+    if pressed >= 2:
+        for entry in running:
+            entry.follower.cancel("the sweep was cancelled from the notebook")
+        return True
+    if pressed == 1:
+        for entry in running:
+            if not entry.follower.stop_asked:
+                entry.follower.stop("the sweep was stopped from the notebook")
+        return True
+    return False
