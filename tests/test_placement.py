@@ -178,8 +178,9 @@ def _ended(run_id: str, timeout: float = 240.0) -> dict:
     raise AssertionError(f"the job's run {run_id} did not end within {timeout} s: {run}")
 
 
-def test_a_detached_two_task_job_records_the_config_as_given_and_its_state_to_the_end(tmp_path):
+def test_a_detached_two_task_job_records_the_config_as_given_and_its_state_to_the_end(tmp_path, monkeypatch):
     pytest.importorskip("submitit")
+    monkeypatch.chdir(tmp_path)  # a logger with nowhere else to write uses ./gpunb_logs
     from gpunb.jobs import spec as job_spec
     from gpunb.jobs.backends.base import ENDED
 
