@@ -165,7 +165,8 @@ class Trainer:
         `trial` attribute is set to the running trial's row before it starts.
 
         With `parallel=K` (or a `cluster`) each trial is a job (`cluster="local"` unless the config
-        names one), K at a time, followed and pruned from here.
+        names one), K at a time, followed and pruned from here; the same named sweep run again
+        (after a kernel restart) follows the jobs of the trials it left running.
         """
         __tracebackhide__ = True  # noqa: F841
         from gpunb.sweeps import SweepSettings, run_sweep

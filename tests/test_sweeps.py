@@ -317,3 +317,46 @@ def test_a_trial_as_a_job_is_pruned_from_the_kernel_and_stops_at_a_step_boundary
     assert all(r.params["slow"] == 1e-6 and r.steps < 36 for r in pruned)  # 6 epochs of 6 steps: stopped early
     assert all(sweep.study.trials[r.number].state.name == "PRUNED" for r in pruned)
     assert {r.state for r in sweep.rows if r.params["slow"] == 1.0} == {"complete"}
+
+
+RESTARTED = """
+import os, sys
+sys.path.insert(0, {tests!r})
+from test_sweeps import FIT, _module_build
+os.environ["GPUNB_HOME"] = {home!r}  # the test's (importing the tests' helpers sets one of their own)
+from gpunb import Trainer
+Trainer(**(FIT | dict(epochs=40, track=True))).sweep(_module_build, trials=3, parallel=2, sampler="random",
+                                                     seed=5, name="restarted")
+"""
+
+
+def test_a_sweep_whose_kernel_died_follows_its_running_trials_again_when_run_again(gpunb_home):
+    """The kernel holding a sweep of jobs dies with two trials running; running the sweep again
+    follows those two trials' jobs (no new job for them) and asks only the third trial."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from gpunb.runs import Registry
+
+    tests = os.path.dirname(__file__)
+    kernel = subprocess.Popen([sys.executable, "-c", RESTARTED.format(tests=tests, home=str(gpunb_home))])
+    registry = Registry(gpunb_home / "runs.sqlite")
+    deadline = time.monotonic() + 240
+    rows = []
+    while time.monotonic() < deadline and not (len(rows) == 2 and {r["status"] for r in rows} == {"running"}):
+        time.sleep(0.5)
+        rows = [r for r in registry.list_runs() if r["name"].startswith("restarted-t")]
+    kernel.kill()  # the kernel dies; its trials' jobs go on
+    kernel.wait()
+    assert len(rows) == 2 and {r["status"] for r in rows} == {"running"}, rows
+    sweep = Trainer(**(FIT | dict(epochs=40, track=True))).sweep(_module_build, trials=3, parallel=2,
+                                                                 sampler="random", seed=5, name="restarted")
+    assert sorted(r.number for r in sweep.rows) == [0, 1, 2] and {r.state for r in sweep.rows} == {"complete"}
+    runs = [r for r in registry.list_runs() if r["name"].startswith("restarted-t")]
+    assert sorted(r["name"] for r in runs) == ["restarted-t0", "restarted-t1", "restarted-t2"]  # none twice
+    assert {r["id"] for r in rows} <= {r["id"] for r in runs}  # the first two are the jobs started before
+    params = [r.params for r in sorted(sweep.rows, key=lambda r: r.number)]
+    assert params[2] not in params[:2]  # the third trial is a new draw, not the first one again
+    assert len(sweep.study.trials) == 3 and all(t.state.name == "COMPLETE" for t in sweep.study.trials)

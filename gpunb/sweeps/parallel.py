@@ -7,9 +7,10 @@ their events, the kernel asks the pruner, and a pruned trial is asked to stop at
 step (its checkpoint kept), so a trial of several ranks prunes like a single one. A freed
 slot takes the next trial at once.
 
-A trial's job has a key made of the sweep's name and the trial's number. The kernel's
-interrupt stops the running trials at their next step and asks no more; a second one cancels
-them; a kernel shutting down leaves them running.
+A trial's job has a key made of the sweep's name and the trial's number: running the cell
+again (after a kernel restart) finds the study's running trials' jobs and follows them
+instead of asking new ones. The kernel's interrupt stops the running trials at their next
+step and asks no more; a second one cancels them; a kernel shutting down leaves them running.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def run_trial_jobs(build, start, settings: SweepSettings, folder, name: str, par
     from gpunb.jobs.interrupts import KernelInterrupts
 
     study = open_study(folder, name, settings.check(), space)
-    running, to_ask = [], settings.trials
+    running = [_reattach(study, frozen, build, start, settings, name) for frozen in _running_trials(study)]
+    to_ask = max(0, settings.trials - len(study.trials))
     rows, best, stopping = [], None, False
     with KernelInterrupts() as interrupts:
         while running or (to_ask and not stopping):
@@ -71,6 +73,12 @@ def run_trial_jobs(build, start, settings: SweepSettings, folder, name: str, par
     return rows, study, best
 
 
+def _running_trials(study) -> list:
+    from optuna.trial import TrialState
+
+    return [frozen for frozen in study.trials if frozen.state == TrialState.RUNNING]
+
+
 def _start(trial, build, start, settings: SweepSettings, name: str) -> _Running:
     row = TrialRow(trial.number, {}, "running", run_name=f"{name}-t{trial.number}")
     try:
@@ -89,8 +97,20 @@ def _start(trial, build, start, settings: SweepSettings, name: str) -> _Running:
         raise
 
 
-def _submitted(trial, row, arguments, start, settings, name: str) -> _Running:
-    pruning = Pruning(trial, settings.monitor)
+def _reattach(study, frozen, build, start, settings: SweepSettings, name: str) -> _Running:
+    """A trial the study still holds as running: its job, found by its key, followed again; its
+    objects built from the cell with the trial's own values (the weights come back into them)."""
+    from optuna.trial import Trial
+
+    row = TrialRow(frozen.number, dict(frozen.params), "running", run_name=f"{name}-t{frozen.number}")
+    with trial_values(values=frozen.params):
+        arguments = build(_FixedTrial(frozen))
+    return _submitted(Trial(study, frozen._trial_id), row, arguments, start, settings, name,
+                      reported=frozen.intermediate_values)
+
+
+def _submitted(trial, row, arguments, start, settings, name: str, reported=()) -> _Running:
+    pruning = Pruning(trial, settings.monitor, reported)
     follower = start(arguments, [pruning, _Curve(row, settings.monitor)], row.run_name, trial_key(name, row.number))
     pruning.stop = follower.stop  # a job stops at its next step through its stop file
     return _Running(trial, row, follower, pruning, arguments, time.perf_counter())
@@ -137,3 +157,10 @@ def _interrupts(interrupts, running) -> bool | None:
                 entry.follower.stop("the sweep was stopped from the notebook")
         return True
     return False
+
+
+class _FixedTrial:
+    """What `build(trial)` receives for a re-attached trial: its number and values."""
+
+    def __init__(self, frozen):
+        self.number, self.params = frozen.number, dict(frozen.params)

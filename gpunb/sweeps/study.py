@@ -7,6 +7,7 @@ plain appended lines that a re-run of the cell opens again to go on with the sam
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,17 +68,24 @@ def open_study(folder: Path, name: str, settings: SweepSettings, space: dict | N
     """The study in `folder/study.log`: created, or loaded when a sweep of this name began before."""
     optuna = optuna_module()
     from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
+    from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 
     grid = grid_of(space or {}, settings) if settings.sampler == "grid" else None
     folder.mkdir(parents=True, exist_ok=True)
-    storage = JournalStorage(JournalFileBackend(str(folder / "study.log")))
+    path = str(folder / "study.log")
+    # The kernel is the study's only writer and holds its lock for one append: a lock older than a
+    # few seconds was left by a kernel that died writing, and is taken over (3 s: the least Optuna advises).
+    storage = JournalStorage(JournalFileBackend(path, lock_obj=JournalFileSymlinkLock(path, grace_period=3)))
     study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True,
                                 direction=settings.resolved_direction(), sampler=_sampler(optuna, settings),
                                 pruner=_pruner(optuna, settings.prune))
     if grid and not study.trials:
         for point in grid:
             study.enqueue_trial(point)
+    elif study.trials and settings.seed is not None:
+        # A sweep run again goes on with its study; a sampler seeded as before would draw its first
+        # trials again. Seeded by the trials it has, it goes on deterministically with new ones.
+        study.sampler = _sampler(optuna, dataclasses.replace(settings, seed=settings.seed + len(study.trials)))
     return study
 
 

@@ -24,15 +24,17 @@ from gpunb.sweeps.study import SweepSettings, open_study
 class Pruning:
     """Reports the monitored value at each validation; asks the run to stop when the pruner says so."""
 
-    def __init__(self, trial, monitor: str):
+    def __init__(self, trial, monitor: str, reported=()):
         self.trial, self.monitor = trial, monitor
+        self.reported = set(reported)  # steps the study has a value for (a re-attached trial's replayed events)
         self.pruned_at: int | None = None
         self.stop = None  # how the trial is asked to stop (None: the run's own state; a job: its stop file)
 
     def on_validation_end(self, state, metrics) -> None:
         value = metrics.get(self.monitor)
-        if value is None or self.pruned_at is not None:
+        if value is None or self.pruned_at is not None or state.step in self.reported:
             return
+        self.reported.add(state.step)
         self.trial.report(float(value), state.step)
         if self.trial.should_prune():
             self.pruned_at = state.step
