@@ -250,6 +250,11 @@ class SidebarStopAt:
             from gpunb.runs.writer import RunWriter
 
             run_id = state.registry_run
+            deadline = time.monotonic() + 10
+            # The sidebar lists a run once its row is written (the writer's thread makes it while the
+            # first steps run); its stop button can be pressed from then on.
+            while Registry().get_run(run_id, with_history=False) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
             assert Registry().request_stop(run_id)
             writer = next(o for o in gc.get_objects() if isinstance(o, RunWriter) and o.run_id == run_id)
             deadline = time.monotonic() + 10

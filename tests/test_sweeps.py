@@ -308,13 +308,14 @@ def _slow_build(trial):
 
 def test_a_trial_as_a_job_is_pruned_from_the_kernel_and_stops_at_a_step_boundary():
     # Seed 2 draws slow=1.0 for trials 0, 1 and 2, and 1e-6 for trial 3: trial 3 starts only once two
-    # trials have ended (two slots), so the median pruner has two finished trials to judge it by.
-    sweep = Trainer(**(FIT | dict(epochs=6, val_every_steps=2))).sweep(
+    # trials have ended (two slots), so the median pruner has two finished trials to judge it by. A
+    # trial is long (1,800 steps) beside its first validation (step 20), so that the stop reaches it.
+    sweep = Trainer(**(FIT | dict(epochs=300, val_every_steps=20))).sweep(
         _slow_build, trials=5, parallel=2, sampler="random", seed=2, prune="median", name="prunejobs")
     assert [r.params["slow"] for r in sorted(sweep.rows, key=lambda r: r.number)] == [1.0, 1.0, 1.0, 1e-6, 1.0]
     pruned = [r for r in sweep.rows if r.state == "pruned"]
     assert [r.number for r in pruned] == [3], [(r.number, r.params, r.state) for r in sweep.rows]
-    assert all(r.params["slow"] == 1e-6 and r.steps < 36 for r in pruned)  # 6 epochs of 6 steps: stopped early
+    assert all(r.params["slow"] == 1e-6 and r.steps < 1800 for r in pruned)  # 300 epochs of 6 steps: stopped early
     assert all(sweep.study.trials[r.number].state.name == "PRUNED" for r in pruned)
     assert {r.state for r in sweep.rows if r.params["slow"] == 1.0} == {"complete"}
 

@@ -22,7 +22,6 @@ import time
 
 import torch
 
-from gpunb.runtime.step import compile_worker
 
 SMALL_HOST_CPUS = 4  # at most this many cores: the worker compiles in one process (no pool of its own)
 CONTEXT_BYTES = 2**30  # a CUDA context and the compile's own workspace, beside the step's memory

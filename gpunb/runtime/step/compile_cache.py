@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from gpunb.runs.paths import data_dir
 
 CAP_BYTES = 4 * 2**30  # the whole directory, artifacts and Inductor's files together
 ARTIFACTS = ".artifacts"  # the file suffix of a key's save_cache_artifacts() bytes
@@ -30,6 +29,8 @@ ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
 def directory() -> Path:
+    from gpunb.runs.paths import data_dir  # here: importing gpunb.runs opens the registry's modules
+
     return data_dir() / "compile-cache"
 
 

@@ -42,7 +42,7 @@ import os
 import time
 import warnings
 
-from gpunb.runtime.step import compile_cache, compile_worker, step_graph
+from gpunb.runtime.step import compile_cache, step_graph
 from gpunb.runtime.step.compile_beside import Sampling, Worker, memory_blocker
 from gpunb.runtime.step.compile_decision import (Decision, auto_blocker, decide, expected_compile_s,
                                                  partial_last_batch, record_compile_s, signature_of)
@@ -147,6 +147,8 @@ class Compilation:
             self._switch(at_step, "from the compile cache")
             return
         blocker = memory_blocker(self.device)
+        from gpunb.runtime.step import compile_worker  # here: it imports cloudpickle, which eager runs never need
+
         try:
             payload = None if blocker else compile_worker.ship(self.model, self.stepper.objective, self.piece,
                                                                precision.dtype, mode, BACKEND)
