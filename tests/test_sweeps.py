@@ -326,8 +326,8 @@ sys.path.insert(0, {tests!r})
 from test_sweeps import FIT, _module_build
 os.environ["GPUNB_HOME"] = {home!r}  # the test's (importing the tests' helpers sets one of their own)
 from gpunb import Trainer
-Trainer(**(FIT | dict(epochs=40, track=True))).sweep(_module_build, trials=3, parallel=2, sampler="random",
-                                                     seed=5, name="restarted")
+Trainer(**(FIT | dict(epochs=200, track=True))).sweep(_module_build, trials=3, parallel=2, sampler="random",
+                                                      seed=5, name="restarted")
 """
 
 
@@ -346,14 +346,14 @@ def test_a_sweep_whose_kernel_died_follows_its_running_trials_again_when_run_aga
     registry = Registry(gpunb_home / "runs.sqlite")
     deadline = time.monotonic() + 240
     rows = []
-    while time.monotonic() < deadline and not (len(rows) == 2 and {r["status"] for r in rows} == {"running"}):
-        time.sleep(0.5)
+    while time.monotonic() < deadline and len(rows) < 2:  # both first trials' jobs are submitted
+        time.sleep(0.2)
         rows = [r for r in registry.list_runs() if r["name"].startswith("restarted-t")]
     kernel.kill()  # the kernel dies; its trials' jobs go on
     kernel.wait()
-    assert len(rows) == 2 and {r["status"] for r in rows} == {"running"}, rows
-    sweep = Trainer(**(FIT | dict(epochs=40, track=True))).sweep(_module_build, trials=3, parallel=2,
-                                                                 sampler="random", seed=5, name="restarted")
+    assert len(rows) >= 2 and {"queued", "running"} & {r["status"] for r in rows}, rows  # killed mid-trial
+    sweep = Trainer(**(FIT | dict(epochs=200, track=True))).sweep(_module_build, trials=3, parallel=2,
+                                                                  sampler="random", seed=5, name="restarted")
     assert sorted(r.number for r in sweep.rows) == [0, 1, 2] and {r.state for r in sweep.rows} == {"complete"}
     runs = [r for r in registry.list_runs() if r["name"].startswith("restarted-t")]
     assert sorted(r["name"] for r in runs) == ["restarted-t0", "restarted-t1", "restarted-t2"]  # none twice
