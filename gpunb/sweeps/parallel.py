@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from gpunb.sweeps.space import trial_values
 from gpunb.sweeps.study import SweepSettings, open_study
-from gpunb.sweeps.trials import Pruning, TrialRow, _Curve, _tell, _better, trial_value
+from gpunb.sweeps.trials import Curve, Pruning, TrialRow, better, tell, trial_value
 
 POLL_S = 0.1  # how often the running trials' events are read
 
@@ -63,11 +63,11 @@ def run_trial_jobs(build, start, settings: SweepSettings, folder, name: str, par
                 ended = _poll(entry, settings)
                 if ended is not None:
                     running.remove(entry)
-                    _tell(study, entry.trial, entry.row)
+                    tell(study, entry.trial, entry.row)
                     rows.append(entry.row)
                     if on_trial is not None:
                         on_trial(entry.row)
-                    if ended is not True and (best is None or _better(entry.row, best[0], settings)):
+                    if ended is not True and (best is None or better(entry.row, best[0], settings)):
                         best = (entry.row, entry.arguments["model"], ended)
             time.sleep(POLL_S)
     return rows, study, best
@@ -111,7 +111,7 @@ def _reattach(study, frozen, build, start, settings: SweepSettings, name: str) -
 
 def _submitted(trial, row, arguments, start, settings, name: str, reported=()) -> _Running:
     pruning = Pruning(trial, settings.monitor, reported)
-    follower = start(arguments, [pruning, _Curve(row, settings.monitor)], row.run_name, trial_key(name, row.number))
+    follower = start(arguments, [pruning, Curve(row, settings.monitor)], row.run_name, trial_key(name, row.number))
     pruning.stop = follower.stop  # a job stops at its next step through its stop file
     return _Running(trial, row, follower, pruning, arguments, time.perf_counter())
 

@@ -7,6 +7,7 @@ untrusted notebook still shows them.
 
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass, field
 
 from gpunb.charts import as_image, line_chart
@@ -61,9 +62,13 @@ class SweepResult:
     def _best_row(self):
         return next((row for row in self.rows if row.number == self.best_trial), None)
 
+    @property
+    def param_names(self) -> list[str]:
+        """Every parameter any trial was given, in the order they were first asked for."""
+        return list(dict.fromkeys(name for row in self.rows for name in row.params))
+
     def _columns(self) -> list[str]:
-        names = [name for row in self.rows for name in row.params]
-        return ["trial", "state", "value", *dict.fromkeys(names), "pruned_at", "steps", "run", "error"]
+        return ["trial", "state", "value", *self.param_names, "pruned_at", "steps", "run", "error"]
 
     @staticmethod
     def _record(row) -> dict:
@@ -82,20 +87,14 @@ def sweep_text(s: SweepResult) -> str:
 
 def sweep_html(s: SweepResult, header: str | None = None) -> str:
     """The sweep's table and charts under `header` (default: its text)."""
-    return (f"<div><b>{html_escape(header or sweep_text(s))}</b>{trials_html(s)}"
+    return (f"<div><b>{html.escape(header or sweep_text(s))}</b>{trials_html(s)}"
             f"{as_image(curves_chart(s), f'{s.monitor} of each trial')}"
             + "".join(as_image(objective_chart(s, name), f"{s.monitor} against {name}")
-                      for name in s._columns()[3:-4]) + "</div>")
-
-
-def html_escape(text: str) -> str:
-    import html
-
-    return html.escape(text)
+                      for name in s.param_names) + "</div>")
 
 
 def trials_html(s: SweepResult) -> str:
-    names = s._columns()[3:-4]
+    names = s.param_names
     rows = [(("★ " if row.number == s.best_trial else "") + str(row.number), row.state, fmt(row.value)
              if row.value is not None else "", *(fmt(row.params.get(n, "")) for n in names),
              "" if row.pruned_at is None else row.pruned_at, row.steps, row.error or "") for row in s.rows]

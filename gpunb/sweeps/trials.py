@@ -73,15 +73,15 @@ def run_trials(build, fit, settings: SweepSettings, folder, name: str, *, space:
         try:
             row, kept = _one_trial(trial, build, fit, settings, name, first=not rows, watch=watch)
         except BaseException:
-            _tell(study, trial, TrialRow(trial.number, {}, "failed"))  # no trial is left "running"
+            tell(study, trial, TrialRow(trial.number, {}, "failed"))  # no trial is left "running"
             raise
-        _tell(study, trial, row)
+        tell(study, trial, row)
         rows.append(row)
         if on_trial is not None:
             on_trial(row)
         if row.state == "stopped":  # the user stopped the sweep: its trial kept its checkpoint
             break
-        if kept is not None and (best is None or _better(row, best[0], settings)):
+        if kept is not None and (best is None or better(row, best[0], settings)):
             best = (row, *kept, _device_of(kept[0]))
             best[1].to("cpu")  # the best so far waits on the CPU: later trials get the device's memory
         kept = None
@@ -104,7 +104,7 @@ def _one_trial(trial, build, fit, settings: SweepSettings, name: str, first: boo
         row.params = dict(trial.params)
         if arguments.get("val_data") is None:  # the objective is a validation metric
             Monitor(settings.monitor).check_produced(None, "The sweep")
-        result = fit(arguments, [pruning, _Curve(row, settings.monitor), *watch], row.run_name)
+        result = fit(arguments, [pruning, Curve(row, settings.monitor), *watch], row.run_name)
     except Exception as error:  # noqa: BLE001 - a trial that fails is recorded and the sweep goes on
         if first and isinstance(error, GpunbError):  # a mistake in the set-up fails every trial alike
             raise
@@ -128,7 +128,7 @@ def _one_trial(trial, build, fit, settings: SweepSettings, name: str, first: boo
     return row, (arguments["model"], result)
 
 
-class _Curve:
+class Curve:
     """The monitored value at each validation, for the sweep's overlaid curves."""
 
     def __init__(self, row: TrialRow, monitor: str):
@@ -153,7 +153,7 @@ def trial_value(result, arguments: dict, monitor: str) -> float | None:
     return None if value is None else float(value)
 
 
-def _tell(study, trial, row: TrialRow) -> None:
+def tell(study, trial, row: TrialRow) -> None:
     from optuna.trial import TrialState
 
     if row.state == "complete":
@@ -164,7 +164,7 @@ def _tell(study, trial, row: TrialRow) -> None:
         study.tell(trial, state=TrialState.FAIL)
 
 
-def _better(row: TrialRow, best: TrialRow, settings: SweepSettings) -> bool:
+def better(row: TrialRow, best: TrialRow, settings: SweepSettings) -> bool:
     if settings.resolved_direction() == "minimize":
         return row.value < best.value
     return row.value > best.value
