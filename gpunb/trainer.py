@@ -180,10 +180,20 @@ class Trainer:
                              "e.g. `parallel=2` (`--parallel 2`).")
         as_jobs = parallel > 1 or self.config.cluster is not None
         return run_sweep(build, self._trial_fit, settings, name=name or self.config.name, on_trial=on_trial,
-                         watch=callbacks, parallel=parallel, start=self._trial_job if as_jobs else None)
+                         watch=callbacks, parallel=parallel, start=self._trial_job if as_jobs else None,
+                         packer=self._packer() if as_jobs else None)
 
-    def _trial_job(self, arguments: dict, callbacks: list, trial_name: str, key: str):
-        """One trial of a sweep as a job (this machine's unless the config names a cluster): its Follower."""
+    def _packer(self):
+        """Trials on this machine share its GPUs by their memory estimate; a cluster's are placed by it."""
+        if self.config.cluster not in (None, "local"):
+            return None
+        from gpunb.sweeps.packing import Packer
+
+        return Packer(self.config)
+
+    def _trial_job(self, arguments: dict, callbacks: list, trial_name: str, key: str, visible: str | None = None):
+        """One trial of a sweep as a job (this machine's unless the config names a cluster): its Follower.
+        `visible`: the GPUs the trial's packing gave it (CUDA_VISIBLE_DEVICES)."""
         from gpunb.jobs.submit import job_follower
 
         config = Trainer(self.config, name=trial_name, cluster=self.config.cluster or "local").config
@@ -193,7 +203,8 @@ class Trainer:
         check_kinds(dict(model=model, optimizer=arguments.get("optimizer"), loss_fn=arguments.get("loss_fn"),
                          step=arguments.get("step")))
         _loggers(config)  # a missing package fails here, before the job is submitted
-        return job_follower(config, _rank_entry, model, train_data, callbacks=callbacks, key=key, **arguments)
+        return job_follower(config, _rank_entry, model, train_data, callbacks=callbacks, key=key, visible=visible,
+                            **arguments)
 
     def _trial_fit(self, arguments: dict, callbacks: list, trial_name: str) -> TrainResult:
         """One trial of a sweep: an ordinary fit under the trial's name, with the sweep's callbacks."""

@@ -48,6 +48,7 @@ class JobSpec:
     job_id: str | None = None  # the scheduler's (Slurm job id; local: the controller's pid)
     job_started: float | None = None  # local: the controller's start time (its pid alone may be reused)
     job_name: str | None = None  # the scheduler's name of the job: the folder's (Slurm ids are reused)
+    visible_devices: str | None = None  # local: its CUDA_VISIBLE_DEVICES (a sweep's packing); None: the first GPUs
 
     @property
     def backend(self):

@@ -23,9 +23,11 @@ def run_job(config, entry, model, train_data, val_data=None, *, callbacks=(), ke
     return follower.run() if wait else follower.now()
 
 
-def job_follower(config, entry, model, train_data, val_data=None, *, callbacks=(), key=None, **arguments):
+def job_follower(config, entry, model, train_data, val_data=None, *, callbacks=(), key=None, visible=None,
+                 **arguments):
     """Submit (or find) the job of this run; returns its Follower, not yet following (a sweep
-    follows several at once through `Follower.poll`)."""
+    follows several at once through `Follower.poll`). `visible`: the GPUs of this machine the job
+    may use, as CUDA_VISIBLE_DEVICES names them (a sweep's packing; None: the backend's choice)."""
     from gpunb.jobs.follow import Follower
     from gpunb.jobs.lookup import ended_without_result, find_job
 
@@ -37,6 +39,7 @@ def job_follower(config, entry, model, train_data, val_data=None, *, callbacks=(
     spec = None if config.resubmit or key is None else find_job(key, registry)
     attached = spec is not None
     if spec is not None and ended_without_result(spec):
+        spec.visible_devices = visible  # where it goes on now
         spec, attached = resume_in_folder(spec, config, registry), False  # killed, cancelled, failed
     if spec is None:
         from gpunb.distributed.shipping import FitArgs
@@ -44,12 +47,12 @@ def job_follower(config, entry, model, train_data, val_data=None, *, callbacks=(
         args = FitArgs(config, model, train_data, val_data, **{name: arguments.get(name) for name in
                                                                ("optimizer", "scheduler", "loss_fn", "step", "metrics",
                                                                 "state_type")})
-        spec = submit(config, entry, args, key=key, registry=registry)
+        spec = submit(config, entry, args, key=key, registry=registry, visible=visible)
     return Follower(spec, config, callbacks, model=model, optimizer=arguments.get("optimizer"),
                     registry=registry, attached=attached)
 
 
-def submit(config, entry, args, *, key: str | None, registry) -> JobSpec:
+def submit(config, entry, args, *, key: str | None, registry, visible: str | None = None) -> JobSpec:
     """Check, write the job folder, submit through the backend, record the queued run; returns the spec."""
     backend = backends.chosen(config)
     settings = job_settings(config)
@@ -65,7 +68,7 @@ def submit(config, entry, args, *, key: str | None, registry) -> JobSpec:
                    tasks_per_node=tasks, gpus_per_node=gpus, accelerator=config.accelerator,
                    entry=f"{entry.__module__}:{entry.__qualname__}",
                    registry=str(registry.path) if registry is not None else None, versions=current_versions(),
-                   gpu_hour_price=_price(config, settings), job_name=folder.name)
+                   gpu_hour_price=_price(config, settings), job_name=folder.name, visible_devices=visible)
     spec.args_path.write_bytes(payload)
     spec.save()
     if registry is not None:

@@ -4,6 +4,7 @@
     study.py    the study (a journal file in the sweep's folder), its sampler, pruner and direction
     trials.py   trials one after another in this process: ask, build, fit, tell; the best model kept
     parallel.py trials as jobs, K at a time, followed and pruned from the kernel; re-attached by key
+    packing.py  the trials' jobs placed on this machine's GPUs by their memory estimates
     result.py   SweepResult: the trials as a table, overlaid curves, the objective per parameter
 
 Sits below the Trainer: the Trainer and the magic hand it how to build and fit one trial.
@@ -20,10 +21,10 @@ __all__ = ["suggest", "SweepSettings", "run_sweep"]
 
 
 def run_sweep(build, fit, settings: SweepSettings, *, name: str | None = None, space: dict | None = None,
-              on_trial=None, watch=(), parallel: int = 1, start=None):
+              on_trial=None, watch=(), parallel: int = 1, start=None, packer=None):
     """Run the sweep's trials; returns a SweepResult (the best trial's model trained). In this process
-    one after another, or with `start` (a trial's job: `start(arguments, callbacks, trial_name, key)`
-    -> its Follower) as jobs, `parallel` at a time."""
+    one after another, or with `start` (a trial's job: `start(arguments, callbacks, trial_name, key,
+    visible=None)` -> its Follower) as jobs, `parallel` at a time, on the GPUs `packer` gives each."""
     from gpunb.runs.paths import data_dir
     from gpunb.sweeps.result import SweepResult
     from gpunb.sweeps.trials import run_trials
@@ -36,7 +37,7 @@ def run_sweep(build, fit, settings: SweepSettings, *, name: str | None = None, s
         from gpunb.sweeps.parallel import run_trial_jobs
 
         rows, study, best = run_trial_jobs(build, start, settings.check(), folder, name, parallel, space=space,
-                                           on_trial=on_trial)
+                                           on_trial=on_trial, packer=packer)
     else:
         rows, study, best = run_trials(build, fit, settings.check(), folder, name, space=space,
                                        on_trial=on_trial, watch=watch)

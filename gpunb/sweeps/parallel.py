@@ -33,6 +33,15 @@ class _Running:
     pruning: Pruning
     arguments: dict
     started: float
+    slot: object = None  # packing.Slot: the GPUs it holds (None: placed by its scheduler, or re-attached)
+
+
+@dataclass
+class _Built:
+    trial: object
+    row: TrialRow
+    arguments: dict
+    need: object  # packing.Need (None without a packer)
 
 
 def trial_key(name: str, number: int) -> str:
@@ -40,29 +49,41 @@ def trial_key(name: str, number: int) -> str:
 
 
 def run_trial_jobs(build, start, settings: SweepSettings, folder, name: str, parallel: int, *,
-                   space: dict | None = None, on_trial=None):
+                   space: dict | None = None, on_trial=None, packer=None):
     """Run the sweep's trials as jobs, `parallel` at a time; returns (rows, study, best) as run_trials.
 
-    `start(arguments, callbacks, trial_name, key)` submits (or finds) one trial's job and returns
-    its Follower."""
+    `start(arguments, callbacks, trial_name, key, visible=None)` submits (or finds) one trial's job,
+    on the GPUs `visible` names (CUDA_VISIBLE_DEVICES), and returns its Follower. `packer`
+    (packing.Packer) places each new trial on this machine's GPUs by its memory estimate; None:
+    the scheduler places them (Slurm)."""
     from gpunb.jobs.interrupts import KernelInterrupts
 
     study = open_study(folder, name, settings.check(), space)
     running = [_reattach(study, frozen, build, start, settings, name) for frozen in _running_trials(study)]
     to_ask = max(0, settings.trials - len(study.trials))
-    rows, best, stopping = [], None, False
+    rows, best, stopping, waiting = [], None, False, None  # waiting: a trial built, no GPU room for it yet
     with KernelInterrupts() as interrupts:
-        while running or (to_ask and not stopping):
-            while to_ask and not stopping and len(running) < parallel:
-                running.append(_start(study.ask(), build, start, settings, name))
-                to_ask -= 1
+        while running or waiting or (to_ask and not stopping):
+            while (waiting or to_ask) and not stopping and len(running) < parallel:
+                if waiting is None:
+                    waiting, to_ask = _start(study.ask(), build, settings, name, packer), to_ask - 1
+                placed = _placed(waiting, start, settings, name, packer)
+                if placed is None:
+                    break  # until a running trial ends and frees its GPU memory
+                running.append(placed)
+                waiting = None
             stopping = _interrupts(interrupts, running) or stopping
             if stopping is None:  # the kernel shuts down: the jobs go on, a re-run follows them
                 return rows, study, None
+            if stopping and waiting is not None:
+                rows.append(_never_started(waiting))
+                waiting = None
             for entry in list(running):
                 ended = _poll(entry, settings)
                 if ended is not None:
                     running.remove(entry)
+                    if packer is not None:
+                        packer.release(entry.slot)
                     tell(study, entry.trial, entry.row)
                     rows.append(entry.row)
                     if on_trial is not None:
@@ -79,7 +100,8 @@ def _running_trials(study) -> list:
     return [frozen for frozen in study.trials if frozen.state == TrialState.RUNNING]
 
 
-def _start(trial, build, start, settings: SweepSettings, name: str) -> _Running:
+def _start(trial, build, settings: SweepSettings, name: str, packer) -> _Built:
+    """The trial built from the cell, with what it needs of the GPUs (checked before it is submitted)."""
     row = TrialRow(trial.number, {}, "running", run_name=f"{name}-t{trial.number}")
     try:
         with trial_values(trial=trial):
@@ -89,12 +111,38 @@ def _start(trial, build, start, settings: SweepSettings, name: str) -> _Running:
             from gpunb.runtime.validation.monitor import Monitor
 
             Monitor(settings.monitor).check_produced(None, "The sweep")
-        return _submitted(trial, row, arguments, start, settings, name)
+        need = packer.need(arguments, trial.number) if packer is not None else None
+        return _Built(trial, row, arguments, need)
     except BaseException:
-        from optuna.trial import TrialState
-
-        trial.study.tell(trial, state=TrialState.FAIL)  # no trial is left "running" in the study
+        _fail(trial)
         raise
+
+
+def _placed(built: _Built, start, settings: SweepSettings, name: str, packer) -> _Running | None:
+    """The trial's job submitted on the GPUs the packer gives it; None while none has room."""
+    slot = packer.place(built.need) if packer is not None else None
+    if packer is not None and slot is None:
+        return None
+    try:
+        return _submitted(built.trial, built.row, built.arguments, start, settings, name, slot=slot)
+    except BaseException:
+        if slot is not None:
+            packer.release(slot)
+        _fail(built.trial)
+        raise
+
+
+def _fail(trial) -> None:
+    from optuna.trial import TrialState
+
+    trial.study.tell(trial, state=TrialState.FAIL)  # no trial is left "running" in the study
+
+
+def _never_started(built: _Built) -> TrialRow:
+    """A trial that waited for GPU room when the sweep was stopped: recorded, never submitted."""
+    _fail(built.trial)
+    built.row.state, built.row.error = "stopped", "the sweep was stopped before the trial found GPU room"
+    return built.row
 
 
 def _reattach(study, frozen, build, start, settings: SweepSettings, name: str) -> _Running:
@@ -109,11 +157,13 @@ def _reattach(study, frozen, build, start, settings: SweepSettings, name: str) -
                       reported=frozen.intermediate_values)
 
 
-def _submitted(trial, row, arguments, start, settings, name: str, reported=()) -> _Running:
+def _submitted(trial, row, arguments, start, settings, name: str, reported=(), slot=None) -> _Running:
     pruning = Pruning(trial, settings.monitor, reported)
-    follower = start(arguments, [pruning, Curve(row, settings.monitor)], row.run_name, trial_key(name, row.number))
+    callbacks = [pruning, Curve(row, settings.monitor)]
+    follower = start(arguments, callbacks, row.run_name, trial_key(name, row.number),
+                     visible=slot.visible if slot is not None else None)
     pruning.stop = follower.stop  # a job stops at its next step through its stop file
-    return _Running(trial, row, follower, pruning, arguments, time.perf_counter())
+    return _Running(trial, row, follower, pruning, arguments, time.perf_counter(), slot)
 
 
 def _poll(entry: _Running, settings: SweepSettings):

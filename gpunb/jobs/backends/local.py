@@ -47,7 +47,7 @@ class LocalBackend(SubmititBackend):
         return tasks, (min(tasks, torch.cuda.device_count()) if accelerator == "cuda" else 0)
 
     def executor(self, spec, settings: dict, time_limit_min: float):
-        chosen = _DetachedLocalExecutor(spec.submitit_dir, python=settings.get("python"))
+        chosen = _DetachedLocalExecutor(spec.submitit_dir, python=settings.get("python"), visible=spec.visible_devices)
         chosen.update_parameters(timeout_min=time_limit_min, tasks_per_node=spec.tasks_per_node,
                                  gpus_per_node=spec.gpus_per_node,
                                  signal_delay_s=int(settings.get("signal_delay_s", 30)))
@@ -73,7 +73,7 @@ class LocalBackend(SubmititBackend):
         keep_sockets_on_loopback()  # every task is on this machine: nothing listens beyond it
 
 
-def _DetachedLocalExecutor(folder, python=None):
+def _DetachedLocalExecutor(folder, python=None, visible=None):
     from submitit.local import local
 
     class DetachedLocalExecutor(local.LocalExecutor):
@@ -88,7 +88,9 @@ def _DetachedLocalExecutor(folder, python=None):
                                SUBMITIT_LOCAL_NODEID="0", SUBMITIT_LOCAL_JOB_NUM_NODES="1",
                                SUBMITIT_STDERR_TO_STDOUT="1", SUBMITIT_EXECUTOR="local",
                                SUBMITIT_LOCAL_WITH_SHELL="")
-            if gpus:
+            if visible is not None:  # the GPUs a sweep's packing gave this trial
+                environment["CUDA_VISIBLE_DEVICES"] = visible
+            elif gpus:
                 environment["CUDA_VISIBLE_DEVICES"] = ",".join(str(k) for k in range(gpus))
             process = subprocess.Popen([sys.executable, "-c", _CONTROLLER, str(self.folder)],
                                        env=environment, start_new_session=True)

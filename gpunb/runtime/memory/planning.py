@@ -142,12 +142,16 @@ def unavailable_measures(run: RunFacts) -> dict:
     return {m.name: why for m in MEASURES if (why := m.why_not(run))}
 
 
+class DoesNotFit(GpunbError):
+    """Even every measure leaves the run over its budget (a sweep says which trial, and where)."""
+
+
 def does_not_fit(plan: MemoryPlan, footprint: Footprint, sharded: MemoryPlan | None = None) -> GpunbError:
     from gpunb.render import format_bytes  # only when it is said: render is not on a run's path otherwise
 
     used = " + ".join(m.text for m in plan.measures) or "no measure available"
     if sharded is not None and sharded.fits:
-        return GpunbError(
+        return DoesNotFit(
             f"This run does not fit in memory under DDP, which keeps the whole model on each of the "
             f"{footprint.world_size} devices: the weights, gradients and optimizer state alone need "
             f"{format_bytes(plan.fixed_after)} ({used}), over {format_bytes(int(SAFETY * plan.budget))} usable "
@@ -155,7 +159,7 @@ def does_not_fit(plan: MemoryPlan, footprint: Footprint, sharded: MemoryPlan | N
             f"{format_bytes(sharded.after)} ({sharded.text()}).",
             "pass `strategy='fsdp'` (`--strategy fsdp`): each device then holds its share of the weights, "
             "gradients and optimizer state.")
-    return GpunbError(
+    return DoesNotFit(
         f"This run does not fit in memory, even with every measure gpunb can take: the weights, "
         f"gradients and optimizer state alone need {format_bytes(plan.fixed_after)} "
         f"({used}), over {format_bytes(int(SAFETY * plan.budget))} usable of a {format_bytes(plan.budget)} "
