@@ -7,13 +7,22 @@ Sweeps run interleaved (by hand, gpunb, by hand, ...) and the median wall time o
 With `--prune median` both prune at each epoch's validation with Optuna's MedianPruner, and the
 trials per hour are compared with and without pruning.
 
+With `--packing`, trials per hour of 4 small trials on one GPU: packed onto it together as jobs
+(`parallel=4`, placed by their memory estimates) against one at a time, in the kernel (the
+default) and as jobs (`cluster="local"`, `parallel=1`, the same start-up cost per trial). On a CPU
+the packer is given a stand-in GPU, so that the same path runs (estimates, placement, the
+trial's CUDA_VISIBLE_DEVICES, which a CPU job ignores): a check that it works, not a figure.
+
     python benchmarks/sweep.py                      # CPU: 8 trials, 3 rounds
     python benchmarks/sweep.py --device cuda --trials 16
+    python benchmarks/sweep.py --packing --device cuda --epochs 20   # one GPU (CUDA_VISIBLE_DEVICES=0)
+    python benchmarks/sweep.py --packing --epochs 1 --rounds 1      # CPU: the path, reduced
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -71,19 +80,47 @@ def by_hand(args, prune: bool):
     return [t.params for t in study.trials], sum(t.state == optuna.trial.TrialState.PRUNED for t in study.trials)
 
 
-def by_gpunb(args, prune: bool):
+def build(trial):
     train, val = data()
+    lr = suggest("lr", 1e-4, 1e-1, log=True)
+    model = model_of(suggest("width", [64, 128, 256]))
+    return dict(model=model, train_data=train, val_data=val, loss_fn=nn.CrossEntropyLoss(),
+                optimizer=torch.optim.AdamW(model.parameters(), lr=lr))
 
-    def build(trial):
-        lr = suggest("lr", 1e-4, 1e-1, log=True)
-        model = model_of(suggest("width", [64, 128, 256]))
-        return dict(model=model, train_data=train, val_data=val, loss_fn=nn.CrossEntropyLoss(),
-                    optimizer=torch.optim.AdamW(model.parameters(), lr=lr))
 
-    trainer = Trainer(epochs=args.epochs, batch_size=args.batch_size, accelerator=args.device, precision="32")
-    sweep = trainer.sweep(build, args.trials, sampler="random", seed=args.seed,
+def by_gpunb(args, prune: bool, parallel: int = 1, **where):
+    trainer = Trainer(epochs=args.epochs, batch_size=args.batch_size, accelerator=args.device, precision="32",
+                      **where)
+    sweep = trainer.sweep(build, args.trials, sampler="random", seed=args.seed, parallel=parallel,
                           prune="median" if prune else "none", name=f"bench-{time.time_ns()}")
+    assert {row.state for row in sweep.rows} <= {"complete", "pruned"}, sweep.rows
     return [row.params for row in sweep.rows], sum(row.state == "pruned" for row in sweep.rows)
+
+
+def packing(args):
+    """Trials per hour: 4 small trials packed onto one GPU against one at a time."""
+    from gpunb.sweeps import packing as placement
+
+    if args.device == "cpu":  # a stand-in GPU with room for all four: the packing path, on a CPU
+        placement.read_devices = lambda: [placement.Device(0, "stand-in", 2**40, 2**40)]
+    args.trials = 4
+    ways = {"in the kernel, one at a time": dict(), "jobs, one at a time": dict(cluster="local"),
+            "jobs, 4 packed on one GPU": dict(parallel=4)}
+    times = {way: [] for way in ways}
+    for _ in range(args.rounds):
+        for way, options in ways.items():
+            started = time.perf_counter()
+            by_gpunb(args, False, **options)
+            times[way].append(time.perf_counter() - started)
+    print("| 4 trials | s (median) | trials/h |")
+    print("|---|---|---|")
+    per_hour = {}
+    for way, seconds in times.items():
+        per_hour[way] = 3600 * args.trials / statistics.median(seconds)
+        print(f"| {way} | {statistics.median(seconds):.2f} | {per_hour[way]:.0f} |")
+    packed = per_hour["jobs, 4 packed on one GPU"]
+    print(f"packed / one at a time: {packed / per_hour['in the kernel, one at a time']:.2f}x (in the kernel), "
+          f"{packed / per_hour['jobs, one at a time']:.2f}x (as jobs); target >= 2.5x")
 
 
 def _pruner(prune: bool):
@@ -104,7 +141,14 @@ def main():
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--packing", action="store_true", help="4 small trials packed on one GPU vs one at a time")
     args = parser.parse_args()
+    if args.packing:
+        if args.device == "cuda":
+            os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")  # one GPU: the packer reads what is visible
+        print(f"device {args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+              f"4 trials x {args.epochs} epochs, {args.rounds} rounds")
+        return packing(args)
     print(f"device {args.device}, torch {torch.__version__}, optuna {optuna.__version__}, "
           f"{torch.get_num_threads()} threads; {args.trials} trials x {args.epochs} epochs, {args.rounds} rounds")
     print("| pruning | by hand s | gpunb s | gpunb / by hand | same trials | pruned (hand, gpunb) | trials/h gpunb |")
