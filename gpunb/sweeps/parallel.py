@@ -67,7 +67,7 @@ def run_trial_jobs(build, start, settings: SweepSettings, folder, name: str, par
             while (waiting or to_ask) and not stopping and len(running) < parallel:
                 if waiting is None:
                     waiting, to_ask = _start(study.ask(), build, settings, name, packer), to_ask - 1
-                placed = _placed(waiting, start, settings, name, packer)
+                placed = _placed(waiting, start, settings, name, packer, running)
                 if placed is None:
                     break  # until a running trial ends and frees its GPU memory
                 running.append(placed)
@@ -118,10 +118,12 @@ def _start(trial, build, settings: SweepSettings, name: str, packer) -> _Built:
         raise
 
 
-def _placed(built: _Built, start, settings: SweepSettings, name: str, packer) -> _Running | None:
+def _placed(built: _Built, start, settings: SweepSettings, name: str, packer, running) -> _Running | None:
     """The trial's job submitted on the GPUs the packer gives it; None while none has room."""
     slot = packer.place(built.need) if packer is not None else None
     if packer is not None and slot is None:
+        if not running:  # every GPU is free, and still no room: waiting would never end
+            raise RuntimeError(f"trial {built.row.number} found no room on idle GPUs ({built.need})")
         return None
     try:
         return _submitted(built.trial, built.row, built.arguments, start, settings, name, slot=slot)
