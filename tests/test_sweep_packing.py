@@ -126,7 +126,8 @@ def test_what_a_trial_needs_when_its_estimate_is_set_unknown_or_on_several_gpus(
 
 
 def test_a_trial_that_cannot_fit_even_alone_or_asks_more_gpus_than_there_are_is_one_message():
-    packer = Packer(TrainConfig(batch_size=32), devices=[gpu(0, 0.001)])  # ~1 MiB
+    # 4 MiB beside a trial's CUDA context: 1M parameters' weights, gradients and AdamW states do not fit
+    packer = Packer(TrainConfig(batch_size=32), devices=[Device(0, "GPU-small", 2 * GiB, CONTEXT_BYTES + 2**22)])
     big = nn.Linear(1000, 1000)
     arguments = dict(model=big, train_data=(torch.randn(64, 1000), torch.randn(64, 1000)), loss_fn=nn.MSELoss(),
                      optimizer=torch.optim.AdamW(big.parameters()))

@@ -157,7 +157,8 @@ def trial_need(config, arguments: dict, devices: list[Device]) -> Need:
         return Need(None, 1, 'batch_size="auto" fills its GPU')
     if not any(d.free for d in devices):
         return Need(None, 1, "the GPUs' memory is unknown (no NVML)")
-    summary = _summary_on_cpu(config, arguments, max(d.free for d in devices))
+    # planned against the largest GPU less the trial's own CUDA context: what it would have there alone
+    summary = _summary_on_cpu(config, arguments, max(1, max(d.free for d in devices) - CONTEXT_BYTES))
     if summary.activations_bytes is None:  # a custom step, say: not run ahead of time
         return Need(None, 1, f"activations {summary.activations_note}")
     return Need(summary.estimated_bytes, 1, "its summary's estimate")
@@ -172,17 +173,16 @@ def _gpus_of(config, visible: int) -> int:
 
 
 def _summary_on_cpu(config, arguments: dict, budget: int):
-    """Trainer.summary's dry run on the CPU: no seeding (the kernel's RNGs stay as the cell left
-    them), nothing recorded or written; the plan against `budget` raises when nothing fits."""
+    """Trainer.summary's dry run on the CPU (the kernel's RNGs, the model's weights and gradients
+    left as they were; nothing recorded, no checkpoint read); its memory plan against `budget`
+    raises when nothing fits."""
     import warnings
 
     from gpunb.runtime.context import LocalContext
     from gpunb.runtime.loop import dry_run
 
     precision = "bf16-mixed" if config.precision == "16-mixed" else config.precision  # same bytes, on a CPU
-    on_cpu = config.replace(accelerator="cpu", devices=1, precision=precision, seed=None, track=False,
-                            cluster=None, loggers=(), checkpoint_dir=None, resume=None, compile=False,
-                            memory_budget=budget or None)
+    on_cpu = config.replace(accelerator="cpu", devices=1, precision=precision, resume=None, memory_budget=budget)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the trial's own fit says what it has to say
         return dry_run(on_cpu, LocalContext(), arguments["model"], arguments["train_data"],
