@@ -212,11 +212,29 @@ def test_a_trial_too_large_for_every_gpu_stops_the_sweep_before_any_job_is_submi
     assert not submitted
 
 
-@pytest.mark.cuda
-def test_the_gpus_are_read_from_nvml_as_cuda_numbers_them_without_a_cuda_context():
+def test_without_nvml_each_visible_gpu_is_named_as_the_kernel_sees_it_and_runs_one_trial(monkeypatch):
+    from gpunb.telemetry import nvml
+
+    monkeypatch.setattr(nvml, "ensure_nvml", lambda: nvml.NO_DRIVER_REASON)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     devices = packing.read_devices()
-    assert len(devices) == torch.cuda.device_count() and not torch.cuda.is_initialized()
-    for device in devices:
-        assert device.name.startswith(("GPU-", "MIG-")) and 0 < device.free <= device.total
+    assert [(d.index, d.name, d.free) for d in devices] == [(0, "3", 0), (1, "5", 0)]
+    packer = Packer(TrainConfig(batch_size=32), devices=devices)
+    need = packer.need(_arguments(), 0)
+    assert need.bytes is None and "no NVML" in need.why
+    assert [packer.place(need).visible for _ in range(2)] == ["3", "5"] and packer.place(need) is None
+
+
+@pytest.mark.cuda
+def test_the_gpus_are_read_from_nvml_in_cudas_numbering_without_a_cuda_context():
+    initialised = torch.cuda.is_initialized()
+    devices = packing.read_devices()
+    assert torch.cuda.is_initialized() == initialised  # NVML only
+    assert len(devices) == torch.cuda.device_count()
+    for device in devices:  # CUDA's device i is the one the name points at
+        uuid = str(torch.cuda.get_device_properties(device.index).uuid)
+        assert device.name.startswith(("GPU-", "MIG-")) and device.name.endswith(uuid)
+        assert 0 < device.free <= device.total
     free, total = torch.cuda.mem_get_info(0)
-    assert total == devices[0].total
+    assert total == pytest.approx(devices[0].total, rel=0.02)
