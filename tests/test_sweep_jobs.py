@@ -33,12 +33,12 @@ slow = gpunb.suggest("slow", [1.0, 1e-6])
 model = mlp()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.3 * slow)
 train_data, val_data = (x[:128], y[:128]), (x[128:], y[128:])
-loss_fn = SlowLoss()
 callbacks = [watch.trial()]
+loss_fn = SlowLoss(**watch.hold())
 """
-# Validations every 4 steps and checkpoints every 8: a requeue that lands between a validation and
-# the next checkpoint makes the job validate again at a step the kernel has seen (one point each).
-# By step 20 two checkpoints are written: the resume must take the newer.
+# Validations every 4 steps, checkpoints every 8. Trial 0's first start holds in step 22 until it is
+# requeued, which the kernel does once it has seen step 20: the job resumes from the checkpoint of
+# step 16 (of two) and validates again at step 20, which the kernel has seen (one point each).
 STEPS, VALIDATE, CHECKPOINT, REQUEUE_AT = 100, 4, 8, 20
 LINE = (f"--trials 4 --parallel 2 --sampler random --seed 2 --prune median --monitor val_loss --name sl "
         f"--max-steps {STEPS} --val-every-steps {VALIDATE} --checkpoint-every {CHECKPOINT} --log-every 4 "
@@ -46,10 +46,20 @@ LINE = (f"--trials 4 --parallel 2 --sampler random --seed 2 --prune median --mon
 
 
 class SlowLoss(nn.CrossEntropyLoss):
-    """The same numbers, 0.1 s a step: a trial trains while a requeue or a stop travels."""
+    """The same numbers, 0.1 s a step: a trial trains while a stop travels. With `marker`: the first
+    start of the job (no marker yet) holds in training step `hold_at` until it is requeued."""
+
+    def __init__(self, marker=None, hold_at=None):
+        super().__init__()
+        self.marker, self.hold_at, self.calls = marker, hold_at, 0
 
     def forward(self, output, target):
         time.sleep(0.1)
+        if torch.is_grad_enabled():  # a training step (validation runs without gradients)
+            self.calls += 1
+            if self.calls == self.hold_at and self.marker and not os.path.exists(self.marker):
+                open(self.marker, "w").close()
+                time.sleep(120)  # the requeue ends this process; the test fails if it never comes
         return super().forward(output, target)
 
 
@@ -57,12 +67,18 @@ class Trials:
     """Kernel side: each trial's job (its follower's on_job_state) and JobResult (on_fit_end), by run
     name; `requeue(job)` is run once, when trial `requeue_run`'s rows reach step `at`."""
 
-    def __init__(self, requeue=None, requeue_run=None, at=None):
-        self.requeue, self.requeue_run, self.at = requeue, requeue_run, at
-        self.jobs, self.results, self.requeued = {}, {}, None
+    def __init__(self, requeue=None, requeue_run=None, at=None, marker=None):
+        self.requeue, self.requeue_run, self.at, self.marker = requeue, requeue_run, at, marker
+        self.jobs, self.results, self.requeued, self.built = {}, {}, None, 0
 
     def trial(self):
         return _TrialWatch(self)
+
+    def hold(self) -> dict:
+        """SlowLoss's arguments for the trial the cell builds now: the first (trial 0) holds in its
+        first start until it is requeued, once the kernel has seen step `at`."""
+        self.built += 1
+        return dict(marker=self.marker, hold_at=self.at + 2) if self.built == 1 and self.marker else {}
 
 
 class _TrialWatch:
@@ -103,8 +119,9 @@ def _set_up(ip, trials):
 
 
 @pytest.mark.slurm
-def test_a_sweep_on_slurm_resumes_a_requeued_trial_as_the_same_trial_and_prunes_a_poor_one(ip, slurm_cluster):
-    trials = Trials(lambda job: slurm_cluster.run(["scontrol", "requeue", job["id"]]), "sl-t0", REQUEUE_AT)
+def test_a_sweep_on_slurm_resumes_a_requeued_trial_as_the_same_trial_and_prunes_a_poor_one(ip, slurm_cluster, tmp_path):
+    trials = Trials(lambda job: slurm_cluster.run(["scontrol", "requeue", job["id"]]), "sl-t0", REQUEUE_AT,
+                    marker=str(tmp_path / "held"))
     _set_up(ip, trials)
     ip.run_cell_magic("gputrain", f"{LINE} --cluster slurm --partition {slurm_cluster.partition} --slurm time=30",
                       CELL)
@@ -120,7 +137,8 @@ def test_a_sweep_on_slurm_resumes_a_requeued_trial_as_the_same_trial_and_prunes_
     kinds = [line["event"] for line in events_of(requeued.job["folder"])]
     assert kinds.count("job_started") == 2 and kinds.count("job_done") == 1
     assert_resumed_from_the_newest_checkpoint(requeued)
-    assert 2 * CHECKPOINT <= requeued.resumed_from["step"] < STEPS  # mid-training
+    assert requeued.resumed_from["step"] == 16 and at == REQUEUE_AT
+    assert kinds.count("on_validation_end") == STEPS // VALIDATE + 1  # step 20's validation, again after the resume
     assert rows[0].state == "complete" and rows[0].steps == STEPS and rows[0].value is not None
     assert sweep.study.trials[0].state.name == "COMPLETE" and sweep.study.trials[0].value == rows[0].value
     runs = [r for r in Registry().list_runs() if r["name"].startswith("sl-t")]
