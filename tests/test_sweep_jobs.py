@@ -219,5 +219,12 @@ def test_a_sweep_on_slurm_gives_each_trials_job_the_options_of_a_single_slurm_ru
     (config, key), = sent  # the first trial's submission fails the sweep: a set-up mistake fails every trial
     assert (config.cluster, config.nodes, config.name, key) == ("slurm", 2, "opts-t0", "sweep:opts:trial:0")
     assert config.slurm == {"partition": "gpu", "time": "30", "mem": "4G"}
-    with pytest.raises(UsageError, match="drop `--no-wait`"):
-        ip.run_cell_magic("gputrain", "--trials 2 --cluster slurm --no-wait", DETACHED_CELL)
+
+
+@pytest.mark.parametrize("line, fix", [("--no-wait", "drop `--no-wait`"), ("--resubmit", "drop `--resubmit`")])
+def test_a_sweep_of_jobs_refuses_what_it_cannot_follow_before_the_cell_runs(ip, line, fix):
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError, match=fix) as refused:
+        ip.run_cell_magic("gputrain", f"--trials 2 --cluster slurm {line}", "ran = True\n" + DETACHED_CELL)
+    assert "HINT:" in str(refused.value) and "ran" not in ip.user_ns
