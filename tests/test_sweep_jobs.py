@@ -146,6 +146,8 @@ def test_a_sweep_on_slurm_resumes_a_requeued_trial_as_the_same_trial_and_prunes_
     run = next(r for r in runs if r["name"] == "sl-t0")
     assert (run["id"], run["job"]["id"], run["job"]["cluster"]) == (requeued.job["run_id"], job_id, "slurm")
     assert run["status"] == "completed"
+    for each in runs:  # every trial's job ended (the pruned one too, at its stop): none left in Slurm's queue
+        slurm_cluster.wait_for_state(each["job"]["id"], "COMPLETED", timeout=30)
     curve = [step for step, _ in rows[0].curve]  # validations replayed after the resume are not drawn twice
     assert curve == sorted(set(curve)) and curve[-1] == STEPS, rows[0].curve
     # Its weights are those of one uninterrupted fit of its values.

@@ -34,6 +34,10 @@ def check_sweep_line(args, cell, config):
         raise UsageError("--trials is followed from this kernel, which holds the sweep's study and prunes its "
                          "trials, and --no-wait returns at once.\nHINT: drop `--no-wait`; a named sweep "
                          "(`--name`) whose kernel restarted follows its running trials when the cell runs again.")
+    if config.resubmit:  # a re-run follows the jobs of the trials the study holds as running
+        raise UsageError("--trials run again follows the jobs of the trials its sweep left running, and "
+                         "--resubmit would submit those trials again beside their running jobs.\nHINT: drop "
+                         "`--resubmit`; for a sweep afresh give it another `--name`.")
     return SweepSettings(args.trials, sampler=args.sampler, prune=args.prune, direction=args.direction,
                          seed=config.seed, monitor=config.monitor or "val_loss").check()
 
