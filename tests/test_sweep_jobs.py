@@ -64,12 +64,12 @@ class SlowLoss(nn.CrossEntropyLoss):
 
 
 class Trials:
-    """Kernel side: each trial's job (its follower's on_job_state) and JobResult (on_fit_end), by run
-    name; `requeue(job)` is run once, when trial `requeue_run`'s rows reach step `at`."""
+    """Kernel side: each trial's JobResult (on_fit_end), by run name; `requeue(job)` is run once, when
+    trial `requeue_run`'s rows reach step `at`."""
 
     def __init__(self, requeue=None, requeue_run=None, at=None, marker=None):
         self.requeue, self.requeue_run, self.at, self.marker = requeue, requeue_run, at, marker
-        self.jobs, self.results, self.requeued, self.built = {}, {}, None, 0
+        self.results, self.requeued, self.built = {}, None, 0
 
     def trial(self):
         return _TrialWatch(self)
@@ -87,7 +87,6 @@ class _TrialWatch:
 
     def on_job_state(self, state, job):
         self.job = job
-        self.trials.jobs.setdefault(job["name"], []).append(dict(job))
 
     def on_log(self, state, row):
         trials = self.trials
