@@ -208,8 +208,9 @@ def test_a_sweep_on_slurm_gives_each_trials_job_the_options_of_a_single_slurm_ru
 
     sent = []
 
-    def refuse(config, entry, args, *, key, registry):
+    def refuse(config, entry, args, *, key, registry, visible=None):
         sent.append((config, key))
+        assert visible is None  # Slurm places the trials: no packing onto this machine's GPUs
         raise GpunbError("The job could not be submitted: this test's sbatch refuses it.", "none.")
 
     monkeypatch.setattr(submit, "submit", refuse)

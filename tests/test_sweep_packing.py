@@ -238,3 +238,56 @@ def test_the_gpus_are_read_from_nvml_in_cudas_numbering_without_a_cuda_context()
         assert 0 < device.free <= device.total
     free, total = torch.cuda.mem_get_info(0)
     assert total == pytest.approx(devices[0].total, rel=0.02)
+
+
+class _FixedNeeds(Packer):
+    """A packer whose trials each book 0.5 GiB (no estimate is run)."""
+
+    def need(self, arguments, trial):
+        return small(0.5)
+
+
+class _StoppableJob:
+    """A trial's job as the sweep follows it: it runs until it is asked to stop; it presses the
+    kernel's interrupt once, at its first poll after the next trial was built."""
+
+    def __init__(self, built):
+        self.built, self.stop_asked, self.pressed = built, False, False
+
+    def poll(self):
+        import signal
+        from types import SimpleNamespace
+
+        if len(self.built) == 2 and not self.pressed:
+            self.pressed = True
+            os.kill(os.getpid(), signal.SIGINT)
+        if self.stop_asked:
+            return SimpleNamespace(steps=3, status="stopped", stop_reason="stopped from the notebook")
+        return None
+
+    def stop(self, reason):
+        self.stop_asked = True
+
+
+def test_a_trial_still_waiting_for_gpu_room_when_the_sweep_is_stopped_is_recorded_and_never_submitted(tmp_path):
+    from gpunb.sweeps.parallel import run_trial_jobs
+    from gpunb.sweeps.study import SweepSettings
+
+    built, started = [], []
+
+    def build(trial):
+        built.append(trial.number)
+        return dict(_arguments(), val_data=([0], [0]))
+
+    def start(arguments, callbacks, trial_name, key, visible=None):
+        started.append((trial_name, visible))
+        return _StoppableJob(built)
+
+    packer = _FixedNeeds(devices=[gpu(0, 1)])  # room for one trial
+    settings = SweepSettings(3, sampler="random", seed=0, monitor="val_loss")
+    rows, study, best = run_trial_jobs(build, start, settings, tmp_path, "stopwait", 2, packer=packer)
+    assert started == [("stopwait-t0", "GPU-fake-0")] and built == [0, 1]  # trial 1 waited, trial 2 never asked
+    assert {r.number: r.state for r in rows} == {0: "stopped", 1: "stopped"}
+    assert "before the trial found GPU room" in rows[[r.number for r in rows].index(1)].error
+    assert [t.state.name for t in study.trials] == ["FAIL", "FAIL"]  # none left running in the study
+    assert best is None
