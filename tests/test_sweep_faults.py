@@ -235,3 +235,83 @@ def test_following_a_job_with_a_csv_logger_creates_nothing_in_the_working_direct
     Trainer(loggers=("csv",), max_steps=2, batch_size=16, track=False, name="here").fit(
         mlp(), (x, y), loss_fn=nn.CrossEntropyLoss())
     assert (cwd / "gpunb_logs" / "here-1" / "metrics.csv").exists()  # a fit in the kernel still logs here
+
+
+# The kernel-restart test's cell: each build appends the trial's width to BUILT (the kernel built
+# a trial), and each trial's loss waits, from its 4th call on, while the HOLD file exists (saying
+# so once per process in HELD.<pid>): the trials are mid-run for as long as the test needs.
+RESTART_OPTIONS = "--trials 3 --parallel 2 --sampler random --seed 5 --epochs 2 --batch-size 16 --monitor val_loss"
+RESTART_CELL = """import os, time
+import torch, gpunb
+from torch import nn
+g = torch.Generator().manual_seed(0)
+x = torch.randn(128, 10, generator=g)
+y = (x[:, 0] > 0).long()
+train_data, val_data = (x[:96], y[:96]), (x[96:], y[96:])
+torch.manual_seed(0)
+width = gpunb.suggest("width", [8, 16, 32])
+with open(os.environ["BUILT"], "a") as built:
+    built.write(f"{width}\\n")
+model = nn.Sequential(nn.Linear(10, width), nn.ReLU(), nn.Linear(width, 2))
+optimizer = torch.optim.SGD(model.parameters(), lr=gpunb.suggest("lr", 1e-2, 3e-1, log=True))
+class HeldLoss(nn.CrossEntropyLoss):
+    calls = 0
+    def forward(self, output, target):
+        self.calls += 1
+        while self.calls > 3 and os.path.exists(os.environ["HOLD"]):
+            open(os.environ["HELD"] + f".{os.getpid()}", "a").close()
+            time.sleep(0.05)
+        return super().forward(output, target)
+loss_fn = HeldLoss()"""
+RESTART_REPORT = """sweep = gputrain_result.sweep
+with torch.no_grad():
+    loss = nn.functional.cross_entropy(model(val_data[0]), val_data[1]).item()
+print(sweep.name, sorted(r.number for r in sweep.rows), sorted({r.state for r in sweep.rows}),
+      len(sweep.study.trials), model is sweep.best_model, abs(loss - sweep.best_value) < 1e-5)"""
+
+
+def test_a_kernel_restart_mid_sweep_leaves_the_trials_running_and_the_same_cell_re_attaches(tmp_path, gpunb_home,
+                                                                                          no_leftovers):  # noqa: F811
+    """As JupyterLab restarts a kernel (jupyter_client's restart_kernel) while a `--parallel 2` sweep
+    without a name has two trials training; the same cell run in the new kernel follows those two
+    trials' jobs (no new trial or job for them), runs the third, and puts the best model in `model`."""
+    pytest.importorskip("jupyter_client")
+    from test_jobs_kernel import kernel, restarted_client, run, wait_for
+
+    from gpunb.runs import Registry
+
+    hold, held, built = tmp_path / "hold", tmp_path / "held", tmp_path / "built"
+    hold.touch()
+    env = {**os.environ, "GPUNB_HOME": str(gpunb_home), "GPUNB_DASHBOARD": "text", "HOLD": str(hold),
+           "HELD": str(held), "BUILT": str(built)}
+    holding = lambda: len(list(tmp_path.glob("held.*")))  # noqa: E731 - the trials' processes held
+    builds = lambda: built.read_text().split() if built.exists() else []  # noqa: E731
+    manager, client = kernel(env)
+    try:
+        run(client, "%load_ext gpunb")
+        client.execute(f"%%gputrain {RESTART_OPTIONS}\n{RESTART_CELL}")  # submits two trials, follows them
+        wait_for(lambda: holding() >= 2, "both first trials to train")
+        registry = Registry(gpunb_home / "runs.sqlite")
+        before = {r["name"]: r["id"] for r in registry.list_runs()}
+        assert len(before) == 2 and len(builds()) == 2, (before, builds())
+        client.stop_channels()
+        manager.restart_kernel()  # SIGINT, shutdown_request, then a new kernel
+        client = restarted_client(manager)
+        folders = list((gpunb_home / "jobs").iterdir())
+        assert len(folders) == 2 and not [f for f in folders if (f / "stop").exists()], "the restart stopped a trial"
+        assert holding() == 2  # still training (held), not ended
+        run(client, "%load_ext gpunb")
+        reply = client.execute(f"%%gputrain {RESTART_OPTIONS}\n{RESTART_CELL}")
+        wait_for(lambda: len(builds()) >= 4, "the new kernel to build the two running trials again")
+        hold.unlink()  # the trials go on; the third takes a freed slot
+        assert client.get_shell_msg(timeout=300)["parent_header"]["msg_id"] == reply
+        report = run(client, RESTART_REPORT).split()
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+    name, *rest = report
+    assert " ".join(rest) == "[0, 1, 2] ['complete'] 3 True True", report
+    runs = {r["name"]: r["id"] for r in registry.list_runs()}
+    assert sorted(runs) == [f"{name}-t0", f"{name}-t1", f"{name}-t2"]  # no trial asked or run twice
+    assert all(runs[trial] == run_id for trial, run_id in before.items())  # the same jobs, followed
+    assert len(list((gpunb_home / "jobs").iterdir())) == 3 and len(builds()) == 5
