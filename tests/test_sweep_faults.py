@@ -170,8 +170,25 @@ def test_an_unnamed_sweep_of_jobs_is_found_again_while_unfinished_and_a_finished
     assert default_name("the cell", settings, 2, as_jobs=False) == f"{name}-2"
     study.tell(running, 1.0)
     assert default_name("the cell", settings, 2, as_jobs=True) == name  # 1 of 2: goes on
-    study.tell(study.ask(), 0.5)
+    last = study.ask()
+    assert default_name("the cell", settings, 2, as_jobs=True) == name  # all asked, one still running
+    study.tell(last, 0.5)
     assert default_name("the cell", settings, 2, as_jobs=True) == f"{name}-2"  # finished: a new sweep
+
+
+def test_a_grid_sweep_whose_points_wait_in_its_study_is_unfinished_until_they_are_asked():
+    from gpunb.runs.paths import data_dir
+    from gpunb.sweeps.space import Dimension
+    from gpunb.sweeps.study import SweepSettings, open_study, unfinished
+
+    settings = SweepSettings(2, sampler="grid", seed=0)
+    folder = data_dir() / "sweeps" / "grid"
+    study = open_study(folder, "grid", settings, {"width": Dimension("width", choices=(8, 16))})
+    assert [trial.state.name for trial in study.trials] == ["WAITING", "WAITING"]
+    assert unfinished(folder, "grid", 2)
+    for _ in range(2):
+        study.tell(study.ask(), 1.0)
+    assert not unfinished(folder, "grid", 2)
 
 
 def test_an_unnamed_sweep_run_again_in_the_kernel_is_a_new_sweep_not_the_old_one_empty(ip):
