@@ -11,6 +11,10 @@ A trial's job has a key made of the sweep's name and the trial's number: running
 again (after a kernel restart) finds the study's running trials' jobs and follows them
 instead of asking new ones. The kernel's interrupt stops the running trials at their next
 step and asks no more; a second one cancels them; a kernel shutting down leaves them running.
+
+A trial that fails is recorded failed and its slot takes the next trial: its job raised (an
+error, an OOM the runtime could not recover) or died, or its build raised for its values. The
+first trial this run of the cell builds raising is raised at once (trials.py says why).
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ import time
 from dataclasses import dataclass
 
 from gpunb.sweeps.space import trial_values
-from gpunb.sweeps.study import SweepSettings, open_study
-from gpunb.sweeps.trials import Curve, Pruning, TrialRow, better, tell, trial_value
+from gpunb.sweeps.study import SweepSettings, asked, open_study
+from gpunb.sweeps.trials import Curve, Pruning, TrialRow, better, build_trial, failed, tell, trial_value
 
 POLL_S = 0.1  # how often the running trials' events are read
 
@@ -60,36 +64,45 @@ def run_trial_jobs(build, start, settings: SweepSettings, folder, name: str, par
 
     study = open_study(folder, name, settings.check(), space)
     running = [_reattach(study, frozen, build, start, settings, name) for frozen in _running_trials(study)]
-    to_ask = max(0, settings.trials - len(study.trials))
+    to_ask = max(0, settings.trials - len(asked(study.trials)))
     rows, best, stopping, waiting = [], None, False, None  # waiting: a trial built, no GPU room for it yet
+
+    def ended(row: TrialRow) -> None:
+        rows.append(row)
+        if on_trial is not None:
+            on_trial(row)
+
     with KernelInterrupts() as interrupts:
         while running or waiting or (to_ask and not stopping):
             while (waiting or to_ask) and not stopping and len(running) < parallel:
+                first = not (rows or running)
                 if waiting is None:
-                    waiting, to_ask = _start(study.ask(), build, settings, name, packer), to_ask - 1
-                placed = _placed(waiting, start, settings, name, packer, running)
-                if placed is None:
+                    waiting, to_ask = _start(study.ask(), build, settings, name, packer, first), to_ask - 1
+                started = waiting if isinstance(waiting, TrialRow) else \
+                    _placed(waiting, start, settings, name, packer, running, first)
+                if started is None:
                     break  # until a running trial ends and frees its GPU memory
-                running.append(placed)
                 waiting = None
+                if isinstance(started, _Running):
+                    running.append(started)
+                else:  # its build or submission failed: told failed, and the slot takes the next trial
+                    ended(started)
             stopping = _interrupts(interrupts, running) or stopping
             if stopping is None:  # the kernel shuts down: the jobs go on, a re-run follows them
                 return rows, study, None
             if stopping and waiting is not None:
-                rows.append(_never_started(waiting))
+                ended(_never_started(study, waiting))
                 waiting = None
             for entry in list(running):
-                ended = _poll(entry, settings)
-                if ended is not None:
+                result = _poll(entry, settings)
+                if result is not None:
                     running.remove(entry)
                     if packer is not None:
                         packer.release(entry.slot)
                     tell(study, entry.trial, entry.row)
-                    rows.append(entry.row)
-                    if on_trial is not None:
-                        on_trial(entry.row)
-                    if ended is not True and (best is None or better(entry.row, best[0], settings)):
-                        best = (entry.row, entry.arguments["model"], ended)
+                    ended(entry.row)
+                    if result is not True and (best is None or better(entry.row, best[0], settings)):
+                        best = (entry.row, entry.arguments["model"], result)
             time.sleep(POLL_S)
     return rows, study, best
 
@@ -100,26 +113,23 @@ def _running_trials(study) -> list:
     return [frozen for frozen in study.trials if frozen.state == TrialState.RUNNING]
 
 
-def _start(trial, build, settings: SweepSettings, name: str, packer) -> _Built:
-    """The trial built from the cell, with what it needs of the GPUs (checked before it is submitted)."""
+def _start(trial, build, settings: SweepSettings, name: str, packer, first: bool):
+    """The trial built from the cell, with what it needs of the GPUs: its _Built; or its row, failed,
+    when its build raised (raised instead when it is the `first` this run builds: a mistake every
+    trial would make)."""
     row = TrialRow(trial.number, {}, "running", run_name=f"{name}-t{trial.number}")
     try:
-        with trial_values(trial=trial):
-            arguments = build(trial)
+        arguments = build_trial(trial, build, settings)
         row.params = dict(trial.params)
-        if arguments.get("val_data") is None:
-            from gpunb.runtime.validation.monitor import Monitor
-
-            Monitor(settings.monitor).check_produced(None, "The sweep")
         need = packer.need(arguments, trial.number) if packer is not None else None
         return _Built(trial, row, arguments, need)
-    except BaseException:
-        _fail(trial)
-        raise
+    except BaseException as error:
+        return _refused(trial, row, error, first)
 
 
-def _placed(built: _Built, start, settings: SweepSettings, name: str, packer, running) -> _Running | None:
-    """The trial's job submitted on the GPUs the packer gives it; None while none has room."""
+def _placed(built: _Built, start, settings: SweepSettings, name: str, packer, running, first: bool):
+    """The trial's job submitted on the GPUs the packer gives it: its _Running; None while no GPU
+    has room; its row, failed, when the submission raised (raised instead when `first`)."""
     slot = packer.place(built.need) if packer is not None else None
     if packer is not None and slot is None:
         if not running:  # every GPU is free, and still no room: waiting would never end
@@ -127,23 +137,26 @@ def _placed(built: _Built, start, settings: SweepSettings, name: str, packer, ru
         return None
     try:
         return _submitted(built.trial, built.row, built.arguments, start, settings, name, slot=slot)
-    except BaseException:
-        if slot is not None:
+    except BaseException as error:
+        if packer is not None:
             packer.release(slot)
-        _fail(built.trial)
-        raise
+        return _refused(built.trial, built.row, error, first)
 
 
-def _fail(trial) -> None:
-    from optuna.trial import TrialState
+def _refused(trial, row: TrialRow, error: BaseException, first: bool) -> TrialRow:
+    """A trial whose build or submission raised: told failed (no trial is left "running" in the
+    study) and its row returned; raised again when it is the `first` this run builds (a mistake
+    every trial would make), or an interrupt."""
+    tell(trial.study, trial, failed(row, trial, error))
+    if first or not isinstance(error, Exception):
+        raise error
+    return row
 
-    trial.study.tell(trial, state=TrialState.FAIL)  # no trial is left "running" in the study
 
-
-def _never_started(built: _Built) -> TrialRow:
+def _never_started(study, built: _Built) -> TrialRow:
     """A trial that waited for GPU room when the sweep was stopped: recorded, never submitted."""
-    _fail(built.trial)
     built.row.state, built.row.error = "stopped", "the sweep was stopped before the trial found GPU room"
+    tell(study, built.trial, built.row)  # told failed: no trial is left "running" in the study
     return built.row
 
 
@@ -173,8 +186,8 @@ def _poll(entry: _Running, settings: SweepSettings):
     row = entry.row
     try:
         result = entry.follower.poll()
-    except Exception as error:  # noqa: BLE001 - a failed trial is recorded and the sweep goes on
-        row.state, row.error = "failed", f"{type(error).__name__}: {error}"
+    except Exception as error:  # noqa: BLE001 - its job raised or died: recorded, and the sweep goes on
+        failed(row, entry.trial, error).seconds = time.perf_counter() - entry.started
         return True
     if result is None:
         return None
