@@ -179,14 +179,21 @@ class Trainer:
             raise GpunbError(f"parallel is how many trials run at once, at least 1; got {parallel!r}.",
                              "e.g. `parallel=2` (`--parallel 2`).")
         as_jobs = parallel > 1 or self.config.cluster is not None
-        return run_sweep(build, self._trial_fit, settings, name=name or self.config.name, on_trial=on_trial,
-                         watch=callbacks, parallel=parallel, start=self._trial_job if as_jobs else None)
+        registry = None
+        if self.config.track:
+            from gpunb.runs import Registry
 
-    def _trial_job(self, arguments: dict, callbacks: list, trial_name: str, key: str):
-        """One trial of a sweep as a job (this machine's unless the config names a cluster): its Follower."""
+            registry = Registry()  # where the trials are recorded, and a stop of the whole sweep is asked
+        return run_sweep(build, self._trial_fit, settings, name=name or self.config.name, on_trial=on_trial,
+                         watch=callbacks, parallel=parallel, start=self._trial_job if as_jobs else None,
+                         registry=registry)
+
+    def _trial_job(self, arguments: dict, callbacks: list, trial_name: str, key: str, sweep: dict | None = None):
+        """One trial of a sweep as a job (this machine's unless the config names a cluster): its Follower.
+        `sweep`: the trial's tag (sweeps/control.py), which its registry row keeps."""
         from gpunb.jobs.submit import job_follower
 
-        config = Trainer(self.config, name=trial_name, cluster=self.config.cluster or "local").config
+        config = Trainer(self.config, name=trial_name, cluster=self.config.cluster or "local", sweep=sweep).config
         arguments = dict(arguments)
         model, train_data = arguments.pop("model"), arguments.pop("train_data")
         callbacks = [*arguments.pop("callbacks", ()), *callbacks]
@@ -195,12 +202,14 @@ class Trainer:
         _loggers(config)  # a missing package fails here, before the job is submitted
         return job_follower(config, _rank_entry, model, train_data, callbacks=callbacks, key=key, **arguments)
 
-    def _trial_fit(self, arguments: dict, callbacks: list, trial_name: str) -> TrainResult:
-        """One trial of a sweep: an ordinary fit under the trial's name, with the sweep's callbacks."""
+    def _trial_fit(self, arguments: dict, callbacks: list, trial_name: str, sweep: dict | None = None) -> TrainResult:
+        """One trial of a sweep: an ordinary fit under the trial's name, with the sweep's callbacks, its
+        config tagged with the trial (`sweep`, which its registry row keeps)."""
         arguments = dict(arguments)
         model, train_data = arguments.pop("model"), arguments.pop("train_data")
         callbacks = [*arguments.pop("callbacks", ()), *callbacks]
-        return Trainer(self.config, name=trial_name).fit(model, train_data, callbacks=callbacks, **arguments)
+        return Trainer(self.config, name=trial_name, sweep=sweep).fit(model, train_data, callbacks=callbacks,
+                                                                      **arguments)
 
 
 def _finished(result, model, config, **objective) -> TrainResult:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from gpunb.sweeps.control import trial_tag
 from gpunb.sweeps.space import trial_values
 from gpunb.sweeps.study import SweepSettings, open_study
 from gpunb.sweeps.trials import Curve, Pruning, TrialRow, better, tell, trial_value
@@ -40,11 +41,11 @@ def trial_key(name: str, number: int) -> str:
 
 
 def run_trial_jobs(build, start, settings: SweepSettings, folder, name: str, parallel: int, *,
-                   space: dict | None = None, on_trial=None):
+                   space: dict | None = None, on_trial=None, stop=None):
     """Run the sweep's trials as jobs, `parallel` at a time; returns (rows, study, best) as run_trials.
 
     `start(arguments, callbacks, trial_name, key)` submits (or finds) one trial's job and returns
-    its Follower."""
+    its Follower. `stop`: a SweepStop; once asked, the running trials stop and no more are asked."""
     from gpunb.jobs.interrupts import KernelInterrupts
 
     study = open_study(folder, name, settings.check(), space)
@@ -53,6 +54,8 @@ def run_trial_jobs(build, start, settings: SweepSettings, folder, name: str, par
     rows, best, stopping = [], None, False
     with KernelInterrupts() as interrupts:
         while running or (to_ask and not stopping):
+            if stop is not None and stop.stops(entry.follower for entry in running):  # before any ask
+                stopping = True
             while to_ask and not stopping and len(running) < parallel:
                 running.append(_start(study.ask(), build, start, settings, name))
                 to_ask -= 1
@@ -111,7 +114,8 @@ def _reattach(study, frozen, build, start, settings: SweepSettings, name: str) -
 
 def _submitted(trial, row, arguments, start, settings, name: str, reported=()) -> _Running:
     pruning = Pruning(trial, settings.monitor, reported)
-    follower = start(arguments, [pruning, Curve(row, settings.monitor)], row.run_name, trial_key(name, row.number))
+    follower = start(arguments, [pruning, Curve(row, settings.monitor)], row.run_name, trial_key(name, row.number),
+                     sweep=trial_tag(name, row.number, settings))
     pruning.stop = follower.stop  # a job stops at its next step through its stop file
     return _Running(trial, row, follower, pruning, arguments, time.perf_counter())
 
