@@ -178,6 +178,39 @@ def test_gpunb_stop_of_a_sweep_in_the_kernel_stops_its_trial_with_a_checkpoint_a
     assert gpunb.stop("halt") == "ended"  # nothing left running
 
 
+def test_a_stop_asked_between_two_trials_in_the_kernel_asks_no_next_trial(gpunb_home):
+    answers = []
+    sweep = Trainer(**TRACKED).sweep(_module_build, trials=3, sampler="random", seed=3, name="between",
+                                     on_trial=lambda row: answers.append(gpunb.stop("between")))
+    assert answers == ["stopping"]  # as the first trial ended, none running: recorded for the loop
+    assert [r.state for r in sweep.rows] == ["complete"] and len(sweep.study.trials) == 1
+    assert sweep.best_model is not None  # the trial that completed is the sweep's best
+    assert gpunb.stop("between") == "ended"
+
+
+class _AskTheSweepStopOnlyAt(_StopTheSweepAt):
+    """At `step`, the sweep's stop recorded and nothing else: as when it is asked while the trial's
+    row does not exist yet, so that no stop of the run itself reaches it."""
+
+    def on_step_end(self, state) -> None:
+        if self.answer is None and state.step == self.step:
+            self.answer = Registry().request_sweep_stop(self.name, "the sweep was stopped from the sidebar")
+
+
+def test_a_trial_in_the_kernel_stops_at_a_step_once_its_sweeps_stop_is_recorded(gpunb_home, monkeypatch):
+    from gpunb.sweeps import control
+
+    monkeypatch.setattr(control, "READ_EVERY_S", 0.0)  # the trial's steps read the registry at every step
+    asker = _AskTheSweepStopOnlyAt("race", 3)
+    sweep = Trainer(**(TRACKED | dict(epochs=50))).sweep(_module_build, trials=2, sampler="random", seed=3,
+                                                       name="race", callbacks=[asker])
+    (row,) = sweep.rows
+    assert (row.state, row.steps) == ("stopped", 3)  # read at that step's end (the sweep's callback comes after)
+    assert row.error == "the sweep was stopped from the sidebar"
+    (run,) = Registry().sweep_runs("race")
+    assert (run["status"], run["stop_reason"]) == ("stopped", "the sweep was stopped from the sidebar")
+
+
 def test_gpunb_stop_of_a_sweep_of_jobs_stops_its_trials_with_checkpoints_and_leaves_no_process(tmp_path):
     import psutil
 

@@ -38,7 +38,7 @@ def stop(name_or_run_id: str) -> str:
     kernel restart nor an interrupt of a cell that follows a job stops the job: this does.
 
     The name of a sweep stops the whole sweep: its kernel asks no more trials, and its running trials
-    stop at their next step, their checkpoints kept ("ended" when none was running any more)."""
+    stop at their next step, their checkpoints kept ("ended" once all its trials ended or it stopped)."""
     from gpunb.jobs.lookup import stop as stop_run
 
     return stop_run(name_or_run_id)

@@ -144,10 +144,13 @@ def stop_sweep(registry, name: str, by: str = "the sidebar") -> bool:
     """The sidebar's Stop of a whole sweep (or gpunb.stop of its name): recorded for the sweep's loop,
     which asks no more trials (sweeps/control.py), and each trial still running asked to stop at its
     next step, its checkpoint kept; a trial's job still waiting in its queue, with no step to stop at,
-    is cancelled. Done here too, so that a sweep whose kernel died stops. False: no such sweep, or it
-    has ended."""
+    is cancelled. Done here too, so that a sweep whose kernel died stops. Between two trials in the
+    kernel none runs, and the stop waits for the loop. False: no such sweep, or it has ended (all its
+    trials, or stopped before)."""
+    from gpunb.runs.sweep_cards import sweep_card
+
     trials = registry.sweep_runs(name)
-    if not any(run["status"] in ("queued", "running") for run in trials):
+    if not trials or sweep_card(name, trials, registry.sweep_stops().get(name))["state"] in ("completed", "stopped"):
         return False
     registry.request_sweep_stop(name, f"the sweep was stopped from {by}")
     for run in trials:

@@ -175,7 +175,7 @@ class StopHandler(GpunbHandler):
 
 
 def _stop_sweep(registry: Registry, name: str) -> bool | None:
-    """True: asked; False: the sweep has no trial left running; None: no sweep of that name."""
+    """True: asked; False: the sweep has ended; None: no sweep of that name."""
     from gpunb.jobs.lookup import stop_sweep
 
     if not registry.sweep_runs(name):
@@ -192,7 +192,8 @@ class SweepStopHandler(GpunbHandler):
         elif accepted is None:
             raise web.HTTPError(404, f"No sweep named {name!r}.")
         else:
-            raise web.HTTPError(409, f"Sweep {name!r} has no trial running; there is nothing to stop.")
+            raise web.HTTPError(409, f"Sweep {name!r} has ended (all its trials, or stopped before); "
+                                     "there is nothing to stop.")
 
 
 def setup_handlers(web_app) -> None:
