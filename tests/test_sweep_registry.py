@@ -256,3 +256,48 @@ def test_a_stop_of_the_sweep_asked_before_its_cell_runs_again_no_longer_stands(g
     sweep = Trainer(**TRACKED).sweep(_module_build, trials=2, sampler="random", seed=3, name="again")
     assert [r.state for r in sweep.rows] == ["complete", "complete"]
     assert registry.sweep_stops() == {}
+
+
+# --------------------------------------------------------------------- the notebook's stop button
+class _InterruptOnce:
+    """Presses the kernel's stop button (SIGINT to this process) once, at the first log from step 3."""
+
+    def __init__(self):
+        self.pressed, self.trial = False, None
+
+    def on_log(self, state, row) -> None:
+        if row["step"] >= 3 and not self.pressed:
+            import os
+            import signal
+
+            self.pressed = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_the_kernels_stop_button_in_a_sweep_in_the_kernel_stops_its_trial_with_a_checkpoint(tmp_path):
+    sweep = Trainer(**(TRACKED | dict(epochs=50, log_every=1, checkpoint_dir=str(tmp_path / "ckpt")))).sweep(
+        _module_build, trials=3, sampler="random", seed=3, name="pressed", callbacks=[_InterruptOnce()])
+    (row,) = sweep.rows  # no second trial asked
+    assert row.state == "stopped" and row.steps < 50 * 6 and len(sweep.study.trials) == 1
+    (run,) = Registry().sweep_runs("pressed")
+    assert run["status"] == "interrupted" and run["step"] == row.steps
+    assert list((tmp_path / "ckpt").rglob("*.pt")), "the stopped trial keeps a checkpoint"
+
+
+_PRESSER = []  # the one presser every trial's follower shares: the button is pressed once
+
+
+def _build_pressing_stop(trial):
+    """A trial whose follower, in the kernel, presses the stop button as the first job logs step 3."""
+    return {**_module_build(trial), "callbacks": _PRESSER}
+
+
+def test_the_kernels_stop_button_in_a_sweep_of_jobs_stops_its_trials_with_checkpoints(gpunb_home, monkeypatch):
+    monkeypatch.setattr(f"{__name__}._PRESSER", [_InterruptOnce()])
+    sweep = Trainer(**(TRACKED | dict(epochs=300, log_every=1))).sweep(
+        _build_pressing_stop, trials=4, parallel=2, sampler="random", seed=3, name="pressed jobs")
+    assert sorted(r.number for r in sweep.rows) == [0, 1] and {r.state for r in sweep.rows} == {"stopped"}
+    assert len(sweep.study.trials) == 2  # no third trial asked
+    for run in Registry().sweep_runs("pressed jobs"):
+        assert run["status"] == "stopped" and run["step"] < 300 * 6
+        assert list(Path(run["job"]["folder"]).rglob("*.pt")), run["name"]
