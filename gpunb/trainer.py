@@ -152,7 +152,7 @@ class Trainer:
 
     def sweep(self, build, trials: int, *, monitor: str | None = None, direction: str | None = None,
               sampler: str = "tpe", prune: str = "none", seed: int | None = None, name: str | None = None,
-              on_trial=None, callbacks=(), parallel: int = 1):
+              on_trial=None, callbacks=(), parallel: int = 1, key: str | None = None):
         """Run `trials` fits with hyperparameters an Optuna study samples; returns a SweepResult.
 
         `build(trial)` returns fit's arguments (`model`, `train_data`, `val_data`, `loss_fn`, ...),
@@ -165,8 +165,11 @@ class Trainer:
         `trial` attribute is set to the running trial's row before it starts.
 
         With `parallel=K` (or a `cluster`) each trial is a job (`cluster="local"` unless the config
-        names one), K at a time, followed and pruned from here; the same named sweep run again
-        (after a kernel restart) follows the jobs of the trials it left running.
+        names one), K at a time, followed and pruned from here; the same sweep run again (after a
+        kernel restart) follows the jobs of the trials it left running. Without a `name` (nor the
+        config's), the sweep is named after `key` (default: build's source) and these settings, so
+        the same sweep run again finds its own while it is unfinished; a finished one is left as it is.
+        A trial that fails is recorded failed and the sweep goes on (docs/sweeps.md: Faults).
         """
         __tracebackhide__ = True  # noqa: F841
         from gpunb.sweeps import SweepSettings, run_sweep
@@ -185,7 +188,7 @@ class Trainer:
 
             registry = Registry()  # where the trials are recorded, and a stop of the whole sweep is asked
         return run_sweep(build, self._trial_fit, settings, name=name or self.config.name, on_trial=on_trial,
-                         watch=callbacks, parallel=parallel, start=self._trial_job if as_jobs else None,
+                         watch=callbacks, parallel=parallel, start=self._trial_job if as_jobs else None, key=key,
                          registry=registry)
 
     def _trial_job(self, arguments: dict, callbacks: list, trial_name: str, key: str, sweep: dict | None = None):

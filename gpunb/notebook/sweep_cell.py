@@ -1,4 +1,5 @@
-"""`%%gputrain --trials N`: the cell runs as a sweep, one trial after another in this kernel.
+"""`%%gputrain --trials N`: the cell runs as a sweep, one trial after another in this kernel, or
+each trial a job (`--parallel K`, `--detach`: on this machine; `--cluster slurm`: on Slurm).
 
 Each trial re-runs the cell with that trial's values (its `gpunb.suggest` calls answer from
 the trial), so every trial's model, optimizer and data are built afresh as the cell builds
@@ -15,7 +16,7 @@ from gpunb.notebook.collect import collect, named_options
 from gpunb.runtime.roles import REQUIRED
 
 _NOT_WITH = {"continue_fit": "--continue", "export": "--export", "find_lr": "--find-lr", "eval": "--eval",
-             "dry_run": "--dry-run", "no_wait": "--no-wait"}
+             "dry_run": "--dry-run"}
 
 
 def check_sweep_line(args, cell, config):
@@ -29,10 +30,14 @@ def check_sweep_line(args, cell, config):
         if getattr(args, dest, None):
             raise UsageError(f"--trials runs a sweep of fresh fits, and {flag} does not.\n"
                              f"HINT: drop `{flag}` (or `--trials`).")
-    if config.cluster is not None:
-        raise UsageError("--trials runs its trials in this kernel, or with --parallel K as jobs on this machine; "
-                         "a sweep on a cluster is not offered yet.\nHINT: drop `--detach` / `--cluster` "
-                         "(and add `--parallel 2` for trials as jobs).")
+    if args.no_wait:  # the kernel holds the study: it asks, prunes and tells every trial
+        raise UsageError("--trials is followed from this kernel, which holds the sweep's study and prunes its "
+                         "trials, and --no-wait returns at once.\nHINT: drop `--no-wait`; a named sweep "
+                         "(`--name`) whose kernel restarted follows its running trials when the cell runs again.")
+    if config.resubmit:  # a re-run follows the jobs of the trials the study holds as running
+        raise UsageError("--trials run again follows the jobs of the trials its sweep left running, and "
+                         "--resubmit would submit those trials again beside their running jobs.\nHINT: drop "
+                         "`--resubmit`; for a sweep afresh give it another `--name`.")
     return SweepSettings(args.trials, sampler=args.sampler, prune=args.prune, direction=args.direction,
                          seed=config.seed, monitor=config.monitor or "val_loss").check()
 
@@ -50,10 +55,12 @@ def run_sweep_cell(shell, args, line, cell, config, settings, view=None):
 
     def build(trial):
         before = {name: id(value) for name, value in shell.user_ns.items()}
-        if not shell.run_cell(cell, store_history=False).success:
+        ran = shell.run_cell(cell, store_history=False)
+        if not ran.success:
+            error = ran.error_in_exec or ran.error_before_exec
             raise CellFailed(f"the cell raised while building trial {getattr(trial, 'number', '')} "
-                             "(its traceback is above).", "fix the cell: it runs once per trial, with "
-                             "that trial's values for each gpunb.suggest.")
+                             f"({type(error).__name__}: {error}; its traceback is above).", "fix the cell: it "
+                             "runs once per trial, with that trial's values for each gpunb.suggest.")
         found = collect(shell.user_ns, args, before, named, required=REQUIRED)
         return {role: found[role] for role in ("model", "train_data", "val_data", "optimizer", "scheduler",
                                                "loss_fn", "step", "metrics")} | {"callbacks": found["callbacks"]}
@@ -61,7 +68,7 @@ def run_sweep_cell(shell, args, line, cell, config, settings, view=None):
     sweep = Trainer(config).sweep(build, settings.trials, monitor=settings.monitor, direction=settings.direction,
                                   sampler=settings.sampler, prune=settings.prune, seed=settings.seed,
                                   on_trial=ended, callbacks=[view] if view is not None else [],
-                                  parallel=args.parallel)
+                                  parallel=args.parallel, key=f"{line}\n{cell}")
     if sweep.best_model is not None:
         shell.user_ns[args.model_name] = sweep.best_model
         sweep.best_result.sweep = sweep

@@ -4,9 +4,14 @@ Each trial is an ordinary fit (its own registry row, named after the sweep and t
 built afresh by `build(trial)` under the trial's values, so `gpunb.suggest` in the user's
 code answers for that trial. The kernel is the study's only writer. A trial is pruned at a
 validation by the study's pruner and stops at the next step boundary (with its checkpoint
-when the run keeps them); a trial that fails is told failed with its message, and the
-sweep goes on. The best trial's model is kept (on the CPU while later trials train) and
-handed back at the end; every other trial's objects are freed before the next one is built.
+when the run keeps them). The best trial's model is kept (on the CPU while later trials train)
+and handed back at the end; every other trial's objects are freed before the next one is built.
+
+A trial that fails is told failed (`TrialState.FAIL`), its row says why, and the sweep goes
+on: its fit raised, ran out of memory beyond what the runtime recovers, or its job died; or
+its build raised for its values (a width the model refuses). Only the first trial a sweep
+builds is different: its build raising is a mistake in the cell that every trial would make,
+raised at once (the trial told failed, no trial left running).
 """
 
 from __future__ import annotations
@@ -103,21 +108,17 @@ def _one_trial(trial, build, fit, settings: SweepSettings, name: str, first: boo
         watcher.trial = row
     pruning = Pruning(trial, settings.monitor)
     try:
-        with trial_values(trial=trial):
-            arguments = build(trial)
-        row.params = dict(trial.params)
-        if arguments.get("val_data") is None:  # the objective is a validation metric
-            Monitor(settings.monitor).check_produced(None, "The sweep")
+        arguments = build_trial(trial, build, settings)
+    except Exception as error:  # noqa: BLE001 - a later trial's values may not build: recorded
+        if first:  # the first build: a mistake in the cell, which every trial would make
+            raise
+        return failed(row, trial, error, started), None
+    row.params = dict(trial.params)
+    try:
         result = fit(arguments, [pruning, Curve(row, settings.monitor), *watch], row.run_name,
                      sweep=trial_tag(name, trial.number, settings))
     except Exception as error:  # noqa: BLE001 - a trial that fails is recorded and the sweep goes on
-        if first and isinstance(error, GpunbError):  # a mistake in the set-up fails every trial alike
-            raise
-        row.state = "failed"
-        row.error = f"{type(error).__name__}: {error}"
-        row.params = dict(trial.params)
-        row.seconds = time.perf_counter() - started
-        return row, None
+        return failed(row, trial, error, started), None
     row.steps, row.seconds = result.steps, time.perf_counter() - started
     if pruning.pruned_at is not None:
         row.state, row.pruned_at = "pruned", pruning.pruned_at
@@ -133,6 +134,25 @@ def _one_trial(trial, build, fit, settings: SweepSettings, name: str, first: boo
     return row, (arguments["model"], result)
 
 
+def build_trial(trial, build, settings: SweepSettings) -> dict:
+    """The trial's fit arguments, built by `build(trial)` under the trial's values."""
+    with trial_values(trial=trial):
+        arguments = build(trial)
+    if arguments.get("val_data") is None:  # the objective is a validation metric
+        Monitor(settings.monitor).check_produced(None, "The sweep")
+    return arguments
+
+
+def failed(row: TrialRow, trial, error: BaseException, started: float | None = None) -> TrialRow:
+    """The row of a trial that failed and why: gpunb's own errors by what happened (a job's error
+    without the job's traceback), others by their type and message."""
+    row.state, row.params = "failed", dict(trial.params)
+    row.error = error.what if isinstance(error, GpunbError) else f"{type(error).__name__}: {error}"
+    if started is not None:
+        row.seconds = time.perf_counter() - started
+    return row
+
+
 class Curve:
     """The monitored value at each validation, for the sweep's overlaid curves."""
 
@@ -140,7 +160,9 @@ class Curve:
         self.row, self.monitor = row, monitor
 
     def on_validation_end(self, state, metrics) -> None:
-        if metrics.get(self.monitor) is not None:
+        # A requeued trial's job goes on from its checkpoint and validates again at steps already
+        # drawn (the same values: it resumes exactly); each step is one point.
+        if metrics.get(self.monitor) is not None and all(step != state.step for step, _ in self.row.curve):
             self.row.curve.append((state.step, float(metrics[self.monitor])))
 
 
