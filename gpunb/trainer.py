@@ -182,9 +182,14 @@ class Trainer:
             raise GpunbError(f"parallel is how many trials run at once, at least 1; got {parallel!r}.",
                              "e.g. `parallel=2` (`--parallel 2`).")
         as_jobs = parallel > 1 or self.config.cluster is not None
+        registry = None
+        if self.config.track:
+            from gpunb.runs import Registry
+
+            registry = Registry()  # where the trials are recorded, and a stop of the whole sweep is asked
         return run_sweep(build, self._trial_fit, settings, name=name or self.config.name, on_trial=on_trial,
                          watch=callbacks, parallel=parallel, start=self._trial_job if as_jobs else None, key=key,
-                         packer=self._packer() if as_jobs else None)
+                         registry=registry, packer=self._packer() if as_jobs else None)
 
     def _packer(self):
         """Trials on this machine share its GPUs by their memory estimate; a cluster's are placed by it."""
@@ -194,12 +199,14 @@ class Trainer:
 
         return Packer(self.config)
 
-    def _trial_job(self, arguments: dict, callbacks: list, trial_name: str, key: str, visible: str | None = None):
+    def _trial_job(self, arguments: dict, callbacks: list, trial_name: str, key: str, sweep: dict | None = None,
+                   visible: str | None = None):
         """One trial of a sweep as a job (this machine's unless the config names a cluster): its Follower.
-        `visible`: the GPUs the trial's packing gave it (CUDA_VISIBLE_DEVICES)."""
+        `sweep`: the trial's tag (sweeps/control.py), which its registry row keeps; `visible`: the GPUs
+        the trial's packing gave it (CUDA_VISIBLE_DEVICES)."""
         from gpunb.jobs.submit import job_follower
 
-        config = Trainer(self.config, name=trial_name, cluster=self.config.cluster or "local").config
+        config = Trainer(self.config, name=trial_name, cluster=self.config.cluster or "local", sweep=sweep).config
         arguments = dict(arguments)
         model, train_data = arguments.pop("model"), arguments.pop("train_data")
         callbacks = [*arguments.pop("callbacks", ()), *callbacks]
@@ -209,12 +216,14 @@ class Trainer:
         return job_follower(config, _rank_entry, model, train_data, callbacks=callbacks, key=key, visible=visible,
                             **arguments)
 
-    def _trial_fit(self, arguments: dict, callbacks: list, trial_name: str) -> TrainResult:
-        """One trial of a sweep: an ordinary fit under the trial's name, with the sweep's callbacks."""
+    def _trial_fit(self, arguments: dict, callbacks: list, trial_name: str, sweep: dict | None = None) -> TrainResult:
+        """One trial of a sweep: an ordinary fit under the trial's name, with the sweep's callbacks, its
+        config tagged with the trial (`sweep`, which its registry row keeps)."""
         arguments = dict(arguments)
         model, train_data = arguments.pop("model"), arguments.pop("train_data")
         callbacks = [*arguments.pop("callbacks", ()), *callbacks]
-        return Trainer(self.config, name=trial_name).fit(model, train_data, callbacks=callbacks, **arguments)
+        return Trainer(self.config, name=trial_name, sweep=sweep).fit(model, train_data, callbacks=callbacks,
+                                                                      **arguments)
 
 
 def _finished(result, model, config, **objective) -> TrainResult:

@@ -279,7 +279,7 @@ def test_a_trial_still_waiting_for_gpu_room_when_the_sweep_is_stopped_is_recorde
         built.append(trial.number)
         return dict(_arguments(), val_data=([0], [0]))
 
-    def start(arguments, callbacks, trial_name, key, visible=None):
+    def start(arguments, callbacks, trial_name, key, sweep=None, visible=None):
         started.append((trial_name, visible))
         return _StoppableJob(built)
 

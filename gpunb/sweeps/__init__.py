@@ -21,14 +21,17 @@ __all__ = ["suggest", "SweepSettings", "run_sweep"]
 
 
 def run_sweep(build, fit, settings: SweepSettings, *, name: str | None = None, space: dict | None = None,
-              on_trial=None, watch=(), parallel: int = 1, start=None, key: str | None = None, packer=None):
+              on_trial=None, watch=(), parallel: int = 1, start=None, key: str | None = None, registry=None,
+              packer=None):
     """Run the sweep's trials; returns a SweepResult (the best trial's model trained). In this process
     one after another, or with `start` (a trial's job: `start(arguments, callbacks, trial_name, key,
-    visible=None)` -> its Follower) as jobs, `parallel` at a time, on the GPUs `packer` gives each.
-    Without a `name`, the sweep is named after `key` (the cell and its options; default: build's
-    source) by `default_name`. A sweep whose every trial failed raises SweepFailed, naming the first
-    failure."""
+    sweep=tag, visible=None)` -> its Follower) as jobs, `parallel` at a time, on the GPUs `packer`
+    gives each. Without a `name`, the sweep is named after `key` (the cell and its options; default:
+    build's source) by `default_name`. A sweep whose every trial failed raises SweepFailed, naming the
+    first failure. `registry`: the run registry its trials are recorded in, where a stop of the whole
+    sweep is asked (None: not tracked, no such stop)."""
     from gpunb.runs.paths import data_dir
+    from gpunb.sweeps.control import SweepStop
     from gpunb.sweeps.result import SweepResult
     from gpunb.sweeps.trials import run_trials
 
@@ -36,14 +39,16 @@ def run_sweep(build, fit, settings: SweepSettings, *, name: str | None = None, s
     folder = data_dir() / "sweeps" / name
     if settings.sampler == "grid" and space is None:
         space = _recorded_space(build)
+    stop = SweepStop(name, registry)
+    stop.clear()  # the cell run again goes on with the sweep
     if start is not None:
         from gpunb.sweeps.parallel import run_trial_jobs
 
         rows, study, best = run_trial_jobs(build, start, settings.check(), folder, name, parallel, space=space,
-                                           on_trial=on_trial, packer=packer)
+                                           on_trial=on_trial, stop=stop, packer=packer)
     else:
         rows, study, best = run_trials(build, fit, settings.check(), folder, name, space=space,
-                                       on_trial=on_trial, watch=watch)
+                                       on_trial=on_trial, watch=(*watch, stop), stop=stop)
     result = SweepResult(name, str(folder), settings.monitor, settings.resolved_direction(), rows, study)
     if best is not None:
         result.best_trial, result.best_result = best[0].number, best[2]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from gpunb.sweeps.control import trial_tag
 from gpunb.sweeps.space import trial_values
 from gpunb.sweeps.study import SweepSettings, asked, open_study
 from gpunb.sweeps.trials import Curve, Pruning, TrialRow, better, build_trial, failed, tell, trial_value
@@ -53,11 +54,12 @@ def trial_key(name: str, number: int) -> str:
 
 
 def run_trial_jobs(build, start, settings: SweepSettings, folder, name: str, parallel: int, *,
-                   space: dict | None = None, on_trial=None, packer=None):
+                   space: dict | None = None, on_trial=None, stop=None, packer=None):
     """Run the sweep's trials as jobs, `parallel` at a time; returns (rows, study, best) as run_trials.
 
-    `start(arguments, callbacks, trial_name, key, visible=None)` submits (or finds) one trial's job,
-    on the GPUs `visible` names (CUDA_VISIBLE_DEVICES), and returns its Follower. `packer`
+    `start(arguments, callbacks, trial_name, key, sweep=tag, visible=None)` submits (or finds) one
+    trial's job, on the GPUs `visible` names (CUDA_VISIBLE_DEVICES), and returns its Follower.
+    `stop`: a SweepStop; once asked, the running trials stop and no more are asked. `packer`
     (packing.Packer) places each new trial on this machine's GPUs by its memory estimate; None:
     the scheduler places them (Slurm)."""
     from gpunb.jobs.interrupts import KernelInterrupts
@@ -74,6 +76,8 @@ def run_trial_jobs(build, start, settings: SweepSettings, folder, name: str, par
 
     with KernelInterrupts() as interrupts:
         while running or waiting or (to_ask and not stopping):
+            if stop is not None and stop.stops(entry.follower for entry in running):  # before any ask
+                stopping = True
             while (waiting or to_ask) and not stopping and len(running) < parallel:
                 first = not (rows or running)
                 if waiting is None:
@@ -174,9 +178,8 @@ def _reattach(study, frozen, build, start, settings: SweepSettings, name: str) -
 
 def _submitted(trial, row, arguments, start, settings, name: str, reported=(), slot=None) -> _Running:
     pruning = Pruning(trial, settings.monitor, reported)
-    callbacks = [pruning, Curve(row, settings.monitor)]
-    follower = start(arguments, callbacks, row.run_name, trial_key(name, row.number),
-                     visible=slot.visible if slot is not None else None)
+    follower = start(arguments, [pruning, Curve(row, settings.monitor)], row.run_name, trial_key(name, row.number),
+                     sweep=trial_tag(name, row.number, settings), visible=slot.visible if slot is not None else None)
     pruning.stop = follower.stop  # a job stops at its next step through its stop file
     return _Running(trial, row, follower, pruning, arguments, time.perf_counter(), slot)
 

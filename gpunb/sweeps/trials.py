@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from gpunb.errors import GpunbError
 from gpunb.runtime.validation.monitor import Monitor
+from gpunb.sweeps.control import trial_tag
 from gpunb.sweeps.space import trial_values
 from gpunb.sweeps.study import SweepSettings, open_study
 
@@ -63,20 +64,23 @@ class TrialRow:
 
 
 def run_trials(build, fit, settings: SweepSettings, folder, name: str, *, space: dict | None = None,
-               on_trial=None, watch=()):
+               on_trial=None, watch=(), stop=None):
     """Run `settings.trials` trials one after another; returns (rows, study, best).
 
     `build(trial)` -> fit's arguments (model, train_data, ...); `fit(arguments, callbacks, trial_name)` -> TrainResult.
     `on_trial(row)`: called as each trial ends. `watch`: callbacks that every trial's fit calls too,
     given the trial's row (`watcher.trial = row`) before it starts (a live view of the sweep).
     `best`: (row, model, result) of the best completed trial, or None when none completed.
+    `stop`: a SweepStop; once asked, no trial is asked any more (one of `watch` stops the running one).
     """
     study = open_study(folder, name, settings.check(), space)
     rows, best = [], None
     for _ in range(settings.trials):
+        if stop is not None and stop.asked():
+            break
         trial = study.ask()
         try:
-            row, kept = _one_trial(trial, build, fit, settings, name, first=not rows, watch=watch)
+            row, kept = _one_trial(trial, build, fit, settings, name, first=not rows, watch=watch, stop=stop)
         except BaseException:
             tell(study, trial, TrialRow(trial.number, {}, "failed"))  # no trial is left "running"
             raise
@@ -96,7 +100,7 @@ def run_trials(build, fit, settings: SweepSettings, folder, name: str, *, space:
     return rows, study, best and best[:3]
 
 
-def _one_trial(trial, build, fit, settings: SweepSettings, name: str, first: bool, watch=()):
+def _one_trial(trial, build, fit, settings: SweepSettings, name: str, first: bool, watch=(), stop=None):
     """Build and fit one trial; its row, and (model, result) when it completed."""
     started = time.perf_counter()
     row = TrialRow(trial.number, {}, "running", run_name=f"{name}-t{trial.number}")
@@ -111,14 +115,15 @@ def _one_trial(trial, build, fit, settings: SweepSettings, name: str, first: boo
         return failed(row, trial, error, started), None
     row.params = dict(trial.params)
     try:
-        result = fit(arguments, [pruning, Curve(row, settings.monitor), *watch], row.run_name)
+        result = fit(arguments, [pruning, Curve(row, settings.monitor), *watch], row.run_name,
+                     sweep=trial_tag(name, trial.number, settings))
     except Exception as error:  # noqa: BLE001 - a trial that fails is recorded and the sweep goes on
         return failed(row, trial, error, started), None
     row.steps, row.seconds = result.steps, time.perf_counter() - started
     if pruning.pruned_at is not None:
         row.state, row.pruned_at = "pruned", pruning.pruned_at
         return row, None
-    if result.interrupted:
+    if result.interrupted or (result.stop_reason and stop is not None and stop.asked()):  # the sweep's stop
         row.state, row.error = "stopped", result.stop_reason or "stopped"
         return row, None
     row.value = trial_value(result, arguments, settings.monitor)
