@@ -332,3 +332,51 @@ def test_a_kernel_restart_mid_sweep_leaves_the_trials_running_and_the_same_cell_
     assert sorted(runs) == [f"{name}-t0", f"{name}-t1", f"{name}-t2"]  # no trial asked or run twice
     assert all(runs[trial] == run_id for trial, run_id in before.items())  # the same jobs, followed
     assert len(list((gpunb_home / "jobs").iterdir())) == 3 and len(builds()) == 5
+
+
+def test_a_kernel_shutting_down_mid_sweep_leaves_its_trials_jobs_running_and_asks_no_more(tmp_path, monkeypatch):
+    """ipykernel's shutdown_request (a restart) sets `exit_now`: the sweep of jobs returns at once,
+    stopping and cancelling none of its trials (a re-run of the cell follows them)."""
+    import IPython
+
+    from gpunb.sweeps.parallel import run_trial_jobs
+    from gpunb.sweeps.study import SweepSettings
+
+    class Shell:
+        exit_now = False
+
+    class Follower:  # a trial's job that trains on; the kernel is shut down at its third poll
+        stop_asked = False
+
+        def __init__(self):
+            self.polls, self.asked = 0, []
+
+        def poll(self):
+            self.polls += 1
+            assert self.polls <= 3, "polled on after the kernel's shutdown"  # recorded as a failed trial
+            shell.exit_now = self.polls >= 3
+            return None
+
+        def stop(self, reason):
+            self.asked.append(("stop", reason))
+
+        def cancel(self, reason):
+            self.asked.append(("cancel", reason))
+
+    shell, followers = Shell(), []
+    monkeypatch.setattr(IPython, "get_ipython", lambda: shell)
+
+    def start(arguments, callbacks, trial_name, key, sweep=None, visible=None):
+        followers.append(Follower())
+        return followers[-1]
+
+    def build(trial):
+        gpunb.suggest("lr", 1e-3, 1e-1, log=True)
+        return dict(model=nn.Linear(2, 1), train_data=[], val_data=[])
+
+    settings = SweepSettings(4, sampler="random", seed=0)
+    rows, study, best = run_trial_jobs(build, start, settings, tmp_path, "shut", parallel=2)
+    assert (rows, best) == ([], None)
+    assert len(followers) == 2 and [f.polls for f in followers] == [3, 3]  # it returned at the shutdown
+    assert all(f.asked == [] for f in followers)  # neither stopped nor cancelled: the jobs go on
+    assert [t.state.name for t in study.trials] == ["RUNNING", "RUNNING"]  # no third trial asked

@@ -91,9 +91,10 @@ def run_trial_jobs(build, start, settings: SweepSettings, folder, name: str, par
                     running.append(started)
                 else:  # its build or submission failed: told failed, and the slot takes the next trial
                     ended(started)
-            stopping = _interrupts(interrupts, running) or stopping
-            if stopping is None:  # the kernel shuts down: the jobs go on, a re-run follows them
+            pressed = _interrupts(interrupts, running)
+            if pressed is None:  # the kernel shuts down: the jobs go on, a re-run follows them
                 return rows, study, None
+            stopping = stopping or pressed
             if stopping and waiting is not None:
                 ended(_never_started(study, waiting))
                 waiting = None
