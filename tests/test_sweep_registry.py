@@ -153,14 +153,15 @@ async def test_the_servers_sweep_stop_asks_the_sweep_and_its_running_trials(jp_f
 
 # --------------------------------------------------------------------- stopping a sweep
 class _StopTheSweepAt:
-    """A callback of every trial: at `step` of the first trial, `gpunb.stop(<the sweep>)`, as the
-    sidebar or another kernel would."""
+    """A callback of every trial: from `step` of the first trial on, once the trial's row is in the
+    registry (written while its first steps run: what the sidebar or another kernel sees),
+    `gpunb.stop(<the sweep>)`, as they would."""
 
     def __init__(self, name: str, step: int):
         self.name, self.step, self.trial, self.answer = name, step, None, None
 
     def on_step_end(self, state) -> None:
-        if self.answer is None and state.step == self.step:
+        if self.answer is None and state.step >= self.step and Registry().sweep_runs(self.name):
             self.answer = gpunb.stop(self.name)
 
 
