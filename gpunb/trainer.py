@@ -161,8 +161,8 @@ class Trainer:
         `monitor` (default: the config's, else "val_loss") of the weights it ends with (with
         `restore_best`: of its best); `prune="asha"|"median"` stops poor trials at a validation.
         `result.best_model` is the best trial's trained model, `result.table` has one row per trial;
-        `on_trial(row)` is called as each trial ends; `callbacks` hear every trial's fit, and their
-        `trial` attribute is set to the running trial's row before it starts.
+        `on_trial(row)` is called as each trial ends; `callbacks` hear every trial's fit (as jobs:
+        its relayed events), and their `trial_started(row)`, where they have one, as it starts.
 
         With `parallel=K` (or a `cluster`) each trial is a job (`cluster="local"` unless the config
         names one), K at a time, followed and pruned from here; the same sweep run again (after a

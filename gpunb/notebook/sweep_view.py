@@ -14,14 +14,15 @@ UPDATE_EVERY_S = 1.0  # the view is re-sent at most this often while a trial tra
 
 
 class SweepView:
-    """A callback of every trial's fit (the sweep sets `trial` to the running trial's row)."""
+    """A callback of every trial's fit, or of its job's relayed events (several run at once with
+    --parallel: their curves grow side by side)."""
 
     def __init__(self, trials: int, monitor: str, direction: str):
         from IPython.display import HTML, display
 
         self.trials, self.monitor, self.direction = trials, monitor, direction
         self.rows: list = []  # the trials that ended
-        self.trial = None  # the running trial's row
+        self.running: dict = {}  # number -> row of each trial running (its curve grows as it validates)
         self._shown = 0.0
         self.handle = display(HTML(f"<b>sweep: {trials} trials, starting</b>"), display_id=True)
 
@@ -32,9 +33,12 @@ class SweepView:
     def on_validation_end(self, state, metrics) -> None:
         self.show(state.step, state.total_steps)
 
+    def trial_started(self, row) -> None:
+        self.running[row.number] = row
+
     def ended(self, row) -> None:
         self.rows.append(row)
-        self.trial = None
+        self.running.pop(row.number, None)
         self.show()
 
     def show(self, step: int | None = None, total: int | None = None) -> None:
@@ -42,16 +46,18 @@ class SweepView:
 
         from gpunb.sweeps.result import SweepResult, sweep_html
 
-        running = [self.trial] if self.trial is not None and self.trial.state == "running" else []
+        running = [row for row in self.running.values() if row.state == "running"]
         sweep = SweepResult("", "", self.monitor, self.direction, self.rows + running)
         done = [row for row in self.rows if row.value is not None]
         if done:
             best = (min if self.direction == "minimize" else max)(done, key=lambda row: row.value)
             sweep.best_trial = best.number
         header = f"sweep: {len(self.rows)} of {self.trials} trials ended"
-        if running:
+        if len(running) == 1:
             header += f"; trial {running[0].number} running" + (f", step {step}" if step is not None else "") + (
                 f" of {total}" if total else "")
+        elif running:  # the step heard last may be any of theirs: none is named
+            header += "; trials " + ", ".join(str(row.number) for row in running) + " running"
         self.handle.update(HTML(sweep_html(sweep, header)))
         self._shown = time.monotonic()
 

@@ -45,7 +45,7 @@ def run_sweep(build, fit, settings: SweepSettings, *, name: str | None = None, s
         from gpunb.sweeps.parallel import run_trial_jobs
 
         rows, study, best = run_trial_jobs(build, start, settings.check(), folder, name, parallel, space=space,
-                                           on_trial=on_trial, stop=stop, packer=packer)
+                                           on_trial=on_trial, stop=stop, packer=packer, watch=watch)
     else:
         rows, study, best = run_trials(build, fit, settings.check(), folder, name, space=space,
                                        on_trial=on_trial, watch=(*watch, stop), stop=stop)

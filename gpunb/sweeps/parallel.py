@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from gpunb.sweeps.control import trial_tag
 from gpunb.sweeps.space import trial_values
 from gpunb.sweeps.study import SweepSettings, asked, open_study
-from gpunb.sweeps.trials import Curve, Pruning, TrialRow, better, build_trial, failed, tell, trial_value
+from gpunb.sweeps.trials import Curve, Pruning, announce, TrialRow, better, build_trial, failed, tell, trial_value
 
 POLL_S = 0.1  # how often the running trials' events are read
 
@@ -54,18 +54,19 @@ def trial_key(name: str, number: int) -> str:
 
 
 def run_trial_jobs(build, start, settings: SweepSettings, folder, name: str, parallel: int, *,
-                   space: dict | None = None, on_trial=None, stop=None, packer=None):
+                   space: dict | None = None, on_trial=None, stop=None, packer=None, watch=()):
     """Run the sweep's trials as jobs, `parallel` at a time; returns (rows, study, best) as run_trials.
 
     `start(arguments, callbacks, trial_name, key, sweep=tag, visible=None)` submits (or finds) one
     trial's job, on the GPUs `visible` names (CUDA_VISIBLE_DEVICES), and returns its Follower.
     `stop`: a SweepStop; once asked, the running trials stop and no more are asked. `packer`
     (packing.Packer) places each new trial on this machine's GPUs by its memory estimate; None:
-    the scheduler places them (Slurm)."""
+    the scheduler places them (Slurm). `watch`: callbacks that hear every trial's events, as in
+    run_trials (several trials run at once: each is announced to them as its job starts)."""
     from gpunb.jobs.interrupts import KernelInterrupts
 
     study = open_study(folder, name, settings.check(), space)
-    running = [_reattach(study, frozen, build, start, settings, name) for frozen in _running_trials(study)]
+    running = [_reattach(study, frozen, build, start, settings, name, watch) for frozen in _running_trials(study)]
     to_ask = max(0, settings.trials - len(asked(study.trials)))
     rows, best, stopping, waiting = [], None, False, None  # waiting: a trial built, no GPU room for it yet
 
@@ -83,7 +84,7 @@ def run_trial_jobs(build, start, settings: SweepSettings, folder, name: str, par
                 if waiting is None:
                     waiting, to_ask = _start(study.ask(), build, settings, name, packer, first), to_ask - 1
                 started = waiting if isinstance(waiting, TrialRow) else \
-                    _placed(waiting, start, settings, name, packer, running, first)
+                    _placed(waiting, start, settings, name, packer, running, first, watch)
                 if started is None:
                     break  # until a running trial ends and frees its GPU memory
                 waiting = None
@@ -132,7 +133,7 @@ def _start(trial, build, settings: SweepSettings, name: str, packer, first: bool
         return _refused(trial, row, error, first)
 
 
-def _placed(built: _Built, start, settings: SweepSettings, name: str, packer, running, first: bool):
+def _placed(built: _Built, start, settings: SweepSettings, name: str, packer, running, first: bool, watch=()):
     """The trial's job submitted on the GPUs the packer gives it: its _Running; None while no GPU
     has room; its row, failed, when the submission raised (raised instead when `first`)."""
     slot = packer.place(built.need) if packer is not None else None
@@ -141,7 +142,7 @@ def _placed(built: _Built, start, settings: SweepSettings, name: str, packer, ru
             raise RuntimeError(f"trial {built.row.number} found no room on idle GPUs ({built.need})")
         return None
     try:
-        return _submitted(built.trial, built.row, built.arguments, start, settings, name, slot=slot)
+        return _submitted(built.trial, built.row, built.arguments, start, settings, name, slot=slot, watch=watch)
     except BaseException as error:
         if packer is not None:
             packer.release(slot)
@@ -165,7 +166,7 @@ def _never_started(study, built: _Built) -> TrialRow:
     return built.row
 
 
-def _reattach(study, frozen, build, start, settings: SweepSettings, name: str) -> _Running:
+def _reattach(study, frozen, build, start, settings: SweepSettings, name: str, watch=()) -> _Running:
     """A trial the study still holds as running: its job, found by its key, followed again; its
     objects built from the cell with the trial's own values (the weights come back into them)."""
     from optuna.trial import Trial
@@ -174,12 +175,14 @@ def _reattach(study, frozen, build, start, settings: SweepSettings, name: str) -
     with trial_values(values=frozen.params):
         arguments = build(_FixedTrial(frozen))
     return _submitted(Trial(study, frozen._trial_id), row, arguments, start, settings, name,
-                      reported=frozen.intermediate_values)
+                      reported=frozen.intermediate_values, watch=watch)
 
 
-def _submitted(trial, row, arguments, start, settings, name: str, reported=(), slot=None) -> _Running:
+def _submitted(trial, row, arguments, start, settings, name: str, reported=(), slot=None, watch=()) -> _Running:
     pruning = Pruning(trial, settings.monitor, reported)
-    follower = start(arguments, [pruning, Curve(row, settings.monitor)], row.run_name, trial_key(name, row.number),
+    announce(watch, row)
+    follower = start(arguments, [pruning, Curve(row, settings.monitor), *watch], row.run_name,
+                     trial_key(name, row.number),
                      sweep=trial_tag(name, row.number, settings), visible=slot.visible if slot is not None else None)
     pruning.stop = follower.stop  # a job stops at its next step through its stop file
     return _Running(trial, row, follower, pruning, arguments, time.perf_counter(), slot)

@@ -69,7 +69,7 @@ def run_trials(build, fit, settings: SweepSettings, folder, name: str, *, space:
 
     `build(trial)` -> fit's arguments (model, train_data, ...); `fit(arguments, callbacks, trial_name)` -> TrainResult.
     `on_trial(row)`: called as each trial ends. `watch`: callbacks that every trial's fit calls too,
-    given the trial's row (`watcher.trial = row`) before it starts (a live view of the sweep).
+    told of each trial as it starts (`announce`: a live view of the sweep).
     `best`: (row, model, result) of the best completed trial, or None when none completed.
     `stop`: a SweepStop; once asked, no trial is asked any more (one of `watch` stops the running one).
     """
@@ -104,8 +104,7 @@ def _one_trial(trial, build, fit, settings: SweepSettings, name: str, first: boo
     """Build and fit one trial; its row, and (model, result) when it completed."""
     started = time.perf_counter()
     row = TrialRow(trial.number, {}, "running", run_name=f"{name}-t{trial.number}")
-    for watcher in watch:
-        watcher.trial = row
+    announce(watch, row)
     pruning = Pruning(trial, settings.monitor)
     try:
         arguments = build_trial(trial, build, settings)
@@ -132,6 +131,15 @@ def _one_trial(trial, build, fit, settings: SweepSettings, name: str, first: boo
         Monitor(settings.monitor).check_produced(produced or None, "The sweep")
     row.state = "complete"
     return row, (arguments["model"], result)
+
+
+def announce(watch, row: TrialRow) -> None:
+    """The watchers of the sweep (its live view) hear of a trial that starts: `trial_started(row)`,
+    where a watcher has it (several may run at once: the row says which)."""
+    for watcher in watch:
+        started = getattr(watcher, "trial_started", None)
+        if started is not None:
+            started(row)
 
 
 def build_trial(trial, build, settings: SweepSettings) -> dict:
