@@ -187,3 +187,89 @@ def test_a_runs_end_that_a_locked_registry_held_back_past_its_fit_is_written_at_
     run = Registry(path).get_run(done.stdout.strip())
     assert (run["status"], run["step"]) == ("completed", 10)
     assert "waiting up to" in done.stderr  # says why the exit waits
+
+
+class _Traced:
+    """Counts the registry's new connections and keeps each statement the training (this) thread runs."""
+
+    def __init__(self, monkeypatch):
+        self.connections, self.statements, self.main = 0, [], threading.get_ident()
+        connect = sqlite3.connect
+
+        def traced(*args, **kwargs):
+            self.connections += 1
+            db = connect(*args, **kwargs)
+            db.set_trace_callback(lambda sql: self.statements.append(sql) if threading.get_ident() == self.main
+                                  else None)
+            return db
+
+        monkeypatch.setattr(registry_module.sqlite3, "connect", traced)
+
+    def reset(self) -> None:
+        self.connections, self.statements = 0, []
+
+
+def test_a_fit_after_the_first_opens_no_connection_to_the_registry(gpunb_home, monkeypatch):
+    # An open and its first read of the schema cost ~0.3 ms; a fit made two (the writer's thread, the
+    # training thread's stop reads and end). The process keeps both, the writer's on its kept thread.
+    traced = _Traced(monkeypatch)
+    _fit(track=True)
+    assert traced.connections >= 1
+    _until(lambda: threads._idle)  # the next fit's writer runs on this fit's thread
+    traced.reset()
+    _fit(track=True)
+    assert traced.connections == 0
+    runs = Registry(gpunb_home / "runs.sqlite").list_runs()
+    assert [run["status"] for run in runs] == ["completed", "completed"]
+
+
+def test_a_registry_file_removed_between_fits_is_made_again_and_records_the_next_fit(gpunb_home):
+    # The kept connections must not write on into the file the path no longer names.
+    _fit(track=True)
+    _until(lambda: threads._idle)
+    for suffix in ("", "-wal", "-shm"):
+        (gpunb_home / f"runs.sqlite{suffix}").unlink(missing_ok=True)
+    _fit(track=True)
+    runs = Registry(gpunb_home / "runs.sqlite").list_runs()
+    assert [(run["status"], run["step"]) for run in runs] == [("completed", 12)]
+
+
+def test_a_fits_end_runs_no_revival_and_no_stop_read_and_opens_nothing(gpunb_home, monkeypatch):
+    # The writer's thread never runs: the fit writes its row, logs and end itself (the statements
+    # counted are all of them). An end sets the status itself, and deletes the stop request it
+    # would have read back.
+    monkeypatch.setattr("gpunb.runs.writer.run_in_thread", lambda work, name: None)
+    traced = _Traced(monkeypatch)
+    _fit(track=True)
+    traced.reset()
+    _fit(track=True)
+    sql = traced.statements
+    assert traced.connections == 0 and not [s for s in sql if s.startswith("PRAGMA")]
+    assert sql.count("BEGIN IMMEDIATE") == 2  # the row, then the logs and the end: nothing else
+    assert not [s for s in sql if "FROM stop_requests WHERE" in s and s.startswith("SELECT")]
+    assert not [s for s in sql if s.startswith("UPDATE runs SET status = 'running'")]  # registry._revive
+    assert [s for s in sql if s.startswith("UPDATE runs SET status =")]  # the end, on this thread
+
+
+def test_the_registry_commits_without_an_fsync_in_wal_mode(gpunb_home):
+    # WAL + synchronous=NORMAL: a commit is in the WAL file (the OS's cache) when COMMIT returns, so a
+    # process killed after `fit` returns loses nothing, without an fsync per commit (FULL's).
+    _fit(track=True)
+    kept = recorder.kept_registry(gpunb_home / "runs.sqlite", timeout=0.0)  # the training thread's
+    db = kept._local.owner[1]
+    assert db.execute("PRAGMA synchronous").fetchone() == (1,)
+    assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+
+
+def test_a_runs_row_asks_psutil_for_this_processs_start_once(tmp_path, monkeypatch):
+    from gpunb.runs import liveness
+
+    asked = []
+    real = liveness.psutil.Process
+    monkeypatch.setattr(liveness.psutil, "Process", lambda pid: (asked.append(pid), real(pid))[1])
+    registry = Registry(tmp_path / "runs.sqlite")
+    first = registry.start_run("a")
+    before = len(asked)
+    second = registry.start_run("b")
+    assert len(asked) == before
+    assert registry.get_run(first)["status"] == registry.get_run(second)["status"] == "running"

@@ -16,11 +16,14 @@ locked registry keeps out by then is left to the thread, and waited for at exit.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
+from pathlib import Path
 
 from gpunb.render import eta_left
+from gpunb.runs.paths import default_path
 from gpunb.runs.registry import Registry, RegistryLocked, json_safe
 from gpunb.runs.writer import RunWriter
 
@@ -32,6 +35,14 @@ HEARTBEAT_S = 30.0  # without logs, still send step and progress this often (liv
 FINISH_WAIT_S = 2.0  # at fit end, wait this long at most for the final status to be written
 RESULT_FIGURES = ("achieved_tflops", "mfu", "tokens_per_s")  # TrainResult properties kept in `latest`
 _now = time.monotonic  # the clock for throttling (tests replace it)
+
+
+@functools.lru_cache(maxsize=8)
+def kept_registry(path: Path, timeout: float = 5.0) -> Registry:
+    """This process's Registry for `path` and `timeout`, kept between fits: each thread's connection
+    to the file stays open, so a fit opens none (an open and its first read of the schema: ~0.3 ms,
+    on the training thread for its stop reads and its end, on the writer's thread for the row)."""
+    return Registry(path, timeout=timeout)
 
 
 class RunRecorder:
@@ -63,14 +74,14 @@ class RunRecorder:
             return  # a recorder given its run's id records it whatever `track` says (a job's: see gpunb.jobs)
         config = state.settings() if hasattr(state, "settings") else state.config
         if self.registry is None:
-            self.registry = Registry()  # only a path: no disk access here
+            self.registry = kept_registry(default_path())  # only a path the first time: no disk access here
         # A continued fit goes on in the row of the run it continues: one run, its curve unbroken.
         continues = getattr(state, "continues_run", None) or self.fixed_id
         self.run_id = continues or uuid.uuid4().hex
         start = {"name": state.run_name, "config": json_safe(config), "device": str(state.device),
                  "total_steps": state.total_steps, "started_at": time.time(), "reopen": continues is not None}
         self.writer = RunWriter(self.registry, self.run_id, start, self._warn_once, owner=self)
-        self._reader = Registry(self.registry.path, timeout=0.0)
+        self._reader = kept_registry(self.registry.path, timeout=0.0)
         state.registry_run = self.run_id
         self._last_write = _now()
 
