@@ -230,7 +230,7 @@ def test_trials_two_at_a_time_as_jobs_from_the_cell_put_the_best_trials_weights_
 
 @pytest.mark.parametrize("line, cell, message", [
     ("--trials 2 --find-lr", SWEEP_CELL, "drop `--find-lr`"),
-    ("--trials 2 --detach", SWEEP_CELL, "not offered yet"),
+    ("--trials 2 --detach --no-wait", SWEEP_CELL, "drop `--no-wait`"),
     ("--trials 2 --parallel 0", SWEEP_CELL, "at least 1"),
     ("--trials 2 --sampler bayes", SWEEP_CELL, "tpe | random | grid"),
     ("--trials 2", None, "a line magic has no cell"),

@@ -28,7 +28,7 @@ class GpuMagics(Magics):
     @argument("--dry-run", action="store_true", help="show the run's summary (parameters, FLOPs, memory) without training")
     @argument("--no-wait", action="store_true", help="with a job: submit and return; gpunb.attach(name) follows it")
     @argument("--trials", type=int, help="run the cell as a sweep of N trials (gpunb.suggest gives each its values)")
-    @argument("--parallel", type=int, default=1, help="a sweep's trials at once, each a job on this machine")
+    @argument("--parallel", type=int, default=1, help="a sweep's trials at once, each a job (on this machine, or on --cluster)")
     @argument("--sampler", default="tpe", help="a sweep's sampler: tpe | random | grid (seeded by --seed)")
     @argument("--prune", default="none", help="stop poor trials at a validation: asha | median | none")
     @argument("--direction", help="minimize | maximize the monitored value (default: by --monitor's name)")

@@ -1,4 +1,5 @@
-"""`%%gputrain --trials N`: the cell runs as a sweep, one trial after another in this kernel.
+"""`%%gputrain --trials N`: the cell runs as a sweep, one trial after another in this kernel, or
+each trial a job (`--parallel K`, `--detach`: on this machine; `--cluster slurm`: on Slurm).
 
 Each trial re-runs the cell with that trial's values (its `gpunb.suggest` calls answer from
 the trial), so every trial's model, optimizer and data are built afresh as the cell builds
@@ -15,7 +16,7 @@ from gpunb.notebook.collect import collect, named_options
 from gpunb.runtime.roles import REQUIRED
 
 _NOT_WITH = {"continue_fit": "--continue", "export": "--export", "find_lr": "--find-lr", "eval": "--eval",
-             "dry_run": "--dry-run", "no_wait": "--no-wait"}
+             "dry_run": "--dry-run"}
 
 
 def check_sweep_line(args, cell, config):
@@ -29,10 +30,14 @@ def check_sweep_line(args, cell, config):
         if getattr(args, dest, None):
             raise UsageError(f"--trials runs a sweep of fresh fits, and {flag} does not.\n"
                              f"HINT: drop `{flag}` (or `--trials`).")
-    if config.cluster is not None:
-        raise UsageError("--trials runs its trials in this kernel, or with --parallel K as jobs on this machine; "
-                         "a sweep on a cluster is not offered yet.\nHINT: drop `--detach` / `--cluster` "
-                         "(and add `--parallel 2` for trials as jobs).")
+    if args.no_wait:  # the kernel holds the study: it asks, prunes and tells every trial
+        raise UsageError("--trials is followed from this kernel, which holds the sweep's study and prunes its "
+                         "trials, and --no-wait returns at once.\nHINT: drop `--no-wait`; a named sweep "
+                         "(`--name`) whose kernel restarted follows its running trials when the cell runs again.")
+    if config.resubmit:  # a re-run follows the jobs of the trials the study holds as running
+        raise UsageError("--trials run again follows the jobs of the trials its sweep left running, and "
+                         "--resubmit would submit those trials again beside their running jobs.\nHINT: drop "
+                         "`--resubmit`; for a sweep afresh give it another `--name`.")
     return SweepSettings(args.trials, sampler=args.sampler, prune=args.prune, direction=args.direction,
                          seed=config.seed, monitor=config.monitor or "val_loss").check()
 

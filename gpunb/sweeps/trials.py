@@ -135,7 +135,9 @@ class Curve:
         self.row, self.monitor = row, monitor
 
     def on_validation_end(self, state, metrics) -> None:
-        if metrics.get(self.monitor) is not None:
+        # A requeued trial's job goes on from its checkpoint and validates again at steps already
+        # drawn (the same values: it resumes exactly); each step is one point.
+        if metrics.get(self.monitor) is not None and all(step != state.step for step, _ in self.row.curve):
             self.row.curve.append((state.step, float(metrics[self.monitor])))
 
 
