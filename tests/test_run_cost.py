@@ -1,7 +1,9 @@
 """What tracking a fit in the run registry costs the fit, pinned without timing: the record is
 whole and on disk when `fit` returns (written by the fit itself, not left to the writer's thread),
 no writer when tracking is off, one schema check per registry file and process, one writer thread
-kept between fits, and a run's end that a locked registry held back is still written at exit."""
+kept between fits, and a run's end that a locked registry held back is still written at exit; and
+what a fit no longer does: open a connection after the process's first fit, read this process's
+start time again, revive or read back a run it is ending, or fsync a commit."""
 
 from __future__ import annotations
 
@@ -190,14 +192,17 @@ def test_a_runs_end_that_a_locked_registry_held_back_past_its_fit_is_written_at_
 
 
 class _Traced:
-    """Counts the registry's new connections and keeps each statement the training (this) thread runs."""
+    """Counts the registry's new connections (those of the training thread, this one, apart) and keeps
+    each statement the training thread runs."""
 
     def __init__(self, monkeypatch):
-        self.connections, self.statements, self.main = 0, [], threading.get_ident()
+        self.main = threading.get_ident()
+        self.reset()
         connect = sqlite3.connect
 
         def traced(*args, **kwargs):
             self.connections += 1
+            self.main_connections += threading.get_ident() == self.main
             db = connect(*args, **kwargs)
             db.set_trace_callback(lambda sql: self.statements.append(sql) if threading.get_ident() == self.main
                                   else None)
@@ -206,19 +211,25 @@ class _Traced:
         monkeypatch.setattr(registry_module.sqlite3, "connect", traced)
 
     def reset(self) -> None:
-        self.connections, self.statements = 0, []
+        self.connections, self.main_connections, self.statements = 0, 0, []
 
 
 def test_a_fit_after_the_first_opens_no_connection_to_the_registry(gpunb_home, monkeypatch):
     # An open and its first read of the schema cost ~0.3 ms; a fit made two (the writer's thread, the
-    # training thread's stop reads and end). The process keeps both, the writer's on its kept thread.
-    traced = _Traced(monkeypatch)
+    # training thread's stop reads and end). The process keeps one Registry per file, and with it
+    # each thread's connection: the training thread's, and the writer's on its kept thread.
+    traced, registries = _Traced(monkeypatch), []
+    real = recorder.RunWriter
+    monkeypatch.setattr(recorder, "RunWriter", lambda registry, *args, **kwargs: (
+        registries.append(registry), real(registry, *args, **kwargs))[1])
     _fit(track=True)
-    assert traced.connections >= 1
-    _until(lambda: threads._idle)  # the next fit's writer runs on this fit's thread
+    assert traced.main_connections == 1
+    _until(lambda: threads._idle)  # the next fit's writer runs on a kept thread
     traced.reset()
     _fit(track=True)
-    assert traced.connections == 0
+    assert traced.main_connections == 0
+    assert registries[0] is registries[1]  # the writer's thread finds its connection kept in it
+    assert traced.connections <= 1  # (one only when the kept thread was another fit's)
     runs = Registry(gpunb_home / "runs.sqlite").list_runs()
     assert [run["status"] for run in runs] == ["completed", "completed"]
 
@@ -244,7 +255,7 @@ def test_a_fits_end_runs_no_revival_and_no_stop_read_and_opens_nothing(gpunb_hom
     traced.reset()
     _fit(track=True)
     sql = traced.statements
-    assert traced.connections == 0 and not [s for s in sql if s.startswith("PRAGMA")]
+    assert traced.main_connections == 0 and not [s for s in sql if s.startswith("PRAGMA")]
     assert sql.count("BEGIN IMMEDIATE") == 2  # the row, then the logs and the end: nothing else
     assert not [s for s in sql if "FROM stop_requests WHERE" in s and s.startswith("SELECT")]
     assert not [s for s in sql if s.startswith("UPDATE runs SET status = 'running'")]  # registry._revive
