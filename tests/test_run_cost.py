@@ -223,6 +223,9 @@ def test_a_fit_after_the_first_opens_no_connection_to_the_registry(gpunb_home, m
     monkeypatch.setattr(recorder, "RunWriter", lambda registry, *args, **kwargs: (
         registries.append(registry), real(registry, *args, **kwargs))[1])
     _fit(track=True)
+    # The training thread connects at its first stop read or its run's end, unless the writer's
+    # thread happened to be writing at each: connected here, as a longer fit would have.
+    recorder.kept_registry(gpunb_home / "runs.sqlite", timeout=0.0).stop_requested("none")
     assert traced.main_connections == 1
     _until(lambda: threads._idle)  # the next fit's writer runs on a kept thread
     traced.reset()
@@ -266,8 +269,7 @@ def test_the_registry_commits_without_an_fsync_in_wal_mode(gpunb_home):
     # WAL + synchronous=NORMAL: a commit is in the WAL file (the OS's cache) when COMMIT returns, so a
     # process killed after `fit` returns loses nothing, without an fsync per commit (FULL's).
     _fit(track=True)
-    kept = recorder.kept_registry(gpunb_home / "runs.sqlite", timeout=0.0)  # the training thread's
-    db = kept._local.owner[1]
+    db = recorder.kept_registry(gpunb_home / "runs.sqlite", timeout=0.0)._connection()  # the training thread's
     assert db.execute("PRAGMA synchronous").fetchone() == (1,)
     assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
 
@@ -284,3 +286,28 @@ def test_a_runs_row_asks_psutil_for_this_processs_start_once(tmp_path, monkeypat
     second = registry.start_run("b")
     assert len(asked) == before
     assert registry.get_run(first)["status"] == registry.get_run(second)["status"] == "running"
+
+
+def test_the_stop_request_is_read_once_a_step_when_an_epoch_ends_at_a_log(tmp_path, monkeypatch):
+    from gpunb.runtime.events import FitState
+
+    registry = Registry(tmp_path / "runs.sqlite")
+    state = FitState(config=TrainConfig(name="reads"), model=None, optimizer=None, device="cpu", run_name="reads",
+                     total_steps=10)
+    rec = RunRecorder(registry)
+    rec.on_fit_start(state)
+    assert rec.flush(10)  # the row exists: the training thread reads stop requests from now on
+    reads = []
+    real = rec._reader.stop_requested
+    monkeypatch.setattr(rec._reader, "stop_requested", lambda run_id: (reads.append(state.step), real(run_id))[1])
+    state.step = 4
+    rec.on_log(state, {"loss": 0.5})
+    rec.on_epoch_end(state, {"val_loss": 0.4})  # the same step: no second read
+    assert reads == [4]
+    registry.request_stop(state.registry_run)
+    state.step = 8
+    rec.on_log(state, {"loss": 0.3})
+    assert reads == [4, 8] and state.stop_reason == "stopped from the sidebar"
+    state.result = SimpleNamespace(interrupted=False, energy_j=None)
+    rec.on_fit_end(state)
+    assert registry.get_run(state.registry_run)["status"] == "stopped"

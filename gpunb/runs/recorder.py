@@ -62,6 +62,7 @@ class RunRecorder:
         self._reader: Registry | None = None  # the training thread's own, never waiting
         self._last_write = 0.0  # monotonic time of the last write
         self._logged = False  # the first log is always written
+        self._stop_read_step: int | None = None  # the step of the training thread's last stop read
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until what was handed to the writer is in the registry; False on timeout."""
@@ -155,7 +156,7 @@ class RunRecorder:
         # The stop check first, while the writer's thread sleeps: a read after `submit` has woken
         # it hands it the GIL, and the step then waits for its whole write (on a loaded machine,
         # for as long as the scheduler leaves that thread off a core).
-        if self.writer.stop_requested or self._stop_requested_now():
+        if self.writer.stop_requested or self._stop_requested_now(state.step):
             state.request_stop("stopped from the sidebar")
         now = _now()
         if force or now - self._last_write >= WRITE_EVERY_S:
@@ -164,9 +165,12 @@ class RunRecorder:
                       "eta_s": eta_left(state), "latest": dict(self._latest)}
             self.writer.submit(fields, self._take_rows(POINTS_PER_WRITE))
 
-    def _stop_requested_now(self) -> bool:
+    def _stop_requested_now(self, step: int) -> bool:
         if not self.writer.recorded.is_set():
             return False  # no row yet, so no request either
+        if step == self._stop_read_step:
+            return False  # read at this step already (an epoch's end at a log step): ~0.1 ms a read in a fit
+        self._stop_read_step = step
         try:
             requested = self._reader.stop_requested(self.run_id)
         except Exception:  # locked out or damaged: the writer thread reports it
