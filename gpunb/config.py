@@ -106,6 +106,8 @@ class TrainConfig:
     detect_nan: bool = setting(True, "stop with advice when the loss becomes NaN/inf")
     name: str | None = setting(None, "run name shown in dashboards and the run registry")
     track: bool = setting(True, "record the run in the run registry (sidebar, gpunb.runs())")
+    sweep: dict | None = setting(None, "set by a sweep on each trial: the sweep's name, the trial's number, "
+                                       "its trials, monitor and direction (the registry groups them by it)")
     loggers: Union[str, Sequence[Any]] = setting((), "\"csv\", \"tensorboard\", \"mlflow\", \"wandb\" (or "
                                                      "\"tensorboard,csv\") or logger objects; rank 0 writes")
     log_dir: str | None = setting(None, "where loggers write; None: <checkpoint_dir>/logs, else ./gpunb_logs")

@@ -152,7 +152,7 @@ class Trainer:
 
     def sweep(self, build, trials: int, *, monitor: str | None = None, direction: str | None = None,
               sampler: str = "tpe", prune: str = "none", seed: int | None = None, name: str | None = None,
-              on_trial=None, callbacks=(), parallel: int = 1):
+              on_trial=None, callbacks=(), parallel: int = 1, key: str | None = None):
         """Run `trials` fits with hyperparameters an Optuna study samples; returns a SweepResult.
 
         `build(trial)` returns fit's arguments (`model`, `train_data`, `val_data`, `loss_fn`, ...),
@@ -165,8 +165,11 @@ class Trainer:
         `trial` attribute is set to the running trial's row before it starts.
 
         With `parallel=K` (or a `cluster`) each trial is a job (`cluster="local"` unless the config
-        names one), K at a time, followed and pruned from here; the same named sweep run again
-        (after a kernel restart) follows the jobs of the trials it left running.
+        names one), K at a time, followed and pruned from here; the same sweep run again (after a
+        kernel restart) follows the jobs of the trials it left running. Without a `name` (nor the
+        config's), the sweep is named after `key` (default: build's source) and these settings, so
+        the same sweep run again finds its own while it is unfinished; a finished one is left as it is.
+        A trial that fails is recorded failed and the sweep goes on (docs/sweeps.md: Faults).
         """
         __tracebackhide__ = True  # noqa: F841
         from gpunb.sweeps import SweepSettings, run_sweep
@@ -179,14 +182,21 @@ class Trainer:
             raise GpunbError(f"parallel is how many trials run at once, at least 1; got {parallel!r}.",
                              "e.g. `parallel=2` (`--parallel 2`).")
         as_jobs = parallel > 1 or self.config.cluster is not None
-        return run_sweep(build, self._trial_fit, settings, name=name or self.config.name, on_trial=on_trial,
-                         watch=callbacks, parallel=parallel, start=self._trial_job if as_jobs else None)
+        registry = None
+        if self.config.track:
+            from gpunb.runs import Registry
 
-    def _trial_job(self, arguments: dict, callbacks: list, trial_name: str, key: str):
-        """One trial of a sweep as a job (this machine's unless the config names a cluster): its Follower."""
+            registry = Registry()  # where the trials are recorded, and a stop of the whole sweep is asked
+        return run_sweep(build, self._trial_fit, settings, name=name or self.config.name, on_trial=on_trial,
+                         watch=callbacks, parallel=parallel, start=self._trial_job if as_jobs else None, key=key,
+                         registry=registry)
+
+    def _trial_job(self, arguments: dict, callbacks: list, trial_name: str, key: str, sweep: dict | None = None):
+        """One trial of a sweep as a job (this machine's unless the config names a cluster): its Follower.
+        `sweep`: the trial's tag (sweeps/control.py), which its registry row keeps."""
         from gpunb.jobs.submit import job_follower
 
-        config = Trainer(self.config, name=trial_name, cluster=self.config.cluster or "local").config
+        config = Trainer(self.config, name=trial_name, cluster=self.config.cluster or "local", sweep=sweep).config
         arguments = dict(arguments)
         model, train_data = arguments.pop("model"), arguments.pop("train_data")
         callbacks = [*arguments.pop("callbacks", ()), *callbacks]
@@ -195,12 +205,14 @@ class Trainer:
         _loggers(config)  # a missing package fails here, before the job is submitted
         return job_follower(config, _rank_entry, model, train_data, callbacks=callbacks, key=key, **arguments)
 
-    def _trial_fit(self, arguments: dict, callbacks: list, trial_name: str) -> TrainResult:
-        """One trial of a sweep: an ordinary fit under the trial's name, with the sweep's callbacks."""
+    def _trial_fit(self, arguments: dict, callbacks: list, trial_name: str, sweep: dict | None = None) -> TrainResult:
+        """One trial of a sweep: an ordinary fit under the trial's name, with the sweep's callbacks, its
+        config tagged with the trial (`sweep`, which its registry row keeps)."""
         arguments = dict(arguments)
         model, train_data = arguments.pop("model"), arguments.pop("train_data")
         callbacks = [*arguments.pop("callbacks", ()), *callbacks]
-        return Trainer(self.config, name=trial_name).fit(model, train_data, callbacks=callbacks, **arguments)
+        return Trainer(self.config, name=trial_name, sweep=sweep).fit(model, train_data, callbacks=callbacks,
+                                                                      **arguments)
 
 
 def _finished(result, model, config, **objective) -> TrainResult:

@@ -15,7 +15,7 @@ from gpunb.config_flags import (RENAMED, add_config_flags, as_flag_hints, config
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gpunb"
 # functions, and `slurm`, a mapping the magic gathers from --partition, --time, ... and --slurm KEY=VALUE
-SET_IN_PYTHON = {"transforms", "batch_size_fn", "slurm"}
+SET_IN_PYTHON = {"transforms", "batch_size_fn", "slurm", "sweep"}
 
 
 def parse(argv, config_class=TrainConfig) -> dict:

@@ -29,7 +29,8 @@ from gpunb.runs.journal import enable_wal
 
 RUN_KEYS = {"id", "name", "notebook", "kernel_id", "pid", "host", "status", "config", "started_at",
             "ended_at", "updated_at", "progress", "step", "total_steps", "epoch", "eta_s", "latest",
-            "device", "energy_j", "error", "best", "heartbeat_at", "stop_requested", "job", "stop_reason"}
+            "device", "energy_j", "error", "best", "heartbeat_at", "stop_requested", "job", "stop_reason",
+            "sweep"}
 
 
 @pytest.fixture

@@ -227,7 +227,7 @@ async def test_the_eta_is_counted_down_to_now_by_the_servers_clock(jp_fetch, reg
 
 async def test_runs_is_empty_without_a_registry_file(jp_fetch, gpunb_home):
     code, body = await fetch_json(jp_fetch, "GET", "runs")
-    assert (code, body) == (200, {"runs": []})
+    assert (code, body) == (200, {"runs": [], "sweeps": []})
 
 
 async def test_run_detail_has_history(jp_fetch, running_run):

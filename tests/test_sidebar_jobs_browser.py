@@ -149,3 +149,59 @@ def test_sidebar_shows_a_waiting_slurm_job_and_cancels_it_and_stops_then_cancels
         row = registry.get_run(training_id, with_history=False)
         assert (row["status"], row["job"]["state"]) == ("cancelled", "CANCELLED")
         page.screenshot(path=screenshots / "sidebar-jobs-cancelled.png")
+
+
+def _trial(registry: Registry, sweep: str, number: int, status: str, value: float | None = None,
+           stop_reason: str | None = None) -> str:
+    """A sweep's trial as its recorder writes it (this test's process stands in for the live one)."""
+    tag = {"name": sweep, "trial": number, "trials": 4, "monitor": "val_loss", "direction": "minimize"}
+    run_id = registry.start_run(f"{sweep}-t{number}", config={"sweep": tag}, total_steps=1000)
+    registry.update(run_id, step=120, progress=0.12, latest={"loss": 0.5, **({"val_loss": value} if value else {})})
+    if status != "running":
+        registry.finish(run_id, status, stop_reason=stop_reason)
+    return run_id
+
+
+def test_sidebar_shows_a_sweep_as_one_card_with_its_trials_and_stops_the_whole_sweep(tmp_path, screenshots):
+    require_browser()
+    if not (BUILT / "package.json").exists():
+        pytest.skip("the sidebar is not built: `pip install -e .` or `cd labextension && jlpm build`")
+    screenshots.mkdir(parents=True, exist_ok=True)
+    registry = Registry(tmp_path / "gpunb" / "runs.sqlite")
+    alone = registry.start_run("alone", total_steps=1000)
+    best = _trial(registry, "lr search", 0, "completed", value=0.4)
+    _trial(registry, "lr search", 1, "stopped", value=0.9, stop_reason="pruned by the sweep at step 40 (val_loss=0.9)")
+    running = _trial(registry, "lr search", 2, "running")
+    with jupyter_lab(tmp_path) as url, chromium_page(url) as page:
+        page.locator(".jp-SideBar.jp-mod-left [data-id='gpunb-sidebar']").click()
+        panel = page.locator("#gpunb-sidebar")
+        card = panel.locator(".jp-gpunb-sweep[data-sweep='lr search']")
+        card.wait_for()
+        # One card for the sweep, its trials inside (not cards of their own); other runs as before.
+        assert card.get_attribute("data-state") == "running"
+        assert card.locator(".jp-gpunb-sweep-summary").inner_text() == "2 / 4 trials · best val_loss 0.4 (trial 0)"
+        states = [(t.get_attribute("data-run-id"), t.get_attribute("data-state"))
+                  for t in card.locator(".jp-gpunb-trial").all()]
+        assert [state for _, state in states] == ["complete", "pruned", "running"]
+        assert panel.locator(f".jp-gpunb-run[data-run-id='{running}']").count() == 0
+        assert panel.locator(f".jp-gpunb-run[data-run-id='{alone}']").count() == 1
+        assert "jp-mod-best" in card.locator(f".jp-gpunb-trial[data-run-id='{best}']").get_attribute("class")
+        assert card.locator(f".jp-gpunb-trial[data-run-id='{running}'] .jp-gpunb-stop").inner_text() == "Stop"
+        page.locator(".jp-Launcher").wait_for()
+        page.screenshot(path=screenshots / "sidebar-sweep.png")
+
+        # The sweep's own Stop: after a confirmation, the sweep is asked to stop and its running trial too.
+        card.locator(".jp-gpunb-stop-sweep").click()
+        dialog = page.locator(".jp-Dialog")
+        assert "no more trials" in dialog.inner_text()
+        dialog.get_by_role("button", name="Stop sweep").click()
+        panel.locator(".jp-gpunb-sweep[data-sweep='lr search'][data-state='stopping']").wait_for()
+        assert registry.sweep_stops() == {"lr search": "the sweep was stopped from the sidebar"}
+        assert registry.get_run(running, with_history=False)["stop_requested"]
+        assert not registry.get_run(alone, with_history=False)["stop_requested"]
+        card.locator(f".jp-gpunb-trial[data-run-id='{running}'][data-state='stopping']").wait_for()
+
+        # The trial stops at its next step (its recorder ends the row): the sweep has stopped.
+        registry.finish(running, "stopped", stop_reason="stopped from the sidebar")
+        panel.locator(".jp-gpunb-sweep[data-sweep='lr search'][data-state='stopped']").wait_for()
+        assert card.locator(".jp-gpunb-stop-sweep").count() == 0

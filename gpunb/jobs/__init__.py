@@ -35,7 +35,10 @@ def stop(name_or_run_id: str) -> str:
     """Ask a run (by run name, a running one first, or run id) to stop at its next step, keeping its
     weights and writing a checkpoint; for a job, a second call (or one while it waits in the queue)
     cancels it. Returns "stopping", "cancelled", or the status of a run that has ended. Neither a
-    kernel restart nor an interrupt of a cell that follows a job stops the job: this does."""
+    kernel restart nor an interrupt of a cell that follows a job stops the job: this does.
+
+    The name of a sweep stops the whole sweep: its kernel asks no more trials, and its running trials
+    stop at their next step, their checkpoints kept ("ended" once all its trials ended or it stopped)."""
     from gpunb.jobs.lookup import stop as stop_run
 
     return stop_run(name_or_run_id)

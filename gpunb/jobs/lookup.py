@@ -140,6 +140,30 @@ def stop_job(registry, run: dict, by: str = "the sidebar") -> bool:
     return True
 
 
+def stop_sweep(registry, name: str, by: str = "the sidebar") -> bool:
+    """The sidebar's Stop of a whole sweep (or gpunb.stop of its name): recorded for the sweep's loop,
+    which asks no more trials (sweeps/control.py), and each trial still running asked to stop at its
+    next step, its checkpoint kept; a trial's job still waiting in its queue, with no step to stop at,
+    is cancelled. Done here too, so that a sweep whose kernel died stops. Between two trials in the
+    kernel none runs, and the stop waits for the loop. False: no such sweep, or it has ended (all its
+    trials, or stopped before)."""
+    from gpunb.runs.sweep_cards import sweep_card
+
+    trials = registry.sweep_runs(name)
+    if not trials or sweep_card(name, trials, registry.sweep_stops().get(name))["state"] in ("completed", "stopped"):
+        return False
+    registry.request_sweep_stop(name, f"the sweep was stopped from {by}")
+    for run in trials:
+        asked = run.get("stop_requested") or (run.get("job") and os.path.exists(os.path.join(run["job"]["folder"],
+                                                                                             "stop")))
+        if run["status"] not in ("queued", "running") or (asked and run["status"] == "running"):
+            continue  # ended, or asked to stop already (a second request would cancel a job)
+        if run.get("job"):
+            stop_job(registry, run, by=by)
+        registry.request_stop(run["id"])  # the sidebar shows "stopping…"; a run in a kernel stops at its next log
+    return True
+
+
 def stop(name_or_run_id: str) -> str:
     """gpunb.stop: see gpunb/jobs/__init__.py."""
     from gpunb.runs import Registry
@@ -149,9 +173,11 @@ def stop(name_or_run_id: str) -> str:
     if row is None:
         rows = [r for r in registry.list_runs(limit=SEARCHED) if r["name"] == name_or_run_id]
         row = next((r for r in rows if r["status"] in ("queued", "running")), rows[0] if rows else None)
+    if row is None and registry.sweep_runs(name_or_run_id):
+        return "stopping" if stop_sweep(registry, name_or_run_id, by="gpunb.stop") else "ended"
     if row is None:
-        raise GpunbError(f"{name_or_run_id!r} names no run in the run registry.",
-                         "pass a run's name or id; `gpunb.runs()` lists them.")
+        raise GpunbError(f"{name_or_run_id!r} names no run nor sweep in the run registry.",
+                         "pass a run's name or id, or a sweep's name; `gpunb.runs()` lists them.")
     asked_before = row.get("stop_requested") or (row.get("job") and os.path.exists(
         os.path.join(row["job"]["folder"], "stop")))
     if row.get("job") and stop_job(registry, row, by="gpunb.stop"):

@@ -59,12 +59,11 @@ def run_dir(state) -> Path:
     """This fit's directory, `<root>/<run name>-<n>` with the first free n; the same for all its loggers."""
     if LOG_DIR_KEY not in state.extras:
         root = log_root(state.config, state)
-        root.mkdir(parents=True, exist_ok=True)
         name = "".join(c if c.isalnum() or c in "-_." else "_" for c in state.run_name)
         number = 1
         while True:
             try:
-                (root / f"{name}-{number}").mkdir()
+                (root / f"{name}-{number}").mkdir(parents=True)  # the root too, whoever probed it before
                 break
             except FileExistsError:
                 number += 1
@@ -219,10 +218,25 @@ def check_destinations(loggers, config) -> None:
         if directory is None:
             continue
         try:
-            probe_writable(directory)
+            _probe(Path(directory))
         except OSError as error:
             raise GpunbError(f"{type(logger).__name__} cannot write its logs to {directory}: "
                              f"{type(error).__name__}: {error.strerror or error}.",
                              "pass a `log_dir` you can write to (one under your home directory, say; a logger "
                              "object takes its own `log_dir` or `dir`), or `loggers=()` to train without loggers."
                              ) from error
+
+
+def _probe(directory: Path) -> None:
+    """`directory` can be made and written in; the folders the probe made are removed again, so
+    that a check alone leaves nothing behind (a job's kernel checks its loggers, which write in the
+    job's folder: no empty ./gpunb_logs where the notebook runs)."""
+    made = [folder for folder in (directory, *directory.parents) if not folder.exists()]  # deepest first
+    try:
+        probe_writable(directory)
+    finally:
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:  # something was written there meanwhile: it stays
+                break

@@ -55,10 +55,12 @@ def run_sweep_cell(shell, args, line, cell, config, settings, view=None):
 
     def build(trial):
         before = {name: id(value) for name, value in shell.user_ns.items()}
-        if not shell.run_cell(cell, store_history=False).success:
+        ran = shell.run_cell(cell, store_history=False)
+        if not ran.success:
+            error = ran.error_in_exec or ran.error_before_exec
             raise CellFailed(f"the cell raised while building trial {getattr(trial, 'number', '')} "
-                             "(its traceback is above).", "fix the cell: it runs once per trial, with "
-                             "that trial's values for each gpunb.suggest.")
+                             f"({type(error).__name__}: {error}; its traceback is above).", "fix the cell: it "
+                             "runs once per trial, with that trial's values for each gpunb.suggest.")
         found = collect(shell.user_ns, args, before, named, required=REQUIRED)
         return {role: found[role] for role in ("model", "train_data", "val_data", "optimizer", "scheduler",
                                                "loss_fn", "step", "metrics")} | {"callbacks": found["callbacks"]}
@@ -66,7 +68,7 @@ def run_sweep_cell(shell, args, line, cell, config, settings, view=None):
     sweep = Trainer(config).sweep(build, settings.trials, monitor=settings.monitor, direction=settings.direction,
                                   sampler=settings.sampler, prune=settings.prune, seed=settings.seed,
                                   on_trial=ended, callbacks=[view] if view is not None else [],
-                                  parallel=args.parallel)
+                                  parallel=args.parallel, key=f"{line}\n{cell}")
     if sweep.best_model is not None:
         shell.user_ns[args.model_name] = sweep.best_model
         sweep.best_result.sweep = sweep

@@ -56,6 +56,7 @@ CREATE TABLE IF NOT EXISTS runs (
     heartbeat_at REAL,                         -- stamped every few seconds by the running run's own thread
     job TEXT,                                  -- a run as a job: cluster, job id, folder, nodes, scheduler state
     stop_reason TEXT,                          -- a stopped or cancelled run: who or what ended it, in words
+    sweep TEXT,                                -- a sweep's trial: the sweep's name, the trial's number, ...
     metric_seq INTEGER NOT NULL DEFAULT 0,     -- metric points added so far
     metric_stride INTEGER NOT NULL DEFAULT 1   -- keep every stride-th point (doubles when full)
 );
@@ -65,15 +66,19 @@ CREATE TABLE IF NOT EXISTS metrics (
     PRIMARY KEY (run_id, seq)
 );
 CREATE TABLE IF NOT EXISTS stop_requests (run_id TEXT PRIMARY KEY, requested_at REAL);
+CREATE TABLE IF NOT EXISTS sweep_stops (sweep TEXT PRIMARY KEY, requested_at REAL, reason TEXT);
 """
 _RUN_COLUMNS = ("id", "name", "notebook", "kernel_id", "pid", "host", "status", "config",
                 "started_at", "ended_at", "updated_at", "progress", "step", "total_steps",
-                "epoch", "eta_s", "latest", "device", "energy_j", "error", "best", "heartbeat_at", "job", "stop_reason")
+                "epoch", "eta_s", "latest", "device", "energy_j", "error", "best", "heartbeat_at", "job", "stop_reason",
+                "sweep")
 _UPDATABLE = ("progress", "step", "total_steps", "epoch", "eta_s", "latest", "device", "energy_j")
 # what a reopened run takes from the process that goes on with it (the rest is the run's own)
-_REOPENED = ("notebook", "kernel_id", "pid", "pid_started", "host", "config", "updated_at", "total_steps", "device")
+_REOPENED = ("notebook", "kernel_id", "pid", "pid_started", "host", "config", "updated_at", "total_steps", "device",
+             "sweep")
 _AFTER_CANCEL = "('failed', 'interrupted')"  # what a cancelled job's dying ranks report, never its end
-_ADDED_COLUMNS = {"best": "TEXT", "heartbeat_at": "REAL", "job": "TEXT", "stop_reason": "TEXT"}  # columns newer than the first registries
+# columns newer than the first registries
+_ADDED_COLUMNS = {"best": "TEXT", "heartbeat_at": "REAL", "job": "TEXT", "stop_reason": "TEXT", "sweep": "TEXT"}
 
 
 # The registry files this process has made or checked, by path, with each file's identity then: a
@@ -136,7 +141,9 @@ class Registry:
         pid/host/notebook/kernel_id default to this process's; `started_at` to now. `reopen`:
         the run `run_id` goes on (a continued fit): running again in this process, its start,
         history and counters kept; recorded anew if it was removed meanwhile. `status="queued"`
-        with `job`: a job submitted to a scheduler, which becomes running when the job starts.
+        with `job`: a job submitted to a scheduler, which becomes running when the job starts. A
+        sweep's trial says so in its config (`config["sweep"]`: the sweep's name, the trial's number),
+        which its row keeps in a column of its own.
         """
         run_id = run_id or uuid.uuid4().hex
         now = started_at or time.time()
@@ -148,6 +155,8 @@ class Registry:
                "latest": "{}", "step": 0}
         if job is not None:
             row["job"] = _dumps(job)
+        if (config or {}).get("sweep"):
+            row["sweep"] = _dumps(config["sweep"])
         insert = f"INSERT INTO runs ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})"
         if reopen:
             insert += (" ON CONFLICT(id) DO UPDATE SET status = 'running', ended_at = NULL, error = NULL, "
@@ -239,6 +248,19 @@ class Registry:
                                   (time.time(), run_id)).rowcount
         return inserted == 1
 
+    def request_sweep_stop(self, sweep: str, reason: str) -> list[dict]:
+        """Record that the sweep `sweep` is to stop (its kernel asks no more trials and stops the ones it
+        runs), `reason` saying who asked, in words; returns its trials' rows (newest first)."""
+        with self._write() as db:
+            db.execute("INSERT OR REPLACE INTO sweep_stops (sweep, requested_at, reason) VALUES (?, ?, ?)",
+                       (sweep, time.time(), reason))
+        return self.sweep_runs(sweep)
+
+    def clear_sweep_stop(self, sweep: str) -> None:
+        """The sweep runs again (its cell run anew): an earlier stop of it no longer stands."""
+        with self._write() as db:
+            db.execute("DELETE FROM sweep_stops WHERE sweep = ?", (sweep,))
+
     def remove(self, run_ids: list[str]) -> list[str]:
         """Delete these runs and their metrics, except live ones; returns the ids removed.
 
@@ -269,6 +291,18 @@ class Registry:
         with self._read(single=True) as db:
             # fetchall steps the statement to its end, which ends its read at once
             return bool(db.execute("SELECT 1 FROM stop_requests WHERE run_id = ?", (run_id,)).fetchall())
+
+    def sweep_stops(self) -> dict[str, str]:
+        """The sweeps asked to stop: each one's reason, by the sweep's name."""
+        with self._read(single=True) as db:
+            return dict(db.execute("SELECT sweep, reason FROM sweep_stops").fetchall())
+
+    def sweep_runs(self, sweep: str) -> list[dict]:
+        """The trials of the sweep `sweep`, newest first."""
+        with self._read() as db:
+            rows = db.execute(f"SELECT {self._select()} FROM runs WHERE json_extract(sweep, '$.name') = ? "
+                              "ORDER BY started_at DESC, rowid DESC", (sweep,)).fetchall()
+        return self._mark_dead([self._run_dict(row) for row in rows])
 
     def list_runs(self, limit: int = 100, series: bool = False) -> list[dict]:
         """The newest `limit` runs, newest first (runs whose process died are marked failed).
@@ -313,6 +347,7 @@ class Registry:
         run["latest"] = json.loads(run["latest"] or "{}")
         run["best"] = json.loads(run["best"] or "{}")
         run["job"] = json.loads(run["job"]) if run["job"] else None
+        run["sweep"] = json.loads(run["sweep"]) if run["sweep"] else None
         run["stop_requested"] = bool(row[-1])
         run["_pid_started"] = row[-2]
         return run

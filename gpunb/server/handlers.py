@@ -1,4 +1,5 @@
-"""REST handlers under `<base_url>/gpunb/api/`: devices, runs, one run (read, delete), stop a run.
+"""REST handlers under `<base_url>/gpunb/api/`: devices, runs (and the sweeps they are trials of), one
+run (read, delete), stop a run, stop a sweep.
 
 NVML and SQLite calls block, so each one runs in a worker thread, never on the
 server's event loop, and the two kinds run in separate thread pools: a registry
@@ -83,8 +84,8 @@ class DevicesHandler(GpunbHandler):
 class RunsHandler(GpunbHandler):
     @web.authenticated
     async def get(self):
-        runs = await self.registry_call(_list_runs)
-        self.reply({"runs": runs})
+        runs, sweeps = await self.registry_call(_runs_and_sweeps)
+        self.reply({"runs": runs, "sweeps": sweeps})
 
 
 class RunHandler(GpunbHandler):
@@ -107,6 +108,14 @@ class RunHandler(GpunbHandler):
             raise web.HTTPError(404, f"No run with id {run_id}.")
         else:
             raise web.HTTPError(409, f"Run {run_id} is running ({run['where']}); stop it before removing it.")
+
+
+def _runs_and_sweeps(registry: Registry) -> tuple[list[dict], list[dict]]:
+    """The runs, and one card per sweep that any of them is a trial of (runs/sweep_cards.py)."""
+    from gpunb.runs.sweep_cards import sweep_cards
+
+    runs = _list_runs(registry)
+    return runs, sweep_cards(registry, runs)
 
 
 def _list_runs(registry: Registry) -> list[dict]:
@@ -165,6 +174,28 @@ class StopHandler(GpunbHandler):
             raise web.HTTPError(409, f"Run {run_id} is {run['status']}; only a running run can be stopped.")
 
 
+def _stop_sweep(registry: Registry, name: str) -> bool | None:
+    """True: asked; False: the sweep has ended; None: no sweep of that name."""
+    from gpunb.jobs.lookup import stop_sweep
+
+    if not registry.sweep_runs(name):
+        return None
+    return stop_sweep(registry, name)
+
+
+class SweepStopHandler(GpunbHandler):
+    @web.authenticated
+    async def post(self, name: str):
+        accepted = await self.registry_call(_stop_sweep, name)
+        if accepted:
+            self.reply({"sweep": name, "stop_requested": True}, status=202)
+        elif accepted is None:
+            raise web.HTTPError(404, f"No sweep named {name!r}.")
+        else:
+            raise web.HTTPError(409, f"Sweep {name!r} has ended (all its trials, or stopped before); "
+                                     "there is nothing to stop.")
+
+
 def setup_handlers(web_app) -> None:
     settings = web_app.settings
     settings["gpunb_registry_path"] = default_path()  # $GPUNB_HOME/runs.sqlite, created on first use
@@ -180,5 +211,6 @@ def setup_handlers(web_app) -> None:
             (url_path_join(api, "runs"), RunsHandler),
             (url_path_join(api, "runs", r"([^/]+)"), RunHandler),
             (url_path_join(api, "runs", r"([^/]+)", "stop"), StopHandler),
+            (url_path_join(api, "sweeps", r"([^/]+)", "stop"), SweepStopHandler),
         ],
     )

@@ -11,6 +11,10 @@ A trial's job has a key made of the sweep's name and the trial's number: running
 again (after a kernel restart) finds the study's running trials' jobs and follows them
 instead of asking new ones. The kernel's interrupt stops the running trials at their next
 step and asks no more; a second one cancels them; a kernel shutting down leaves them running.
+
+A trial that fails is recorded failed and its slot takes the next trial: its job raised (an
+error, an OOM the runtime could not recover) or died, or its build raised for its values. The
+first trial this run of the cell builds raising is raised at once (trials.py says why).
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from gpunb.sweeps.control import trial_tag
 from gpunb.sweeps.space import trial_values
-from gpunb.sweeps.study import SweepSettings, open_study
-from gpunb.sweeps.trials import Curve, Pruning, TrialRow, better, tell, trial_value
+from gpunb.sweeps.study import SweepSettings, asked, open_study
+from gpunb.sweeps.trials import Curve, Pruning, TrialRow, better, build_trial, failed, tell, trial_value
 
 POLL_S = 0.1  # how often the running trials' events are read
 
@@ -40,35 +45,45 @@ def trial_key(name: str, number: int) -> str:
 
 
 def run_trial_jobs(build, start, settings: SweepSettings, folder, name: str, parallel: int, *,
-                   space: dict | None = None, on_trial=None):
+                   space: dict | None = None, on_trial=None, stop=None):
     """Run the sweep's trials as jobs, `parallel` at a time; returns (rows, study, best) as run_trials.
 
     `start(arguments, callbacks, trial_name, key)` submits (or finds) one trial's job and returns
-    its Follower."""
+    its Follower. `stop`: a SweepStop; once asked, the running trials stop and no more are asked."""
     from gpunb.jobs.interrupts import KernelInterrupts
 
     study = open_study(folder, name, settings.check(), space)
     running = [_reattach(study, frozen, build, start, settings, name) for frozen in _running_trials(study)]
-    to_ask = max(0, settings.trials - len(study.trials))
+    to_ask = max(0, settings.trials - len(asked(study.trials)))
     rows, best, stopping = [], None, False
+
+    def ended(row: TrialRow) -> None:
+        rows.append(row)
+        if on_trial is not None:
+            on_trial(row)
+
     with KernelInterrupts() as interrupts:
         while running or (to_ask and not stopping):
+            if stop is not None and stop.stops(entry.follower for entry in running):  # before any ask
+                stopping = True
             while to_ask and not stopping and len(running) < parallel:
-                running.append(_start(study.ask(), build, start, settings, name))
+                started = _start(study.ask(), build, start, settings, name, first=not (rows or running))
                 to_ask -= 1
+                if isinstance(started, _Running):
+                    running.append(started)
+                else:  # its build failed: told failed, and the slot takes the next trial
+                    ended(started)
             stopping = _interrupts(interrupts, running) or stopping
             if stopping is None:  # the kernel shuts down: the jobs go on, a re-run follows them
                 return rows, study, None
             for entry in list(running):
-                ended = _poll(entry, settings)
-                if ended is not None:
+                result = _poll(entry, settings)
+                if result is not None:
                     running.remove(entry)
                     tell(study, entry.trial, entry.row)
-                    rows.append(entry.row)
-                    if on_trial is not None:
-                        on_trial(entry.row)
-                    if ended is not True and (best is None or better(entry.row, best[0], settings)):
-                        best = (entry.row, entry.arguments["model"], ended)
+                    ended(entry.row)
+                    if result is not True and (best is None or better(entry.row, best[0], settings)):
+                        best = (entry.row, entry.arguments["model"], result)
             time.sleep(POLL_S)
     return rows, study, best
 
@@ -79,22 +94,19 @@ def _running_trials(study) -> list:
     return [frozen for frozen in study.trials if frozen.state == TrialState.RUNNING]
 
 
-def _start(trial, build, start, settings: SweepSettings, name: str) -> _Running:
+def _start(trial, build, start, settings: SweepSettings, name: str, first: bool):
+    """The trial's job, submitted: its _Running; or its row, failed, when its build or submission
+    raised (raised instead when it is the `first` this run builds: a mistake every trial would make)."""
     row = TrialRow(trial.number, {}, "running", run_name=f"{name}-t{trial.number}")
     try:
-        with trial_values(trial=trial):
-            arguments = build(trial)
+        arguments = build_trial(trial, build, settings)
         row.params = dict(trial.params)
-        if arguments.get("val_data") is None:
-            from gpunb.runtime.validation.monitor import Monitor
-
-            Monitor(settings.monitor).check_produced(None, "The sweep")
         return _submitted(trial, row, arguments, start, settings, name)
-    except BaseException:
-        from optuna.trial import TrialState
-
-        trial.study.tell(trial, state=TrialState.FAIL)  # no trial is left "running" in the study
-        raise
+    except BaseException as error:
+        tell(trial.study, trial, failed(row, trial, error))  # no trial is left "running" in the study
+        if first or not isinstance(error, Exception):
+            raise
+        return row
 
 
 def _reattach(study, frozen, build, start, settings: SweepSettings, name: str) -> _Running:
@@ -111,7 +123,8 @@ def _reattach(study, frozen, build, start, settings: SweepSettings, name: str) -
 
 def _submitted(trial, row, arguments, start, settings, name: str, reported=()) -> _Running:
     pruning = Pruning(trial, settings.monitor, reported)
-    follower = start(arguments, [pruning, Curve(row, settings.monitor)], row.run_name, trial_key(name, row.number))
+    follower = start(arguments, [pruning, Curve(row, settings.monitor)], row.run_name, trial_key(name, row.number),
+                     sweep=trial_tag(name, row.number, settings))
     pruning.stop = follower.stop  # a job stops at its next step through its stop file
     return _Running(trial, row, follower, pruning, arguments, time.perf_counter())
 
@@ -121,8 +134,8 @@ def _poll(entry: _Running, settings: SweepSettings):
     row = entry.row
     try:
         result = entry.follower.poll()
-    except Exception as error:  # noqa: BLE001 - a failed trial is recorded and the sweep goes on
-        row.state, row.error = "failed", f"{type(error).__name__}: {error}"
+    except Exception as error:  # noqa: BLE001 - its job raised or died: recorded, and the sweep goes on
+        failed(row, entry.trial, error).seconds = time.perf_counter() - entry.started
         return True
     if result is None:
         return None

@@ -67,16 +67,9 @@ def optuna_module():
 def open_study(folder: Path, name: str, settings: SweepSettings, space: dict | None = None):
     """The study in `folder/study.log`: created, or loaded when a sweep of this name began before."""
     optuna = optuna_module()
-    from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
-
     grid = grid_of(space or {}, settings) if settings.sampler == "grid" else None
     folder.mkdir(parents=True, exist_ok=True)
-    path = str(folder / "study.log")
-    # The kernel is the study's only writer and holds its lock for one append: a lock older than a
-    # few seconds was left by a kernel that died writing, and is taken over (3 s: the least Optuna advises).
-    storage = JournalStorage(JournalFileBackend(path, lock_obj=JournalFileSymlinkLock(path, grace_period=3)))
-    study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True,
+    study = optuna.create_study(study_name=name, storage=_storage(folder), load_if_exists=True,
                                 direction=settings.resolved_direction(), sampler=_sampler(optuna, settings),
                                 pruner=_pruner(optuna, settings.prune))
     if grid and not study.trials:
@@ -87,6 +80,33 @@ def open_study(folder: Path, name: str, settings: SweepSettings, space: dict | N
         # trials again. Seeded by the trials it has, it goes on deterministically with new ones.
         study.sampler = _sampler(optuna, dataclasses.replace(settings, seed=settings.seed + len(study.trials)))
     return study
+
+
+def unfinished(folder: Path, name: str, trials: int) -> bool:
+    """Whether the sweep in `folder` has trials still running, or fewer than `trials`."""
+    optuna = optuna_module()
+    try:
+        held = optuna.load_study(study_name=name, storage=_storage(folder)).trials
+    except KeyError:  # a folder without the study (its first trial never asked)
+        return True
+    return len(asked(held)) < trials or any(t.state == optuna.trial.TrialState.RUNNING for t in held)
+
+
+def asked(trials: list) -> list:
+    """The trials asked for so far (a grid's points wait in the study until they are)."""
+    from optuna.trial import TrialState
+
+    return [trial for trial in trials if trial.state != TrialState.WAITING]
+
+
+def _storage(folder: Path):
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
+
+    path = str(folder / "study.log")
+    # The kernel is the study's only writer and holds its lock for one append: a lock older than a
+    # few seconds was left by a kernel that died writing, and is taken over (3 s: the least Optuna advises).
+    return JournalStorage(JournalFileBackend(path, lock_obj=JournalFileSymlinkLock(path, grace_period=3)))
 
 
 def _sampler(optuna, settings: SweepSettings):

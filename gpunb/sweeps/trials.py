@@ -4,9 +4,14 @@ Each trial is an ordinary fit (its own registry row, named after the sweep and t
 built afresh by `build(trial)` under the trial's values, so `gpunb.suggest` in the user's
 code answers for that trial. The kernel is the study's only writer. A trial is pruned at a
 validation by the study's pruner and stops at the next step boundary (with its checkpoint
-when the run keeps them); a trial that fails is told failed with its message, and the
-sweep goes on. The best trial's model is kept (on the CPU while later trials train) and
-handed back at the end; every other trial's objects are freed before the next one is built.
+when the run keeps them). The best trial's model is kept (on the CPU while later trials train)
+and handed back at the end; every other trial's objects are freed before the next one is built.
+
+A trial that fails is told failed (`TrialState.FAIL`), its row says why, and the sweep goes
+on: its fit raised, ran out of memory beyond what the runtime recovers, or its job died; or
+its build raised for its values (a width the model refuses). Only the first trial a sweep
+builds is different: its build raising is a mistake in the cell that every trial would make,
+raised at once (the trial told failed, no trial left running).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass, field
 
 from gpunb.errors import GpunbError
 from gpunb.runtime.validation.monitor import Monitor
+from gpunb.sweeps.control import trial_tag
 from gpunb.sweeps.space import trial_values
 from gpunb.sweeps.study import SweepSettings, open_study
 
@@ -58,20 +64,23 @@ class TrialRow:
 
 
 def run_trials(build, fit, settings: SweepSettings, folder, name: str, *, space: dict | None = None,
-               on_trial=None, watch=()):
+               on_trial=None, watch=(), stop=None):
     """Run `settings.trials` trials one after another; returns (rows, study, best).
 
     `build(trial)` -> fit's arguments (model, train_data, ...); `fit(arguments, callbacks, trial_name)` -> TrainResult.
     `on_trial(row)`: called as each trial ends. `watch`: callbacks that every trial's fit calls too,
     given the trial's row (`watcher.trial = row`) before it starts (a live view of the sweep).
     `best`: (row, model, result) of the best completed trial, or None when none completed.
+    `stop`: a SweepStop; once asked, no trial is asked any more (one of `watch` stops the running one).
     """
     study = open_study(folder, name, settings.check(), space)
     rows, best = [], None
     for _ in range(settings.trials):
+        if stop is not None and stop.asked():
+            break
         trial = study.ask()
         try:
-            row, kept = _one_trial(trial, build, fit, settings, name, first=not rows, watch=watch)
+            row, kept = _one_trial(trial, build, fit, settings, name, first=not rows, watch=watch, stop=stop)
         except BaseException:
             tell(study, trial, TrialRow(trial.number, {}, "failed"))  # no trial is left "running"
             raise
@@ -91,7 +100,7 @@ def run_trials(build, fit, settings: SweepSettings, folder, name: str, *, space:
     return rows, study, best and best[:3]
 
 
-def _one_trial(trial, build, fit, settings: SweepSettings, name: str, first: bool, watch=()):
+def _one_trial(trial, build, fit, settings: SweepSettings, name: str, first: bool, watch=(), stop=None):
     """Build and fit one trial; its row, and (model, result) when it completed."""
     started = time.perf_counter()
     row = TrialRow(trial.number, {}, "running", run_name=f"{name}-t{trial.number}")
@@ -99,25 +108,22 @@ def _one_trial(trial, build, fit, settings: SweepSettings, name: str, first: boo
         watcher.trial = row
     pruning = Pruning(trial, settings.monitor)
     try:
-        with trial_values(trial=trial):
-            arguments = build(trial)
-        row.params = dict(trial.params)
-        if arguments.get("val_data") is None:  # the objective is a validation metric
-            Monitor(settings.monitor).check_produced(None, "The sweep")
-        result = fit(arguments, [pruning, Curve(row, settings.monitor), *watch], row.run_name)
-    except Exception as error:  # noqa: BLE001 - a trial that fails is recorded and the sweep goes on
-        if first and isinstance(error, GpunbError):  # a mistake in the set-up fails every trial alike
+        arguments = build_trial(trial, build, settings)
+    except Exception as error:  # noqa: BLE001 - a later trial's values may not build: recorded
+        if first:  # the first build: a mistake in the cell, which every trial would make
             raise
-        row.state = "failed"
-        row.error = f"{type(error).__name__}: {error}"
-        row.params = dict(trial.params)
-        row.seconds = time.perf_counter() - started
-        return row, None
+        return failed(row, trial, error, started), None
+    row.params = dict(trial.params)
+    try:
+        result = fit(arguments, [pruning, Curve(row, settings.monitor), *watch], row.run_name,
+                     sweep=trial_tag(name, trial.number, settings))
+    except Exception as error:  # noqa: BLE001 - a trial that fails is recorded and the sweep goes on
+        return failed(row, trial, error, started), None
     row.steps, row.seconds = result.steps, time.perf_counter() - started
     if pruning.pruned_at is not None:
         row.state, row.pruned_at = "pruned", pruning.pruned_at
         return row, None
-    if result.interrupted:
+    if result.interrupted or (result.stop_reason and stop is not None and stop.asked()):  # the sweep's stop
         row.state, row.error = "stopped", result.stop_reason or "stopped"
         return row, None
     row.value = trial_value(result, arguments, settings.monitor)
@@ -126,6 +132,25 @@ def _one_trial(trial, build, fit, settings: SweepSettings, name: str, first: boo
         Monitor(settings.monitor).check_produced(produced or None, "The sweep")
     row.state = "complete"
     return row, (arguments["model"], result)
+
+
+def build_trial(trial, build, settings: SweepSettings) -> dict:
+    """The trial's fit arguments, built by `build(trial)` under the trial's values."""
+    with trial_values(trial=trial):
+        arguments = build(trial)
+    if arguments.get("val_data") is None:  # the objective is a validation metric
+        Monitor(settings.monitor).check_produced(None, "The sweep")
+    return arguments
+
+
+def failed(row: TrialRow, trial, error: BaseException, started: float | None = None) -> TrialRow:
+    """The row of a trial that failed and why: gpunb's own errors by what happened (a job's error
+    without the job's traceback), others by their type and message."""
+    row.state, row.params = "failed", dict(trial.params)
+    row.error = error.what if isinstance(error, GpunbError) else f"{type(error).__name__}: {error}"
+    if started is not None:
+        row.seconds = time.perf_counter() - started
+    return row
 
 
 class Curve:

@@ -90,6 +90,38 @@ export interface IRun {
   losses?: [number, number][]; // running runs: the newest (step, loss) pairs
   config?: { [key: string]: unknown };
   job?: IJob | null;
+  sweep?: ISweepTag | null; // a sweep's trial: which sweep, which trial
+}
+
+/** What a sweep's trial records of its sweep (TrainConfig.sweep). */
+export interface ISweepTag {
+  name: string;
+  trial: number;
+  trials: number; // the trials the sweep asks for
+  monitor: string; // its objective, e.g. val_loss
+  direction: 'minimize' | 'maximize';
+}
+
+/** One trial in a sweep's card: its run, its state in the sweep's words, its value. */
+export interface ITrial extends IRun {
+  trial: number;
+  state: string; // complete, pruned, stopping, or the run's status
+  value: number | null; // the monitored value of a completed trial
+}
+
+/** One sweep of GET gpunb/api/runs: its trials grouped in one card. */
+export interface ISweep {
+  name: string;
+  trials: number;
+  done: number; // trials that ended
+  monitor: string;
+  direction: 'minimize' | 'maximize';
+  best: { trial: number; value: number; id: string } | null;
+  state: 'running' | 'stopping' | 'stopped' | 'completed' | 'incomplete';
+  stop_reason: string | null; // the stop of the whole sweep, in words
+  started_at: number | null;
+  updated_at: number | null;
+  runs: ITrial[]; // by trial number
 }
 
 /** One logged point: step, time and whatever metrics were logged there. */

@@ -8,7 +8,14 @@ import { Message } from '@lumino/messaging';
 import { Poll } from '@lumino/polling';
 import * as React from 'react';
 
-import { gpuKey, IDevices, IRun, IRunDetail, requestAPI } from './api';
+import {
+  gpuKey,
+  IDevices,
+  IRun,
+  IRunDetail,
+  ISweep,
+  requestAPI
+} from './api';
 import { RunDetail } from './detail';
 import { Devices, HOST_KEY } from './gpus';
 import { gpuIcon } from './icon';
@@ -67,6 +74,7 @@ export class GpunbPanel extends ReactWidget {
         {/* The list stays while a run is open: a new run and its Stop button are never hidden. */}
         <Runs
           runs={this._runs}
+          sweeps={this._sweeps}
           losses={this._losses}
           error={this._runsError}
           actions={this._actions}
@@ -86,7 +94,7 @@ export class GpunbPanel extends ReactWidget {
   private async _refresh(): Promise<void> {
     const [devices, runs] = await Promise.allSettled([
       requestAPI<IDevices>('devices'),
-      requestAPI<{ runs: IRun[] }>('runs')
+      requestAPI<{ runs: IRun[]; sweeps?: ISweep[] }>('runs')
     ]);
     if (devices.status === 'fulfilled') {
       this._devices = devices.value;
@@ -97,6 +105,7 @@ export class GpunbPanel extends ReactWidget {
     }
     if (runs.status === 'fulfilled') {
       this._runs = runs.value.runs;
+      this._sweeps = runs.value.sweeps ?? [];
       this._recordLosses(this._runs);
       this._runsError = null;
     } else {
@@ -213,6 +222,28 @@ export class GpunbPanel extends ReactWidget {
     void this._poll.refresh();
   }
 
+  private async _stopSweep(sweep: ISweep): Promise<void> {
+    const result = await showDialog({
+      title: 'Stop sweep?',
+      body: `"${sweep.name}" asks no more trials; its running trials stop cleanly at their next step and keep their checkpoints.`,
+      buttons: [
+        Dialog.cancelButton(),
+        Dialog.warnButton({ label: 'Stop sweep' })
+      ]
+    });
+    if (!result.button.accept) {
+      return;
+    }
+    try {
+      await requestAPI(`sweeps/${encodeURIComponent(sweep.name)}/stop`, {
+        method: 'POST'
+      });
+    } catch (error) {
+      void showErrorMessage('Could not stop the sweep', error as Error);
+    }
+    void this._poll.refresh();
+  }
+
   private async _remove(run: IRun): Promise<void> {
     const result = await showDialog({
       title: 'Remove run?',
@@ -241,6 +272,7 @@ export class GpunbPanel extends ReactWidget {
   private _poll: Poll;
   private _devices: IDevices | null = null;
   private _runs: IRun[] = [];
+  private _sweeps: ISweep[] = [];
   private _detail: IRunDetail | null = null;
   private _error: string | null = null;
   private _runsError: string | null = null;
@@ -249,6 +281,7 @@ export class GpunbPanel extends ReactWidget {
   private _actions: IRunActions = {
     onStop: run => void this._stop(run),
     onRemove: run => void this._remove(run),
-    onOpen: run => void this._open(run)
+    onOpen: run => void this._open(run),
+    onStopSweep: sweep => void this._stopSweep(sweep)
   };
 }

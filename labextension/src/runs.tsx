@@ -1,13 +1,15 @@
 import * as React from 'react';
 
-import { IJob, IRun } from './api';
+import { IJob, IRun, ISweep } from './api';
 import { Bar, Sparkline } from './charts';
 import { ago, basename, duration, metric } from './format';
+import { SweepCard, sweepActive } from './sweeps';
 
 export interface IRunActions {
   onStop: (run: IRun) => void;
   onRemove: (run: IRun) => void;
   onOpen: (run: IRun) => void;
+  onStopSweep: (sweep: ISweep) => void;
 }
 
 /** The validation metric a finished card shows: an accuracy-like one first, else a loss. */
@@ -175,43 +177,75 @@ export function jobText(job: IJob, waiting: boolean): string {
   return `${where} · ${size}${state}`;
 }
 
-/** The runs of every kernel, newest first, running runs and waiting jobs on top. */
+type Card = { run: IRun } | { sweep: ISweep };
+
+/** Whether a card's run waits or trains (a sweep's: any of its trials), and when it began. */
+function cardOrder(card: Card): [number, number] {
+  if ('sweep' in card) {
+    return [Number(sweepActive(card.sweep)), card.sweep.updated_at ?? 0];
+  }
+  const { run } = card;
+  return [
+    Number(run.status === 'running' || run.status === 'queued'),
+    run.started_at ?? 0
+  ];
+}
+
+/**
+ * The runs of every kernel, newest first, running runs and waiting jobs on top; a sweep's
+ * trials are one card, the sweep's, with the trials inside.
+ */
 export function Runs(props: {
   runs: IRun[];
+  sweeps: ISweep[];
   losses: Map<string, number[]>;
   error: string | null;
   actions: IRunActions;
   openId: string | null; // the run whose curves are shown below the list
 }): JSX.Element {
-  const active = (run: IRun) =>
-    Number(run.status === 'running' || run.status === 'queued');
-  const runs = [...props.runs].sort(
-    (a, b) =>
-      active(b) - active(a) ||
-      (b.started_at ?? 0) - (a.started_at ?? 0)
+  const inSweep = new Set(
+    props.sweeps.flatMap(sweep => sweep.runs.map(trial => trial.id))
   );
+  const cards: Card[] = [
+    ...props.runs.filter(run => !inSweep.has(run.id)).map(run => ({ run })),
+    ...props.sweeps.map(sweep => ({ sweep }))
+  ];
+  cards.sort((a, b) => {
+    const [activeA, timeA] = cardOrder(a);
+    const [activeB, timeB] = cardOrder(b);
+    return activeB - activeA || timeB - timeA;
+  });
   return (
     <section className="jp-gpunb-section">
       <h3 className="jp-gpunb-heading">Runs</h3>
       {props.error ? (
         <div className="jp-gpunb-error jp-gpunb-runs-error">{props.error}</div>
       ) : null}
-      {runs.length === 0 && !props.error ? (
+      {cards.length === 0 && !props.error ? (
         <div className="jp-gpunb-muted">
           No training runs yet. Runs started with %%gputrain or gpunb.Trainer
           appear here.
         </div>
       ) : (
         <ul className="jp-gpunb-runs">
-          {runs.map(run => (
-            <RunRow
-              key={run.id}
-              run={run}
-              losses={props.losses.get(run.id) ?? []}
-              actions={props.actions}
-              open={run.id === props.openId}
-            />
-          ))}
+          {cards.map(card =>
+            'sweep' in card ? (
+              <SweepCard
+                key={`sweep:${card.sweep.name}`}
+                sweep={card.sweep}
+                actions={props.actions}
+                onStop={props.actions.onStopSweep}
+              />
+            ) : (
+              <RunRow
+                key={card.run.id}
+                run={card.run}
+                losses={props.losses.get(card.run.id) ?? []}
+                actions={props.actions}
+                open={card.run.id === props.openId}
+              />
+            )
+          )}
         </ul>
       )}
     </section>
