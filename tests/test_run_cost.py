@@ -1,7 +1,9 @@
 """What tracking a fit in the run registry costs the fit, pinned without timing: the record is
 whole and on disk when `fit` returns (written by the fit itself, not left to the writer's thread),
 no writer when tracking is off, one schema check per registry file and process, one writer thread
-kept between fits, and a run's end that a locked registry held back is still written at exit."""
+kept between fits, and a run's end that a locked registry held back is still written at exit; and
+what a fit no longer does: open a connection after the process's first fit, read this process's
+start time again, revive or read back a run it is ending, or fsync a commit."""
 
 from __future__ import annotations
 
@@ -187,3 +189,125 @@ def test_a_runs_end_that_a_locked_registry_held_back_past_its_fit_is_written_at_
     run = Registry(path).get_run(done.stdout.strip())
     assert (run["status"], run["step"]) == ("completed", 10)
     assert "waiting up to" in done.stderr  # says why the exit waits
+
+
+class _Traced:
+    """Counts the registry's new connections (those of the training thread, this one, apart) and keeps
+    each statement the training thread runs."""
+
+    def __init__(self, monkeypatch):
+        self.main = threading.get_ident()
+        self.reset()
+        connect = sqlite3.connect
+
+        def traced(*args, **kwargs):
+            self.connections += 1
+            self.main_connections += threading.get_ident() == self.main
+            db = connect(*args, **kwargs)
+            db.set_trace_callback(lambda sql: self.statements.append(sql) if threading.get_ident() == self.main
+                                  else None)
+            return db
+
+        monkeypatch.setattr(registry_module.sqlite3, "connect", traced)
+
+    def reset(self) -> None:
+        self.connections, self.main_connections, self.statements = 0, 0, []
+
+
+def test_a_fit_after_the_first_opens_no_connection_to_the_registry(gpunb_home, monkeypatch):
+    # An open and its first read of the schema cost ~0.3 ms; a fit made two (the writer's thread, the
+    # training thread's stop reads and end). The process keeps one Registry per file, and with it
+    # each thread's connection: the training thread's, and the writer's on its kept thread.
+    traced, registries = _Traced(monkeypatch), []
+    real = recorder.RunWriter
+    monkeypatch.setattr(recorder, "RunWriter", lambda registry, *args, **kwargs: (
+        registries.append(registry), real(registry, *args, **kwargs))[1])
+    _fit(track=True)
+    # The training thread connects at its first stop read or its run's end, unless the writer's
+    # thread happened to be writing at each: connected here, as a longer fit would have.
+    recorder.kept_registry(gpunb_home / "runs.sqlite", timeout=0.0).stop_requested("none")
+    assert traced.main_connections == 1
+    _until(lambda: threads._idle)  # the next fit's writer runs on a kept thread
+    traced.reset()
+    _fit(track=True)
+    assert traced.main_connections == 0
+    assert registries[0] is registries[1]  # the writer's thread finds its connection kept in it
+    assert traced.connections <= 1  # (one only when the kept thread was another fit's)
+    runs = Registry(gpunb_home / "runs.sqlite").list_runs()
+    assert [run["status"] for run in runs] == ["completed", "completed"]
+
+
+def test_a_registry_file_removed_between_fits_is_made_again_and_records_the_next_fit(gpunb_home):
+    # The kept connections must not write on into the file the path no longer names.
+    _fit(track=True)
+    _until(lambda: threads._idle)
+    for suffix in ("", "-wal", "-shm"):
+        (gpunb_home / f"runs.sqlite{suffix}").unlink(missing_ok=True)
+    _fit(track=True)
+    runs = Registry(gpunb_home / "runs.sqlite").list_runs()
+    assert [(run["status"], run["step"]) for run in runs] == [("completed", 12)]
+
+
+def test_a_fits_end_runs_no_revival_and_no_stop_read_and_opens_nothing(gpunb_home, monkeypatch):
+    # The writer's thread never runs: the fit writes its row, logs and end itself (the statements
+    # counted are all of them). An end sets the status itself, and deletes the stop request it
+    # would have read back.
+    monkeypatch.setattr("gpunb.runs.writer.run_in_thread", lambda work, name: None)
+    traced = _Traced(monkeypatch)
+    _fit(track=True)
+    traced.reset()
+    _fit(track=True)
+    sql = traced.statements
+    assert traced.main_connections == 0 and not [s for s in sql if s.startswith("PRAGMA")]
+    assert sql.count("BEGIN IMMEDIATE") == 2  # the row, then the logs and the end: nothing else
+    assert not [s for s in sql if "FROM stop_requests WHERE" in s and s.startswith("SELECT")]
+    assert not [s for s in sql if s.startswith("UPDATE runs SET status = 'running'")]  # registry._revive
+    assert [s for s in sql if s.startswith("UPDATE runs SET status =")]  # the end, on this thread
+
+
+def test_the_registry_commits_without_an_fsync_in_wal_mode(gpunb_home):
+    # WAL + synchronous=NORMAL: a commit is in the WAL file (the OS's cache) when COMMIT returns, so a
+    # process killed after `fit` returns loses nothing, without an fsync per commit (FULL's).
+    _fit(track=True)
+    db = recorder.kept_registry(gpunb_home / "runs.sqlite", timeout=0.0)._connection()  # the training thread's
+    assert db.execute("PRAGMA synchronous").fetchone() == (1,)
+    assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+
+
+def test_a_runs_row_asks_psutil_for_this_processs_start_once(tmp_path, monkeypatch):
+    from gpunb.runs import liveness
+
+    asked = []
+    real = liveness.psutil.Process
+    monkeypatch.setattr(liveness.psutil, "Process", lambda pid: (asked.append(pid), real(pid))[1])
+    registry = Registry(tmp_path / "runs.sqlite")
+    first = registry.start_run("a")
+    before = len(asked)
+    second = registry.start_run("b")
+    assert len(asked) == before
+    assert registry.get_run(first)["status"] == registry.get_run(second)["status"] == "running"
+
+
+def test_the_stop_request_is_read_once_a_step_when_an_epoch_ends_at_a_log(tmp_path, monkeypatch):
+    from gpunb.runtime.events import FitState
+
+    registry = Registry(tmp_path / "runs.sqlite")
+    state = FitState(config=TrainConfig(name="reads"), model=None, optimizer=None, device="cpu", run_name="reads",
+                     total_steps=10)
+    rec = RunRecorder(registry)
+    rec.on_fit_start(state)
+    assert rec.flush(10)  # the row exists: the training thread reads stop requests from now on
+    reads = []
+    real = rec._reader.stop_requested
+    monkeypatch.setattr(rec._reader, "stop_requested", lambda run_id: (reads.append(state.step), real(run_id))[1])
+    state.step = 4
+    rec.on_log(state, {"loss": 0.5})
+    rec.on_epoch_end(state, {"val_loss": 0.4})  # the same step: no second read
+    assert reads == [4]
+    registry.request_stop(state.registry_run)
+    state.step = 8
+    rec.on_log(state, {"loss": 0.3})
+    assert reads == [4, 8] and state.stop_reason == "stopped from the sidebar"
+    state.result = SimpleNamespace(interrupted=False, energy_j=None)
+    rec.on_fit_end(state)
+    assert registry.get_run(state.registry_run)["status"] == "stopped"

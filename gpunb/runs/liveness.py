@@ -8,6 +8,8 @@ step runs for minutes, so a run is dead there only after STALE_AFTER_S of silenc
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 from pathlib import Path
 
@@ -34,10 +36,21 @@ def kernel_id() -> str | None:
 
 def process_start(pid: int) -> float | None:
     """When process `pid` started; with the pid it names a process even after pid reuse."""
+    if pid == os.getpid():
+        return _own_start(pid)  # each run's row asks it for this process: psutil's reads once
+    return _start_of(pid)
+
+
+def _start_of(pid: int) -> float | None:
     try:
         return psutil.Process(pid).create_time()
     except (psutil.Error, OSError):
         return None
+
+
+@functools.lru_cache(maxsize=1)
+def _own_start(pid: int) -> float | None:  # by pid: a forked child asks again
+    return _start_of(pid)
 
 
 def last_sign(run: dict) -> float:

@@ -16,11 +16,14 @@ locked registry keeps out by then is left to the thread, and waited for at exit.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
+from pathlib import Path
 
 from gpunb.render import eta_left
+from gpunb.runs.paths import default_path
 from gpunb.runs.registry import Registry, RegistryLocked, json_safe
 from gpunb.runs.writer import RunWriter
 
@@ -32,6 +35,14 @@ HEARTBEAT_S = 30.0  # without logs, still send step and progress this often (liv
 FINISH_WAIT_S = 2.0  # at fit end, wait this long at most for the final status to be written
 RESULT_FIGURES = ("achieved_tflops", "mfu", "tokens_per_s")  # TrainResult properties kept in `latest`
 _now = time.monotonic  # the clock for throttling (tests replace it)
+
+
+@functools.lru_cache(maxsize=8)
+def kept_registry(path: Path, timeout: float = 5.0) -> Registry:
+    """This process's Registry for `path` and `timeout`, kept between fits: each thread's connection
+    to the file stays open, so a fit opens none (an open and its first read of the schema: ~0.3 ms,
+    on the training thread for its stop reads and its end, on the writer's thread for the row)."""
+    return Registry(path, timeout=timeout)
 
 
 class RunRecorder:
@@ -51,6 +62,7 @@ class RunRecorder:
         self._reader: Registry | None = None  # the training thread's own, never waiting
         self._last_write = 0.0  # monotonic time of the last write
         self._logged = False  # the first log is always written
+        self._stop_read_step: int | None = None  # the step of the training thread's last stop read
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until what was handed to the writer is in the registry; False on timeout."""
@@ -63,14 +75,14 @@ class RunRecorder:
             return  # a recorder given its run's id records it whatever `track` says (a job's: see gpunb.jobs)
         config = state.settings() if hasattr(state, "settings") else state.config
         if self.registry is None:
-            self.registry = Registry()  # only a path: no disk access here
+            self.registry = kept_registry(default_path())  # only a path the first time: no disk access here
         # A continued fit goes on in the row of the run it continues: one run, its curve unbroken.
         continues = getattr(state, "continues_run", None) or self.fixed_id
         self.run_id = continues or uuid.uuid4().hex
         start = {"name": state.run_name, "config": json_safe(config), "device": str(state.device),
                  "total_steps": state.total_steps, "started_at": time.time(), "reopen": continues is not None}
         self.writer = RunWriter(self.registry, self.run_id, start, self._warn_once, owner=self)
-        self._reader = Registry(self.registry.path, timeout=0.0)
+        self._reader = kept_registry(self.registry.path, timeout=0.0)
         state.registry_run = self.run_id
         self._last_write = _now()
 
@@ -144,7 +156,7 @@ class RunRecorder:
         # The stop check first, while the writer's thread sleeps: a read after `submit` has woken
         # it hands it the GIL, and the step then waits for its whole write (on a loaded machine,
         # for as long as the scheduler leaves that thread off a core).
-        if self.writer.stop_requested or self._stop_requested_now():
+        if self.writer.stop_requested or self._stop_requested_now(state.step):
             state.request_stop("stopped from the sidebar")
         now = _now()
         if force or now - self._last_write >= WRITE_EVERY_S:
@@ -153,9 +165,12 @@ class RunRecorder:
                       "eta_s": eta_left(state), "latest": dict(self._latest)}
             self.writer.submit(fields, self._take_rows(POINTS_PER_WRITE))
 
-    def _stop_requested_now(self) -> bool:
+    def _stop_requested_now(self, step: int) -> bool:
         if not self.writer.recorded.is_set():
             return False  # no row yet, so no request either
+        if step == self._stop_read_step:
+            return False  # read at this step already (an epoch's end at a log step): ~0.1 ms a read in a fit
+        self._stop_read_step = step
         try:
             requested = self._reader.stop_requested(self.run_id)
         except Exception:  # locked out or damaged: the writer thread reports it

@@ -229,12 +229,13 @@ class Registry:
             fields = {**(fields or {}), "eta_s": None, **ending}
         values = _field_values(fields) if fields else None
         with self._write() as db:
-            if values:
-                _set_fields(db, run_id, values)
+            if values:  # an end sets the status itself: no revival first
+                _set_fields(db, run_id, values, revive=finish is None)
             if points:
                 _add_points(db, run_id, points, self.path)
             if finish is not None:
-                _end(db, run_id, status, error, stop_reason)
+                _end(db, run_id, status, error, stop_reason)  # which deletes the run's stop request
+                return False
             return bool(db.execute("SELECT 1 FROM stop_requests WHERE run_id = ?", (run_id,)).fetchall())
 
     def request_stop(self, run_id: str) -> bool:
@@ -412,17 +413,27 @@ class Registry:
             raise translated from error
 
     def _connection(self) -> sqlite3.Connection:
-        if not self._ready:
+        # A kept connection serves while the path still names the file it opened: a registry kept
+        # for the life of a process (a kernel's recorder keeps one per file) must not write on
+        # into a file removed or replaced meanwhile (one os.stat, ~3 us, a transaction).
+        identity = _identity(self.path)
+        if not self._ready or identity is None or _checked.get(self.path) != identity:
             self._create()
+            identity = _checked.get(self.path)
         if self.keep_open:
             owner = getattr(self._local, "owner", None)
             if owner is not None and owner[0] == os.getpid():
-                return owner[1]
+                if owner[2] == identity:
+                    return owner[1]
+                owner[1].close()  # the file it had open is gone from this path
         # isolation_level=None: we issue BEGIN ourselves; timeout is SQLite's busy_timeout.
         db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None)
-        db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: no fsync per commit, still crash-safe
+        # WAL + NORMAL: no fsync at commit. A commit is in the WAL file (the OS's cache) when COMMIT
+        # returns, so a process killed right after it loses nothing; only an OS crash or power cut
+        # can take back the last commits, never corrupt the file (SQLite's WAL guarantee).
+        db.execute("PRAGMA synchronous=NORMAL")
         if self.keep_open:
-            self._local.owner = (os.getpid(), db)
+            self._local.owner = (os.getpid(), db, identity)
         return db
 
     def close(self) -> None:
@@ -465,10 +476,11 @@ def _field_values(fields: dict) -> dict:
     return values
 
 
-def _set_fields(db: sqlite3.Connection, run_id: str, values: dict) -> None:
+def _set_fields(db: sqlite3.Connection, run_id: str, values: dict, revive: bool = True) -> None:
     assignments = ", ".join(f"{key} = ?" for key in values)
     db.execute(f"UPDATE runs SET {assignments} WHERE id = ?", (*values.values(), run_id))
-    _revive(db, run_id)
+    if revive:
+        _revive(db, run_id)
 
 
 def _add_points(db: sqlite3.Connection, run_id: str, points: list, path: Path) -> None:
