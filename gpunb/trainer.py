@@ -193,7 +193,9 @@ class Trainer:
 
     def _packer(self):
         """Trials on this machine share its GPUs by their memory estimate; a cluster's are placed by it."""
-        if self.config.cluster not in (None, "local"):
+        from gpunb.jobs import backends
+
+        if not backends.get(self.config.cluster or "local").on_this_machine:
             return None
         from gpunb.sweeps.packing import Packer
 

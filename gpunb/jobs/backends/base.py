@@ -88,6 +88,7 @@ class JobBackend:
     extra_table: str | None = None  # a table of any other settings, passed on as they are (Slurm's sbatch)
     switch: Setting | None = None  # a flag of its own that chooses it (`--detach`)
     several_nodes = False  # whether `nodes > 1` can run there
+    on_this_machine = False  # its jobs run here: gpunb gives them their GPUs (a sweep's packing), no scheduler
     default_time_min = 7 * 24 * 60  # the time limit when none is set
     requeue_signals = (signal.SIGUSR1, signal.SIGUSR2)  # the scheduler's warning: checkpoint, then requeue
     reports_waiting = False  # a queued job has a state and reason worth asking for with no kernel following it

@@ -27,6 +27,7 @@ _CONTROLLER = ("import runpy, signal; signal.signal(signal.SIGINT, signal.defaul
 
 class LocalBackend(SubmititBackend):
     name = "local"
+    on_this_machine = True
     aliases = ("detach",)
     what = "a detached job on this machine, which outlives the kernel"
     title = "Local job"
