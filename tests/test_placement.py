@@ -38,6 +38,9 @@ ALLOWED = {
     # %gpuprofile's session is a run of its own (a few steps, one process, no checkpoints, recorded
     # nowhere) made from the user's config; the user's run is not it.
     ("gpunb.profiling.api", ("**",)),
+    # A sweep's packing measures each trial before placing it: a dry run of the trial's config on
+    # the CPU (one process, nothing resumed, within the GPU's budget); the trial's job gets its own.
+    ("gpunb.sweeps.packing", ("accelerator", "devices", "memory_budget", "precision", "resume")),
 }
 
 

@@ -308,9 +308,9 @@ def test_trials_as_jobs_two_at_a_time_give_the_weights_of_a_single_fit_and_leave
     assert sweep.best_trial == in_kernel.best_trial
     for mine, theirs in zip(sweep.best_model.state_dict().values(), in_kernel.best_model.state_dict().values()):
         assert torch.allclose(mine, theirs, atol=1e-6)
-    left = {p.pid for p in psutil.Process().children(recursive=True)} - before
-    assert not [p for p in psutil.Process().children(recursive=True) if p.pid in left and p.is_running()
-                and p.status() != psutil.STATUS_ZOMBIE]
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    _, alive = psutil.wait_procs(left, timeout=15)  # a job's processes exit just after its result is read
+    assert not [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 def _slow_build(trial):
