@@ -253,12 +253,19 @@ def test_a_cell_that_raises_in_its_first_trial_stops_the_sweep_with_one_message(
         ip.run_cell_magic("gputrain", "--trials 3 --epochs 1 --no-track", SWEEP_CELL + "\n1 / 0\n")
 
 
-def test_the_sweeps_live_view_is_one_output_re_sent_as_trials_validate_and_end(ip, monkeypatch):
+@pytest.fixture
+def published(ip, monkeypatch):
+    """What the cell publishes, as a kernel shows HTML: (data, display_id, update) per message."""
     sent = []
     monkeypatch.setenv("GPUNB_DASHBOARD", "html")
     monkeypatch.setattr(ip.display_formatter.formatters["text/html"], "enabled", True)  # as in a kernel
     monkeypatch.setattr(ip.display_pub, "publish", lambda data, metadata=None, transient=None, update=False,
                         **kw: sent.append((data, (transient or {}).get("display_id"), update)))
+    return sent
+
+
+def test_the_sweeps_live_view_is_one_output_re_sent_as_trials_validate_and_end(ip, published):
+    sent = published
     ip.run_cell_magic("gputrain", "--trials 3 --sampler random --seed 0 --epochs 2 --batch-size 40 "
                                   "--val-every-steps 5 --no-track", SWEEP_CELL)
     ids = {display_id for _, display_id, _ in sent}
@@ -273,16 +280,12 @@ def test_the_sweeps_live_view_is_one_output_re_sent_as_trials_validate_and_end(i
     assert "<svg" not in final["text/html"] and "data:image/svg+xml;base64" in final["text/html"]
 
 
-def test_the_live_view_of_trials_as_jobs_shows_the_trials_running_side_by_side(ip, monkeypatch):
+def test_the_live_view_of_trials_as_jobs_shows_the_trials_running_side_by_side(ip, published):
     """With --parallel the trials' jobs relay their events into the view: it is re-sent while two
     trials run at once (both named), and as each ends."""
-    sent = []
-    monkeypatch.setenv("GPUNB_DASHBOARD", "html")
-    monkeypatch.setattr(ip.display_formatter.formatters["text/html"], "enabled", True)  # as in a kernel
-    monkeypatch.setattr(ip.display_pub, "publish", lambda data, metadata=None, transient=None, update=False,
-                        **kw: sent.append(data.get("text/html", "")))
     ip.run_cell_magic("gputrain", "--trials 2 --parallel 2 --sampler random --seed 0 --epochs 2 --batch-size 40 "
                                   "--val-every-steps 5 --no-track", SWEEP_CELL)
+    sent = [data.get("text/html", "") for data, _, _ in published]
     assert any("sweep: 0 of 2 trials ended; trials 0, 1 running" in html for html in sent)  # their events
     assert any("sweep: 1 of 2 trials ended" in html for html in sent)
     assert sorted(ip.user_ns["gputrain_result"].sweep.table["trial"]) == [0, 1]
