@@ -3,7 +3,8 @@
 The same seeded sampler asks for the same trials (a seeded random sampler draws the same values
 whatever the objectives are, so both sweeps train the same configurations); each trial trains
 an MLP on a synthetic classification task for a few epochs and is judged by its last val_loss.
-Sweeps run interleaved (by hand, gpunb, by hand, ...) and the median wall time of each is kept.
+Sweeps run interleaved (by hand, gpunb, gpunb with the run registry off, by hand, ...) and the
+median wall time of each is kept; gpunb untracked against tracked is what tracking costs.
 With `--prune median` both prune at each epoch's validation with Optuna's MedianPruner, and the
 trials per hour are compared with and without pruning.
 
@@ -22,6 +23,7 @@ trial's CUDA_VISIBLE_DEVICES, which a CPU job ignores): a check that it works, n
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -88,9 +90,9 @@ def build(trial):
                 optimizer=torch.optim.AdamW(model.parameters(), lr=lr))
 
 
-def by_gpunb(args, prune: bool, parallel: int = 1, **where):
+def by_gpunb(args, prune: bool, parallel: int = 1, track: bool = True, **where):
     trainer = Trainer(epochs=args.epochs, batch_size=args.batch_size, accelerator=args.device, precision="32",
-                      **where)
+                      track=track, **where)
     sweep = trainer.sweep(build, args.trials, sampler="random", seed=args.seed, parallel=parallel,
                           prune="median" if prune else "none", name=f"bench-{time.time_ns()}")
     assert {row.state for row in sweep.rows} <= {"complete", "pruned"}, sweep.rows
@@ -151,19 +153,22 @@ def main():
         return packing(args)
     print(f"device {args.device}, torch {torch.__version__}, optuna {optuna.__version__}, "
           f"{torch.get_num_threads()} threads; {args.trials} trials x {args.epochs} epochs, {args.rounds} rounds")
-    print("| pruning | by hand s | gpunb s | gpunb / by hand | same trials | pruned (hand, gpunb) | trials/h gpunb |")
-    print("|---|---|---|---|---|---|---|")
+    print("| pruning | by hand s | gpunb s | gpunb / by hand | untracked / by hand | tracked / untracked "
+          "| same trials | pruned (hand, gpunb) | trials/h gpunb |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    untracked = functools.partial(by_gpunb, track=False)  # the run registry off: what tracking costs
     per_hour = {}
     for prune in (False, True):
-        hand, ours = [], []
+        hand, ours, bare = [], [], []
         for _ in range(args.rounds):
             hand.append(timed(by_hand, args, prune))
             ours.append(timed(by_gpunb, args, prune))
-        h, g = statistics.median(t for t, _, _ in hand), statistics.median(t for t, _, _ in ours)
-        same = all(a[1] == b[1] for a, b in zip(hand, ours))
+            bare.append(timed(untracked, args, prune))
+        h, g, u = (statistics.median(t for t, _, _ in runs) for runs in (hand, ours, bare))
+        same = all(a[1] == b[1] == c[1] for a, b, c in zip(hand, ours, bare))
         per_hour[prune] = 3600 * args.trials / g
-        print(f"| {'median' if prune else 'none'} | {h:.2f} | {g:.2f} | {g / h:.3f} | {same} | "
-              f"{hand[0][2]}, {ours[0][2]} | {per_hour[prune]:.0f} |")
+        print(f"| {'median' if prune else 'none'} | {h:.2f} | {g:.2f} | {g / h:.3f} | {u / h:.3f} | {g / u:.3f} | "
+              f"{same} | {hand[0][2]}, {ours[0][2]} | {per_hour[prune]:.0f} |")
     print(f"pruning's gain in trials per hour (gpunb): {per_hour[True] / per_hour[False]:.2f}x")
 
 

@@ -311,3 +311,36 @@ def test_the_stop_request_is_read_once_a_step_when_an_epoch_ends_at_a_log(tmp_pa
     state.result = SimpleNamespace(interrupted=False, energy_j=None)
     rec.on_fit_end(state)
     assert registry.get_run(state.registry_run)["status"] == "stopped"
+
+
+def test_a_log_reads_the_registry_for_a_stop_only_after_a_request_was_made(tmp_path, monkeypatch):
+    # Each log looks at the registry's stop signal (one os.stat); it reads the registry (~0.1 ms in a
+    # fit) at its first log and then only after a request, any run's, and the stop lands at that log.
+    from gpunb.runtime.events import FitState
+
+    registry = Registry(tmp_path / "runs.sqlite")
+    other = registry.start_run("other")
+    state = FitState(config=TrainConfig(name="looks"), model=None, optimizer=None, device="cpu", run_name="looks",
+                     total_steps=100)
+    rec = RunRecorder(registry)
+    rec.on_fit_start(state)
+    assert rec.flush(10)
+    reads = []
+    real = rec._reader.stop_requested
+    monkeypatch.setattr(rec._reader, "stop_requested", lambda run_id: (reads.append(state.step), real(run_id))[1])
+
+    def log_at(*steps):
+        for state.step in steps:
+            rec.on_log(state, {"loss": 1.0})
+
+    log_at(2, 4, 6)
+    assert reads == [2]  # the first: a request may have come before the fit
+    assert registry.request_stop(other)
+    log_at(8, 10)
+    assert reads == [2, 8] and state.stop_reason is None  # another run's request: read, and not this run's
+    assert registry.request_stop(state.registry_run)
+    log_at(12)
+    assert reads == [2, 8, 12] and state.stop_reason == "stopped from the sidebar"
+    state.result = SimpleNamespace(interrupted=False, energy_j=None)
+    rec.on_fit_end(state)
+    assert registry.get_run(state.registry_run)["status"] == "stopped"

@@ -964,6 +964,38 @@ def test_a_stop_request_lands_at_the_next_step_however_long_the_log_interval(reg
     assert time.monotonic() < deadline - 10 + 3.0  # a few polls, even on a loaded machine
 
 
+def test_a_stop_whose_signal_cannot_be_written_still_lands_with_the_runs_next_write(registry, monkeypatch):
+    # The signal's file is a directory here, so appending to it fails: the request is in the
+    # registry all the same, the logs see no signal, and the writer's next write (once a second)
+    # reads the request back.
+    from gpunb.runs.stop_signal import signal_path
+
+    signal_path(registry.path).mkdir(parents=True)
+    state, rec = _state(), RunRecorder(registry)
+    rec.on_fit_start(state)
+    assert rec.flush(10)  # the row exists
+    reads = []
+    real = rec._reader.stop_requested
+    monkeypatch.setattr(rec._reader, "stop_requested", lambda run_id: (reads.append(state.step), real(run_id))[1])
+    for state.step in (1, 2):
+        rec.on_log(state, {"loss": 1.0})
+    assert rec.flush(10)
+    assert registry.request_stop(state.registry_run) and registry.stop_requested(state.registry_run)
+    state.step = 3
+    rec.on_log(state, {"loss": 1.0})
+    assert reads == [1]  # the first log's read; no signal since, so no read at the third
+    deadline = time.monotonic() + 10
+    while state.stop_reason is None and time.monotonic() < deadline:
+        state.step += 1
+        rec.on_log(state, {"loss": 1.0})  # logs every 20 ms: the writer's polls wait, its writes read
+        time.sleep(0.02)
+    assert state.stop_reason == "stopped from the sidebar"
+    assert time.monotonic() < deadline - 10 + 4.0  # about one write's second, even on a loaded machine
+    state.result = SimpleNamespace(interrupted=False, energy_j=None)
+    rec.on_fit_end(state)
+    assert registry.get_run(state.registry_run)["status"] == "stopped"
+
+
 def test_remove_deletes_a_run_still_marked_running_whose_process_is_gone(registry):
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()

@@ -2,11 +2,12 @@
 
 A plain callback (see gpunb/runtime/events.py). It hands data to a `RunWriter`
 (a daemon thread) at most once a second (always on the first log). A stop request from
-the sidebar is read at every log interval with one read that never waits (WAL readers do
-not wait for writers, and busy_timeout is 0 for it), so a stop lands at the log it meets;
-between logs the writer's thread reads it (writer.STOP_POLL_S) and each step looks at its
-answer, an attribute. A locked, full or damaged registry can neither slow nor break the
-training loop.
+the sidebar is looked for at every log interval, so a stop lands at the log it meets: one
+os.stat of the registry's stop signal (see stop_signal.py) and, only when that changed, one
+read of the registry that never waits (WAL readers do not wait for writers, and busy_timeout
+is 0 for it); between logs the writer's thread reads it (writer.STOP_POLL_S) and each step
+looks at its answer, an attribute. A locked, full or damaged registry can neither slow nor
+break the training loop.
 The first problem is logged once; a locked registry is written once it is free.
 Fit start does not wait for the run's row: the thread creates it while the first steps
 run (what the run logs meanwhile waits for it). Fit end waits FINISH_WAIT_S at most for
@@ -25,6 +26,7 @@ from pathlib import Path
 from gpunb.render import eta_left
 from gpunb.runs.paths import default_path
 from gpunb.runs.registry import Registry, RegistryLocked, json_safe
+from gpunb.runs.stop_signal import StopSignal
 from gpunb.runs.writer import RunWriter
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ class RunRecorder:
         self._last_write = 0.0  # monotonic time of the last write
         self._logged = False  # the first log is always written
         self._stop_read_step: int | None = None  # the step of the training thread's last stop read
+        self._signal: StopSignal | None = None  # the registry's stop signal, as of that read
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until what was handed to the writer is in the registry; False on timeout."""
@@ -83,6 +86,7 @@ class RunRecorder:
                  "total_steps": state.total_steps, "started_at": time.time(), "reopen": continues is not None}
         self.writer = RunWriter(self.registry, self.run_id, start, self._warn_once, owner=self)
         self._reader = kept_registry(self.registry.path, timeout=0.0)
+        self._signal = StopSignal(self.registry.path)
         state.registry_run = self.run_id
         self._last_write = _now()
 
@@ -170,12 +174,18 @@ class RunRecorder:
             return False  # no row yet, so no request either
         if step == self._stop_read_step:
             return False  # read at this step already (an epoch's end at a log step): ~0.1 ms a read in a fit
+        # Looked at here, the writer's thread skips its next poll. Where the signal cannot be written,
+        # a run that logs this often still learns of a request from its writes (once a second).
+        self.writer.stop_read_at = time.monotonic()
+        stamp = self._signal.stamp()
+        if stamp == self._signal.seen:
+            return False  # no request made since the last read
         self._stop_read_step = step
         try:
             requested = self._reader.stop_requested(self.run_id)
-        except Exception:  # locked out or damaged: the writer thread reports it
+        except Exception:  # locked out or damaged: the writer thread reports it, and a later log reads again
             return False
-        self.writer.stop_read_at = time.monotonic()  # the writer's thread skips its next poll
+        self._signal.seen = stamp
         return requested
 
     def _finish(self, state, status: str, **fields) -> None:

@@ -37,6 +37,7 @@ from gpunb.runs.liveness import (PROCESS_DIED, STALE_AFTER_S, alive, judged_dead
                                  process_start)
 from gpunb.runs.liveness import kernel_id as current_kernel_id
 from gpunb.runs.paths import default_path
+from gpunb.runs.stop_signal import raise_signal
 
 # "queued": a job (gpunb.jobs) submitted and not started yet; "cancelled": a job its scheduler ended;
 # "lost": a job its scheduler no longer knows (its id forgotten, or reused for another job)
@@ -246,6 +247,8 @@ class Registry:
             inserted = db.execute("INSERT OR REPLACE INTO stop_requests (run_id, requested_at) "
                                   "SELECT id, ? FROM runs WHERE id = ? AND status IN ('running', 'queued')",
                                   (time.time(), run_id)).rowcount
+        if inserted:
+            raise_signal(self.path)  # after the commit: a run that sees the signal finds the request
         return inserted == 1
 
     def request_sweep_stop(self, sweep: str, reason: str) -> list[dict]:

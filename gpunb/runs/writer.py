@@ -10,7 +10,7 @@ With nothing to write for HEARTBEAT_EVERY_S, the thread stamps the run's heartbe
 step that runs for minutes still shows, to a host that shares the registry, that the
 run lives (the training thread does nothing for it, and a locked registry only delays
 the stamp). In between, every STOP_POLL_S it reads whether the sidebar asked the run to
-stop, unless the training thread read it meanwhile, at a log (each read here takes the GIL
+stop, unless the training thread looked meanwhile, at a log (each read here takes the GIL
 from the step): the training thread reads `stop_requested` at each step, so a stop lands at
 the next step boundary, however long the log interval.
 
@@ -58,8 +58,8 @@ class RunWriter:
         self._owner = weakref.ref(owner) if owner is not None else None
         self._warn = weakref.WeakMethod(warn) if hasattr(warn, "__self__") else (lambda: warn)
         self.stop_requested = False  # as of this thread's last read
-        # time.monotonic() of the training thread's own last read of the stop request (the
-        # recorder reads it at each log): while that is recent, this thread need not poll
+        # time.monotonic() of the training thread's own last look for a stop request (the recorder
+        # looks at each log: stop_signal.py): while that is recent, this thread need not poll
         self.stop_read_at = float("-inf")
         self.recorded = threading.Event()  # the run's row exists
         self.finished = threading.Event()  # the final status is written, or given up
