@@ -160,8 +160,9 @@ def _seconds(text: str) -> float:
 
 
 def test_the_sidebar_agrees_with_the_dashboard_and_a_stop_shows_at_once(tmp_path):
-    """One ETA in both views (within 10%, or the sidebar's 2 s poll), and the sidebar's Stop:
-    visible in the dashboard at once, the run stopped at the next step, its summary in place."""
+    """One ETA in both views (within 10%, or one 2 s poll of the sidebar and both views' rounding to
+    whole seconds), and the sidebar's Stop: visible in the dashboard at once, the run stopped at the
+    next step, its summary in place."""
     require_browser()
     cell_source = TRAIN_CELL.replace("--name dash-demo --no-track", "--name stop-demo")
     with training_notebook(tmp_path, cell_source) as (page, notebook, cell):
@@ -179,7 +180,9 @@ def test_the_sidebar_agrees_with_the_dashboard_and_a_stop_shows_at_once(tmp_path
         for _ in range(3):  # both count down from the runtime's one estimate
             shown = _seconds(status.inner_text().split("ETA")[1])
             listed = _seconds(card.inner_text().split("ETA")[1])
-            assert abs(shown - listed) <= max(0.1 * max(shown, listed), 2.5), (shown, listed)
+            # the sidebar shows what its last poll read, up to 2 s ago; each view rounds to a whole
+            # second (up to 1 s between them): 17 s listed beside 14 s shown is one poll late
+            assert abs(shown - listed) <= max(0.1 * max(shown, listed), 3.5), (shown, listed)
             page.wait_for_timeout(1000)
 
         step_before = _step(status.inner_text())
