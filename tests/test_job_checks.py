@@ -312,3 +312,32 @@ def test_a_job_asks_for_the_gpus_it_will_train_on(cluster, settings, asked, monk
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert get(cluster).tasks_and_gpus(TrainConfig(cluster=cluster, **settings)) == asked
+
+
+@pytest.mark.parametrize("kernel, gpus, job", [
+    (None, 2, "0,1"),  # every GPU visible to the kernel: the first ones
+    ("3,5,6", 2, "3,5"),  # the kernel's own, as it names them
+    (" GPU-aa , GPU-bb", 1, "GPU-aa"),
+    ("MIG-cc", 1, "MIG-cc"),
+])
+def test_a_local_job_gets_the_first_gpus_of_the_kernels_cuda_visible_devices(kernel, gpus, job, monkeypatch):
+    from gpunb.jobs.backends.local import first_gpus
+
+    if kernel is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", kernel)
+    assert first_gpus(gpus) == job
+
+
+def test_a_local_job_asking_more_gpus_than_the_kernel_may_use_is_refused_before_it_is_submitted(monkeypatch):
+    from gpunb.config import TrainConfig
+    from gpunb.errors import GpunbError
+    from gpunb.jobs.backends import get
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(GpunbError, match=r"asks for 2 GPUs per node, and this kernel may use 1 .*'3'.*"
+                                         r"\nHINT: ask for at most 1 \(`--gpus-per-node 1`\)"):
+        get("local").tasks_and_gpus(TrainConfig(cluster="local", gpus_per_node=2))
+    assert get("local").tasks_and_gpus(TrainConfig(cluster="local", gpus_per_node=1)) == (1, 1)
+

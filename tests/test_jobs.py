@@ -427,6 +427,31 @@ def test_the_dashboard_shows_each_node_and_gpu_of_a_job():
     assert "90%" in shown and "60 C" in shown and "91%" in shown and "301 W" in shown
 
 
+class VisibleRecorder(nn.CrossEntropyLoss):
+    """A loss that writes the CUDA_VISIBLE_DEVICES of each process it runs in to `folder`."""
+
+    def __init__(self, folder):
+        super().__init__()
+        self.folder = str(folder)
+
+    def forward(self, output, target):
+        with open(os.path.join(self.folder, f"visible-{os.getpid()}"), "w") as handle:
+            handle.write(os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
+        return super().forward(output, target)
+
+
+def test_a_local_job_runs_on_the_first_gpus_the_kernel_may_use_not_on_gpu_0(tmp_path, monkeypatch):
+    # A kernel started on GPUs 3, 5 and 6 (another user may hold 0 and 1): its job of two GPUs gets
+    # 3 and 5, as the kernel names them. No GPU here: the job's processes only carry the variable.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6")
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    result = Trainer(**SETTINGS, cluster="local", gpus_per_node=2, max_steps=4, name="visible").fit(
+        mlp(), data(), loss_fn=VisibleRecorder(seen))
+    assert result.status == "completed" and result.world_size == 2
+    assert sorted(path.read_text() for path in seen.iterdir()) == ["3,5", "3,5"]  # each task's process
+
+
 class SlowLoss(nn.CrossEntropyLoss):
     def forward(self, output, target):
         time.sleep(0.05)

@@ -6,6 +6,10 @@ file), nor die with the kernel. It answers the SIGINT `cancel` sends it even whe
 script that submitted it ignores SIGINT (started in the background, or under `nohup`), which a
 child would otherwise inherit. The job's id is the controller's pid, with its start time (a pid
 alone may be reused): the job is RUNNING while that process lives, else GONE.
+
+Its GPUs are the kernel's: the first of those the kernel's own CUDA_VISIBLE_DEVICES names (a
+kernel started on GPUs 2 and 3 sends its job there, not to GPUs 0 and 1, which may be another
+user's), unless a sweep's packing chose others among them.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import signal
 import subprocess
 import sys
 
+from gpunb.errors import GpunbError
 from gpunb.jobs.backends.base import Setting, mark_cancelled
 from gpunb.jobs.backends.via_submitit import SubmititBackend
 
@@ -38,6 +43,7 @@ class LocalBackend(SubmititBackend):
         would decide it: with GPUs visible, each task gets one (submitit's local executor hides the
         GPUs it was not asked for)."""
         if config.gpus_per_node:
+            _check_visible(config.gpus_per_node)
             return config.gpus_per_node, config.gpus_per_node
         import torch
 
@@ -92,7 +98,7 @@ def _DetachedLocalExecutor(folder, python=None, visible=None):
             if visible is not None:  # the GPUs a sweep's packing gave this trial
                 environment["CUDA_VISIBLE_DEVICES"] = visible
             elif gpus:
-                environment["CUDA_VISIBLE_DEVICES"] = ",".join(str(k) for k in range(gpus))
+                environment["CUDA_VISIBLE_DEVICES"] = first_gpus(gpus)
             process = subprocess.Popen([sys.executable, "-c", _CONTROLLER, str(self.folder)],
                                        env=environment, start_new_session=True)
             return local.LocalJob(folder=self.folder, job_id=str(process.pid), process=process,
@@ -129,3 +135,26 @@ def _alive(spec) -> bool:
             abs(process.create_time() - spec.job_started) < 1.0
     except (psutil.Error, ValueError, TypeError):
         return False
+
+
+def first_gpus(gpus: int) -> str:
+    """CUDA_VISIBLE_DEVICES for a job of `gpus` GPUs: the first `gpus` of those this process may use,
+    named as its own CUDA_VISIBLE_DEVICES names them (indices, UUIDs or MIG ids), else 0 to gpus - 1."""
+    named = _named_here()
+    return ",".join(named[:gpus] if named is not None else (str(index) for index in range(gpus)))
+
+
+def _named_here() -> list[str] | None:
+    """The entries of this process's CUDA_VISIBLE_DEVICES; None when it is unset (every GPU is visible)."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return None if value is None else [entry.strip() for entry in value.split(",") if entry.strip()]
+
+
+def _check_visible(gpus: int) -> None:
+    named = _named_here()
+    if named is not None and len(named) < gpus:
+        raise GpunbError(f"The job asks for {gpus} GPUs per node, and this kernel may use {len(named)} "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r}): a job on this machine "
+                         "runs on the kernel's GPUs.",
+                         f"ask for at most {len(named)} (`--gpus-per-node {len(named)}`), or start the kernel "
+                         "with more GPUs in CUDA_VISIBLE_DEVICES.")
