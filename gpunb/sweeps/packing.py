@@ -218,10 +218,10 @@ def read_devices() -> list[Device]:
 
 def _counted_devices() -> list[Device]:
     """torch's count of visible GPUs, each named as this process's CUDA_VISIBLE_DEVICES names it."""
-    import os
-
     import torch
 
-    named = [e.strip() for e in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if e.strip()]
+    from gpunb.jobs.backends.local import named_visible
+
+    named = named_visible() or []
     return [Device(index, named[index] if index < len(named) else str(index), 0, 0)
             for index in range(torch.cuda.device_count())]

@@ -140,18 +140,18 @@ def _alive(spec) -> bool:
 def first_gpus(gpus: int) -> str:
     """CUDA_VISIBLE_DEVICES for a job of `gpus` GPUs: the first `gpus` of those this process may use,
     named as its own CUDA_VISIBLE_DEVICES names them (indices, UUIDs or MIG ids), else 0 to gpus - 1."""
-    named = _named_here()
+    named = named_visible()
     return ",".join(named[:gpus] if named is not None else (str(index) for index in range(gpus)))
 
 
-def _named_here() -> list[str] | None:
+def named_visible() -> list[str] | None:
     """The entries of this process's CUDA_VISIBLE_DEVICES; None when it is unset (every GPU is visible)."""
     value = os.environ.get("CUDA_VISIBLE_DEVICES")
     return None if value is None else [entry.strip() for entry in value.split(",") if entry.strip()]
 
 
 def _check_visible(gpus: int) -> None:
-    named = _named_here()
+    named = named_visible()
     if named is not None and len(named) < gpus:
         raise GpunbError(f"The job asks for {gpus} GPUs per node, and this kernel may use {len(named)} "
                          f"(CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r}): a job on this machine "
